@@ -1,0 +1,65 @@
+"""keras_distribute: the tf.distribute programming model for Keras 3.
+
+`MirroredStrategy`, `strategy.scope()`, `run` / `reduce`, distributed
+datasets and replica contexts, on the JAX, TensorFlow and PyTorch backends,
+built on `keras.distribution`.
+
+Example:
+
+```python
+import keras_distribute as kd
+
+strategy = kd.MirroredStrategy()
+with strategy.scope():
+    model = make_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+model.fit(x, y, batch_size=256, epochs=3)   # 256 = global batch size
+```
+"""
+
+from keras_distribute import default_strategy as _default_strategy  # noqa: F401
+from keras_distribute.context import ReplicaContext
+from keras_distribute.context import ValueContext
+from keras_distribute.context import get_replica_context
+from keras_distribute.context import get_strategy
+from keras_distribute.context import has_strategy
+from keras_distribute.context import in_cross_replica_context
+from keras_distribute.input_lib import AutoShardPolicy
+from keras_distribute.input_lib import DistributedDataset
+from keras_distribute.input_lib import InputContext
+from keras_distribute.input_lib import InputOptions
+from keras_distribute.input_lib import InputReplicationMode
+from keras_distribute.losses import compute_average_loss
+from keras_distribute.losses import scale_regularization_loss
+from keras_distribute.mirrored_strategy import MirroredStrategy
+from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.strategy import Strategy
+from keras_distribute.strategy import StrategyExtended
+from keras_distribute.values import DistributedValues
+from keras_distribute.values import Mirrored
+from keras_distribute.values import PerReplica
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoShardPolicy",
+    "DistributedDataset",
+    "DistributedValues",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "MirroredStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "compute_average_loss",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "scale_regularization_loss",
+]

@@ -1,0 +1,71 @@
+"""The narrow interface every backend module implements.
+
+The neutral layer (strategies, values, contexts, input, Keras hooks) talks
+to a framework only through these two protocols. A backend module
+(`backend/jax.py`, ...) exports the functions of `BackendModule`, and
+`make_engine` returns an object following `ReplicaEngine` for one strategy.
+"""
+
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
+
+from keras_distribute.devices import DeviceSpec
+from keras_distribute.reduce_op import ReduceOp
+
+
+class ReplicaEngine(Protocol):
+    """The per-strategy engine: devices, layouts, collectives."""
+
+    devices: tuple
+    num_replicas: int
+    device_mesh: Any  # keras.distribution.DeviceMesh
+    distribution: Any  # keras.distribution.Distribution or None
+
+    def scope(self) -> ContextManager[None]:
+        """Makes variables created inside follow the strategy's layout."""
+
+    def run(self, strategy: Any, fn: Callable, args: tuple,
+            kwargs: dict) -> Any:
+        """Runs `fn` once per replica; returns `PerReplica` leaves."""
+
+    def reduce(self, op: ReduceOp, values: Sequence[Any],
+               axis: Optional[int]) -> Any:
+        """Combines one leaf's per-replica components across replicas."""
+
+    def gather(self, values: Sequence[Any], axis: int) -> Any:
+        """Concatenates one leaf's per-replica components along `axis`."""
+
+    def put_per_replica(self, structures: Sequence[Any],
+                        on_device: bool = True) -> Any:
+        """Places structure `i` on replica `i`; returns `PerReplica` leaves."""
+
+    def variable_local_results(self, variable: Any) -> Optional[tuple]:
+        """The per-replica copies of a strategy variable, else `None`."""
+
+    def owns_variable(self, variable: Any) -> bool:
+        """Whether `variable` was created under this engine's layout."""
+
+    def adopt_variables(self, variables: Sequence[Any]) -> None:
+        """Lays out stray variables (e.g. of an optimizer built elsewhere)."""
+
+    def call_trainer(self, method: Callable, model: Any, args: tuple,
+                     kwargs: dict) -> Any:
+        """Calls a Keras `fit`/`evaluate`/... method under the engine."""
+
+
+class BackendModule(Protocol):
+    """The free functions of a backend module."""
+
+    name: str
+
+    def default_devices(self) -> list:
+        """All local accelerators, else all local CPU devices."""
+
+    def resolve_device(self, device: "DeviceSpec | Any") -> Any:
+        """A parsed name, or a framework device object, to a device."""
+
+    def device_name(self, device: Any) -> str:
+        """The Keras-style name (`"cpu:0"`) of a device."""
+
+    def make_engine(self, devices: Sequence[Any],
+                    layout_map: Any = None) -> ReplicaEngine:
+        """Builds the engine for a strategy over `devices`."""

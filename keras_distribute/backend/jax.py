@@ -1,0 +1,563 @@
+"""The JAX engine: `keras.distribution` layouts, XLA SPMD and `shard_map`.
+
+Variables follow a `keras.distribution.DataParallel` (or `ModelParallel`)
+that the strategy's scope makes current; Keras' JAX trainer then compiles
+each step as one SPMD program, so gradients are combined by XLA. `run`
+compiles `fn` once per replica with `jax.shard_map` over the batch axis;
+per-replica inputs of unequal shape (a short last batch) run one thread per
+replica instead, with collectives that meet at a barrier.
+"""
+
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+import keras
+from keras.distribution import DataParallel
+from keras.distribution import DeviceMesh
+from keras.distribution import ModelParallel
+from keras.distribution import TensorLayout
+
+from keras_distribute import context
+from keras_distribute.devices import DeviceSpec
+from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.values import PerReplica
+
+name = "jax"
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+# A replica that never reaches a collective must not hang the others.
+_COLLECTIVE_TIMEOUT_S = 300.0
+_RUN_CACHE_SIZE = 64
+
+
+def default_devices() -> list:
+    """All local devices of JAX's default platform (GPU/TPU, else CPU)."""
+    return list(jax.local_devices())
+
+
+def device_name(device: Any) -> str:
+    """`"cpu:0"`-style name of a `jax.Device`."""
+    return f"{device.platform}:{device.id}"
+
+
+def _available_names(platform: Optional[str] = None) -> list:
+    try:
+        devices = jax.local_devices(backend=platform) if platform else (
+            jax.local_devices())
+    except RuntimeError:
+        devices = jax.local_devices()
+    return [device_name(d) for d in devices]
+
+
+def resolve_device(device: "DeviceSpec | Any") -> Any:
+    """Resolves a `DeviceSpec` (or a `jax.Device`) to a local `jax.Device`."""
+    if isinstance(device, jax.Device):
+        if device not in jax.local_devices(backend=device.platform):
+            raise ValueError(
+                f"The device {device} is not local to this process. "
+                f"Received: device={device!r}. Local devices: "
+                f"{_available_names(device.platform)}."
+            )
+        return device
+    if not isinstance(device, DeviceSpec):
+        raise ValueError(
+            "Expected a device name (e.g. 'GPU:0', 'cpu:1') or a "
+            f"`jax.Device`. Received: device={device!r} of type "
+            f"{type(device).__name__}."
+        )
+    if device.task not in (None, jax.process_index()):
+        raise ValueError(
+            f"The device {device} of task {device.task} is not local to this "
+            f"process (task {jax.process_index()}). MirroredStrategy uses "
+            "local devices only; use kd.MultiWorkerMirroredStrategy for "
+            "several processes."
+        )
+    platform = _PLATFORMS.get(device.device_type)
+    try:
+        candidates = jax.local_devices(backend=platform) if platform else []
+    except RuntimeError:
+        candidates = []
+    if device.index >= len(candidates):
+        raise ValueError(
+            f"Unknown device {str(device).upper()!r}: this process has "
+            f"{len(candidates)} {device.device_type.upper()} device(s). "
+            f"Available devices: {_available_names()}. On CPU, simulate "
+            "more devices with XLA_FLAGS=--xla_force_host_platform_device_"
+            "count=N (set before importing JAX)."
+        )
+    return candidates[device.index]
+
+
+class _StrategyLayouts:
+    """What a strategy's `keras.distribution` adds to Keras' own.
+
+    A batch that does not divide by the replica count (a short last batch)
+    is laid out replicated: every device computes the whole short batch,
+    which gives exactly the single-device result with no padding to mask.
+    A `layout_map` entry whose rank differs from its variable's is an error.
+    """
+
+    _kd_strategy_distribution = True
+
+    def _init_layout_cache(self, batch_shards: int):
+        self._batch_shards = batch_shards
+        self._data_layouts = {}
+
+    def get_data_layout(self, data_shape):
+        rank = len(data_shape)
+        divisible = rank > 0 and data_shape[0] % self._batch_shards == 0
+        key = (rank, divisible)
+        if key not in self._data_layouts:
+            axes = [None] * rank
+            if divisible:
+                axes[0] = self.batch_dim_name
+            self._data_layouts[key] = TensorLayout(axes, self.device_mesh)
+        return self._data_layouts[key]
+
+    def get_variable_layout(self, variable):
+        layout = super().get_variable_layout(variable)
+        if layout is not None and len(layout.axes) != len(variable.shape):
+            raise ValueError(
+                f"The layout for variable '{variable.path}' has rank "
+                f"{len(layout.axes)} but the variable has shape "
+                f"{tuple(variable.shape)} (rank {len(variable.shape)}). "
+                f"Received: layout axes={tuple(layout.axes)}. Give one "
+                "mesh axis name (or None) per variable dimension."
+            )
+        return layout
+
+
+class _StrategyDataParallel(_StrategyLayouts, DataParallel):
+    def __init__(self, device_mesh):
+        super().__init__(device_mesh=device_mesh)
+        self._init_layout_cache(device_mesh.shape[0])
+
+
+class _StrategyModelParallel(_StrategyLayouts, ModelParallel):
+    def __init__(self, layout_map, batch_dim_name):
+        super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name)
+        axis = layout_map.device_mesh.axis_names.index(batch_dim_name)
+        self._init_layout_cache(layout_map.device_mesh.shape[axis])
+
+
+def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
+    """Builds the engine of a strategy over `devices`."""
+    return JaxEngine(devices, layout_map)
+
+
+class JaxEngine:
+    """The per-strategy JAX engine (see `interface.ReplicaEngine`)."""
+
+    def __init__(self, devices: Sequence[Any], layout_map: Any = None):
+        self.devices = tuple(devices)
+        if layout_map is None:
+            self.device_mesh = DeviceMesh(
+                shape=(len(self.devices),),
+                axis_names=["batch"],
+                devices=[device_name(d) for d in self.devices],
+            )
+            self.distribution = _StrategyDataParallel(self.device_mesh)
+        else:
+            self.device_mesh = layout_map.device_mesh
+            self.distribution = _StrategyModelParallel(
+                layout_map, self.device_mesh.axis_names[0]
+            )
+        self.batch_axis = self.device_mesh.axis_names[0]
+        self.num_replicas = self.device_mesh.shape[0]
+        self.mesh = self.device_mesh.backend_mesh
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._replica_of_device = {}
+        batch_index = self.device_mesh.axis_names.index(self.batch_axis)
+        for coords, device in np.ndenumerate(self.mesh.devices):
+            self._replica_of_device[device] = coords[batch_index]
+        # The device each replica's per-replica values live on: the first
+        # device of its row along the batch axis (the mesh's first axis).
+        self.replica_devices = tuple(
+            self.mesh.devices[(i,) + (0,) * (self.mesh.devices.ndim - 1)]
+            for i in range(self.num_replicas)
+        )
+        self._run_cache = {}
+
+    # ------------------------------------------------------------ variables
+    def scope(self):
+        return self.distribution.scope()
+
+    def owns_variable(self, variable: Any) -> bool:
+        value = getattr(variable, "_value", None)
+        sharding = getattr(value, "sharding", None)
+        return isinstance(sharding, NamedSharding) and (
+            sharding.mesh.devices.shape == self.mesh.devices.shape
+            and set(sharding.device_set) == set(self.mesh.devices.flat)
+        )
+
+    def adopt_variables(self, variables: Sequence[Any]) -> None:
+        for variable in variables:
+            if variable._value is None or self.owns_variable(variable):
+                continue
+            variable._layout = None
+            variable._layout = self.distribution.get_variable_layout(variable)
+            variable._direct_assign(variable._value)
+
+    def variable_local_results(self, variable: Any) -> Optional[tuple]:
+        if not isinstance(variable, keras.Variable) or not self.owns_variable(
+            variable
+        ):
+            return None
+        return self._per_replica_shards(variable.value)
+
+    def call_trainer(self, method: Callable, model: Any, args: tuple,
+                     kwargs: dict) -> Any:
+        # Keras' JAX trainer detaches variable values during `fit`; if the
+        # call dies before re-attaching them, put the last values back so
+        # the model stays usable (the next `fit` would otherwise fail).
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and hasattr(optimizer, "variables"):
+            variables += list(optimizer.variables)
+        saved = [(v, v._value) for v in variables]
+        try:
+            return method(model, *args, **kwargs)
+        except BaseException:
+            for variable, value in saved:
+                if variable._value is None:
+                    variable._value = value
+            raise
+
+    # ------------------------------------------------------- placing values
+    def put_per_replica(self, structures: Sequence[Any],
+                        on_device: bool = True) -> Any:
+        def put(*leaves):
+            if leaves[0] is None:
+                return None
+            if not on_device:
+                return PerReplica([np.asarray(leaf) for leaf in leaves])
+            return PerReplica([
+                jax.device_put(_as_array(leaf), device)
+                for leaf, device in zip(leaves, self.replica_devices)
+            ])
+
+        return keras.tree.map_structure(put, *structures)
+
+    def _per_replica_shards(self, array: Any) -> tuple:
+        parts = [None] * self.num_replicas
+        for shard in array.addressable_shards:
+            replica = self._replica_of_device.get(shard.device)
+            if replica is not None and parts[replica] is None:
+                parts[replica] = shard.data
+        return tuple(parts)
+
+    def _stack(self, values: Sequence[Any]) -> jax.Array:
+        """One global array `(num_replicas, *shape)` from per-replica parts."""
+        first = _as_array(values[0])
+        shape = (self.num_replicas,) + tuple(np.shape(first))
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
+        pieces = []
+        for device in sharding.addressable_devices_indices_map(shape):
+            replica = self._replica_of_device[device]
+            pieces.append(
+                jax.device_put(_as_array(values[replica])[None], device)
+            )
+        return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+    def _replicate(self, value: Any) -> Any:
+        if isinstance(value, jax.Array) and value.sharding.device_set != set(
+            self.mesh.devices.flat
+        ):
+            return jax.device_put(value, self._replicated)
+        return value
+
+    # ------------------------------------------------------------------ run
+    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (args, kwargs), is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+        kinds = tuple(_leaf_kind(leaf) for leaf in leaves)
+        for leaf in leaves:
+            if isinstance(leaf, PerReplica) and len(leaf) != self.num_replicas:
+                raise ValueError(
+                    f"A per-replica argument has {len(leaf)} components but "
+                    f"the strategy has {self.num_replicas} replicas. Make it "
+                    "with this strategy's distributed dataset or "
+                    "`experimental_distribute_values_from_function`."
+                )
+        if all(_even(leaf) for leaf, k in zip(leaves, kinds) if k == "split"):
+            return self._run_spmd(strategy, fn, leaves, kinds, treedef)
+        return self._run_threads(strategy, fn, leaves, kinds, treedef)
+
+    def _run_spmd(self, strategy, fn, leaves, kinds, treedef):
+        statics = tuple(
+            leaf if kind == "static" else None
+            for leaf, kind in zip(leaves, kinds)
+        )
+        compiled = self._compiled_run(strategy, fn, treedef, kinds, statics)
+        dynamic = [
+            self._stack(leaf.values) if kind == "split" else self._replicate(
+                _as_array(leaf))
+            for leaf, kind in zip(leaves, kinds) if kind != "static"
+        ]
+        outputs = compiled(*dynamic)
+        return jax.tree_util.tree_map(
+            lambda out: PerReplica(
+                [part[0] for part in self._per_replica_shards(out)]
+            ),
+            outputs,
+        )
+
+    def _compiled_run(self, strategy, fn, treedef, kinds, statics):
+        key = (fn, treedef, kinds, tuple(_static_key(s) for s in statics))
+        cached = self._run_cache.get(key)
+        if cached is not None:
+            return cached[0]
+        axis = self.batch_axis
+        collectives = _SpmdCollectives(axis)
+
+        def per_replica(*dynamic):
+            dynamic = iter(dynamic)
+            full = [
+                static if kind == "static" else (
+                    next(dynamic)[0] if kind == "split" else next(dynamic))
+                for kind, static in zip(kinds, statics)
+            ]
+            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            ctx = context.ReplicaContext(
+                strategy, jax.lax.axis_index(axis), collectives
+            )
+            with context._enter(strategy, ctx):
+                result = fn(*call_args, **call_kwargs)
+            return jax.tree_util.tree_map(
+                lambda out: jnp.asarray(_unwrap(out))[None], result
+            )
+
+        in_specs = tuple(
+            PartitionSpec(axis) if kind == "split" else PartitionSpec()
+            for kind in kinds if kind != "static"
+        )
+        compiled = jax.jit(
+            jax.shard_map(
+                per_replica, mesh=self.mesh, in_specs=in_specs,
+                out_specs=PartitionSpec(axis), check_vma=False,
+            )
+        )
+        if len(self._run_cache) >= _RUN_CACHE_SIZE:
+            self._run_cache.pop(next(iter(self._run_cache)))
+        # Keep `statics` alive so their ids in the key stay unique.
+        self._run_cache[key] = (compiled, statics)
+        return compiled
+
+    def _run_threads(self, strategy, fn, leaves, kinds, treedef):
+        n = self.num_replicas
+        rendezvous = _Rendezvous(n)
+        results, errors = [None] * n, [None] * n
+
+        def replica_main(replica):
+            device = self.replica_devices[replica]
+            try:
+                full = [
+                    leaf.values[replica] if kind == "split" else leaf
+                    for leaf, kind in zip(leaves, kinds)
+                ]
+                full = [
+                    jax.device_put(_as_array(v), device)
+                    if kind != "static" and v is not None else v
+                    for v, kind in zip(full, kinds)
+                ]
+                call_args, call_kwargs = jax.tree_util.tree_unflatten(
+                    treedef, full
+                )
+                ctx = context.ReplicaContext(
+                    strategy, replica,
+                    _ThreadCollectives(rendezvous, replica, device),
+                )
+                with jax.default_device(device), self.scope(), (
+                        context._enter(strategy, ctx)):
+                    results[replica] = fn(*call_args, **call_kwargs)
+            except BaseException as error:  # re-raised in the caller
+                errors[replica] = error
+                rendezvous.abort()
+
+        threads = [
+            threading.Thread(target=replica_main, args=(i,), daemon=True)
+            for i in range(n)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        real = [e for e in errors if e is not None and not isinstance(
+            e, threading.BrokenBarrierError)]
+        if real or any(errors):
+            raise (real or [e for e in errors if e is not None])[0]
+        return keras.tree.map_structure(
+            lambda *parts: PerReplica(list(parts)), *results
+        )
+
+    # -------------------------------------------------- cross-replica ops
+    def reduce(self, op: ReduceOp, values: Sequence[Any],
+               axis: Optional[int]) -> Any:
+        values = [_as_array(v) for v in values]
+        if axis is None:
+            shapes = {tuple(np.shape(v)) for v in values}
+            if len(shapes) > 1:
+                raise ValueError(
+                    "Cannot reduce per-replica values of different shapes "
+                    f"{sorted(shapes)} with axis=None. Pass the batch "
+                    "dimension as `axis` (usually `axis=0`)."
+                )
+            stacked = self._stack(values)
+            if op is ReduceOp.SUM:
+                return _sum0(stacked)
+            return _mean0(stacked)
+        rank = np.ndim(values[0])
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"`axis`={axis} is out of range for per-replica values of "
+                f"rank {rank}. Use an axis in [{-rank}, {rank})."
+            )
+        partial_sums = [jnp.sum(v, axis=axis) for v in values]
+        total = _sum0(self._stack(partial_sums))
+        if op is ReduceOp.SUM:
+            return total
+        count = sum(np.shape(v)[axis] for v in values)
+        return total / count
+
+    def gather(self, values: Sequence[Any], axis: int) -> Any:
+        values = [_as_array(v) for v in values]
+        rank = np.ndim(values[0])
+        if rank == 0:
+            raise ValueError(
+                "`gather` needs per-replica values of rank >= 1 to "
+                "concatenate. Received scalars. Use `reduce` for scalars, or "
+                "give each replica's value a leading dimension."
+            )
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"`axis`={axis} is out of range for per-replica values of "
+                f"rank {rank}. Use an axis in [{-rank}, {rank})."
+            )
+        host = self.replica_devices[0]
+        return jnp.concatenate(
+            [jax.device_put(v, host) for v in values], axis=axis
+        )
+
+
+@jax.jit
+def _sum0(stacked):
+    return jnp.sum(stacked, axis=0)
+
+
+@jax.jit
+def _mean0(stacked):
+    return jnp.mean(stacked, axis=0)
+
+
+def _as_array(value: Any) -> Any:
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    if isinstance(value, keras.Variable):
+        return value.value
+    if hasattr(value, "numpy") and not isinstance(value, np.generic):
+        return np.asarray(value.numpy())
+    return np.asarray(value)
+
+
+def _unwrap(value: Any) -> Any:
+    return value.value if isinstance(value, keras.Variable) else value
+
+
+def _leaf_kind(leaf: Any) -> str:
+    if isinstance(leaf, PerReplica):
+        return "split"
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(leaf, "numpy") and hasattr(leaf, "shape")
+        and not isinstance(leaf, keras.Variable)
+    ):
+        return "replicated"
+    return "static"
+
+
+def _even(leaf: PerReplica) -> bool:
+    shapes = {(tuple(np.shape(v)), str(getattr(v, "dtype", type(v))))
+              for v in leaf.values}
+    return len(shapes) == 1
+
+
+def _static_key(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return (type(value), value)
+    return ("id", id(value))
+
+
+class _SpmdCollectives:
+    """Collectives inside `shard_map`: XLA all-reduce / all-gather."""
+
+    def __init__(self, axis: str):
+        self._axis = axis
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        reduce = jax.lax.psum if op is ReduceOp.SUM else jax.lax.pmean
+        return jax.tree_util.tree_map(
+            lambda v: reduce(jnp.asarray(_unwrap(v)), self._axis), value
+        )
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        return jax.tree_util.tree_map(
+            lambda v: jax.lax.all_gather(
+                jnp.asarray(_unwrap(v)), self._axis, axis=axis, tiled=True
+            ),
+            value,
+        )
+
+
+class _Rendezvous:
+    """Lets replica threads swap values; a failed replica breaks it."""
+
+    def __init__(self, n: int):
+        self._barrier = threading.Barrier(n, timeout=_COLLECTIVE_TIMEOUT_S)
+        self._slots = [None] * n
+
+    def exchange(self, replica: int, value: Any) -> list:
+        self._slots[replica] = value
+        self._barrier.wait()
+        values = list(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before all read
+        return values
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+
+class _ThreadCollectives:
+    """Collectives between replica threads (per-replica shapes differ)."""
+
+    def __init__(self, rendezvous: _Rendezvous, replica: int, device: Any):
+        self._rendezvous = rendezvous
+        self._replica = replica
+        self._device = device
+
+    def _local(self, values: list) -> list:
+        return [jax.device_put(_as_array(_unwrap(v)), self._device)
+                for v in values]
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        everyone = self._rendezvous.exchange(self._replica, value)
+
+        def combine(*parts):
+            parts = self._local(list(parts))
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            return total / len(parts) if op is ReduceOp.MEAN else total
+
+        return keras.tree.map_structure(combine, *everyone)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        everyone = self._rendezvous.exchange(self._replica, value)
+        return keras.tree.map_structure(
+            lambda *parts: jnp.concatenate(self._local(list(parts)), axis=axis),
+            *everyone,
+        )

@@ -1,0 +1,99 @@
+"""Device names as users write them, parsed once for every backend.
+
+Accepted forms: tf-style (`"GPU:0"`, `"/gpu:1"`, `"/device:CPU:0"`,
+`"/job:localhost/replica:0/task:0/device:CPU:0"`) and Keras-style (`"gpu:0"`,
+`"cpu"`). Backend device objects (a `jax.Device`, ...) are resolved by the
+backend module.
+"""
+
+import dataclasses
+import re
+from typing import Optional
+
+_KNOWN_TYPES = ("cpu", "gpu", "tpu", "cuda", "mps")
+_FIELD = re.compile(r"^(job|replica|task|device):(.*)$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device name: type (lower case), index and optional task."""
+
+    device_type: str
+    index: int
+    task: Optional[int] = None
+
+    def __str__(self) -> str:
+        return f"{self.device_type}:{self.index}"
+
+
+def _bad_name(name, why: str) -> ValueError:
+    return ValueError(
+        f"Cannot parse the device name {name!r}: {why}. Expected a name such "
+        "as 'GPU:0', '/gpu:1', 'cpu:0' or "
+        "'/job:localhost/replica:0/task:0/device:CPU:0'. "
+        f"Received: device={name!r}."
+    )
+
+
+def _parse_type_and_index(name, text: str):
+    parts = text.split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise _bad_name(name, "expected 'TYPE:INDEX'")
+    device_type = parts[0].lower()
+    if device_type not in _KNOWN_TYPES:
+        raise _bad_name(
+            name, f"unknown device type {parts[0]!r} (known: "
+            f"{', '.join(t.upper() for t in _KNOWN_TYPES)})"
+        )
+    if len(parts) == 1 or parts[1] == "":
+        return device_type, 0
+    if not parts[1].isdigit():
+        raise _bad_name(name, f"the index {parts[1]!r} is not a number")
+    return device_type, int(parts[1])
+
+
+def parse_device_name(name: str) -> DeviceSpec:
+    """Parses a device name into a `DeviceSpec`.
+
+    Args:
+        name: A tf-style or Keras-style device name.
+
+    Returns:
+        The `DeviceSpec` it names.
+
+    Raises:
+        ValueError: if `name` is not a device name.
+
+    Example:
+
+    >>> parse_device_name("/job:localhost/replica:0/task:0/device:CPU:3")
+    DeviceSpec(device_type='cpu', index=3, task=0)
+    >>> parse_device_name("GPU:1")
+    DeviceSpec(device_type='gpu', index=1, task=None)
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise _bad_name(name, "it is not a non-empty string")
+    text = name.strip()
+    if not text.startswith("/"):
+        return DeviceSpec(*_parse_type_and_index(name, text))
+    task = None
+    device_part = None
+    fields = text[1:].split("/")
+    for field in fields:
+        match = _FIELD.match(field)
+        if match is None:
+            # Short tf form: "/gpu:1".
+            if len(fields) == 1:
+                device_part = field
+                continue
+            raise _bad_name(name, f"unexpected component {field!r}")
+        key, value = match.group(1).lower(), match.group(2)
+        if key == "device":
+            device_part = value
+        elif key in ("task", "replica") and not value.isdigit():
+            raise _bad_name(name, f"{key} {value!r} is not a number")
+        elif key == "task":
+            task = int(value)
+    if device_part is None:
+        raise _bad_name(name, "it names no device")
+    return DeviceSpec(*_parse_type_and_index(name, device_part), task=task)

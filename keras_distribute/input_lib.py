@@ -1,0 +1,326 @@
+"""Input pipelines for distributed training.
+
+A distributed dataset turns each element of a global-batch dataset into one
+`PerReplica` value per leaf, each replica getting its slice of the batch. A
+short last batch is split in replica order with the per-replica batch size
+(e.g. 6 rows over 2 replicas of 4 become 4 + 2), exactly as `tf.distribute`
+splits it.
+"""
+
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+
+class AutoShardPolicy(enum.IntEnum):
+    """How a dataset is split between workers (input pipelines).
+
+    - `AUTO`: by file where the dataset reads files, else by element.
+    - `FILE`: each worker reads its own subset of files.
+    - `DATA`: each worker reads everything and keeps every N-th element.
+    - `OFF`: no sharding; every worker sees the whole dataset.
+
+    With a single worker every policy reads the whole dataset.
+    """
+
+    OFF = -1
+    AUTO = 0
+    FILE = 1
+    DATA = 2
+    HINT = 3
+
+
+class InputReplicationMode(enum.Enum):
+    """Whether each worker (`PER_WORKER`) or replica gets a pipeline."""
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """Options for `experimental_distribute_dataset` and friends.
+
+    Args:
+        experimental_fetch_to_device: Whether per-replica values are placed
+            on the replica's device (`True`) or stay on the host (`False`).
+            Defaults to `True`.
+        experimental_replication_mode: `InputReplicationMode.PER_WORKER`
+            (one pipeline per worker, the default) or `PER_REPLICA`.
+        experimental_place_dataset_on_device: Kept for compatibility with
+            `tf.distribute`; requires `PER_REPLICA` and no fetch to device.
+            Defaults to `False`.
+        experimental_per_replica_buffer_size: How many elements are prepared
+            ahead per replica. Defaults to `1`.
+
+    Raises:
+        ValueError: on a combination that `tf.distribute` also refuses.
+
+    Example:
+
+    >>> InputOptions(experimental_fetch_to_device=False)
+    InputOptions(experimental_fetch_to_device=False, ...)  # doctest: +ELLIPSIS
+    """
+
+    experimental_fetch_to_device: Optional[bool] = None
+    experimental_replication_mode: InputReplicationMode = (
+        InputReplicationMode.PER_WORKER
+    )
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 1
+
+    def __post_init__(self):
+        mode = self.experimental_replication_mode
+        if not isinstance(mode, InputReplicationMode):
+            raise ValueError(
+                "Expected `experimental_replication_mode` to be a "
+                "`kd.InputReplicationMode`. Received: "
+                f"experimental_replication_mode={mode!r}."
+            )
+        if self.experimental_place_dataset_on_device and (
+            mode is not InputReplicationMode.PER_REPLICA
+            or self.experimental_fetch_to_device
+        ):
+            raise ValueError(
+                "`experimental_place_dataset_on_device=True` requires "
+                "`experimental_replication_mode=InputReplicationMode."
+                "PER_REPLICA` and `experimental_fetch_to_device=False`. "
+                f"Received: experimental_replication_mode={mode}, "
+                "experimental_fetch_to_device="
+                f"{self.experimental_fetch_to_device}."
+            )
+        size = self.experimental_per_replica_buffer_size
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(
+                "Expected `experimental_per_replica_buffer_size` to be a "
+                f"positive int. Received: {size!r}."
+            )
+
+    @property
+    def fetch_to_device(self) -> bool:
+        return self.experimental_fetch_to_device is not False
+
+
+class InputContext:
+    """Tells a `dataset_fn` which input pipeline it builds.
+
+    Passed to the `dataset_fn` of `strategy.distribute_datasets_from_function`.
+
+    Args:
+        num_input_pipelines: Number of input pipelines (one per worker).
+            Defaults to `1`.
+        input_pipeline_id: This pipeline's id. Defaults to `0`.
+        num_replicas_in_sync: Number of replicas in sync. Defaults to `1`.
+
+    Example:
+
+    >>> ctx = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+    ...                    num_replicas_in_sync=4)
+    >>> ctx.get_per_replica_batch_size(64)
+    16
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """The number of input pipelines."""
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This pipeline's id, in `[0, num_input_pipelines)`."""
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas in sync."""
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Returns `global_batch_size // num_replicas_in_sync`.
+
+        Args:
+            global_batch_size: The global batch size.
+
+        Returns:
+            The per-replica batch size.
+
+        Raises:
+            ValueError: if the global batch does not divide evenly.
+        """
+        if global_batch_size % self._num_replicas_in_sync:
+            raise ValueError(
+                "The global batch size must be divisible by the number of "
+                f"replicas in sync ({self._num_replicas_in_sync}). Received: "
+                f"global_batch_size={global_batch_size}. Use a multiple of "
+                f"{self._num_replicas_in_sync}."
+            )
+        return global_batch_size // self._num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"<InputContext num_input_pipelines={self.num_input_pipelines}, "
+            f"input_pipeline_id={self.input_pipeline_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync}>"
+        )
+
+
+def _to_numpy(leaf: Any) -> Any:
+    if leaf is None or isinstance(leaf, (str, bytes)):
+        return leaf
+    if hasattr(leaf, "numpy") and not isinstance(leaf, np.ndarray):
+        leaf = leaf.numpy()  # tf.Tensor, torch.Tensor on CPU
+    return np.asarray(leaf)
+
+
+def iterate_source(source: Any) -> Iterator[Any]:
+    """Yields the elements of a dataset as nested numpy arrays.
+
+    Accepts a `tf.data.Dataset`, a `keras.utils.PyDataset`, or any iterable
+    (list, generator, `torch.utils.data.DataLoader`) of nested arrays.
+    """
+    import keras
+
+    if hasattr(source, "as_numpy_iterator") and hasattr(source, "element_spec"):
+        elements = source.as_numpy_iterator()
+    elif isinstance(source, keras.utils.PyDataset):
+        elements = (source[i] for i in range(len(source)))
+    elif isinstance(source, Iterable):
+        elements = iter(source)
+    else:
+        raise ValueError(
+            "Expected a `tf.data.Dataset`, a `keras.utils.PyDataset` or an "
+            "iterable of (nested) arrays whose leading dimension is the "
+            f"batch. Received: dataset of type {type(source).__name__}."
+        )
+    for element in elements:
+        yield keras.tree.map_structure(_to_numpy, element)
+
+
+def _batch_size(element: Any) -> int:
+    import keras
+
+    sizes = {
+        np.shape(leaf)[0]
+        for leaf in keras.tree.flatten(element)
+        if leaf is not None and np.ndim(leaf) > 0
+    }
+    if len(sizes) != 1:
+        raise ValueError(
+            "Every array of a dataset element must share the same leading "
+            "(batch) dimension to be split across replicas. Received "
+            f"leading dimensions {sorted(sizes) or 'none (scalars only)'}. "
+            "Batch the dataset (e.g. `dataset.batch(global_batch_size)`)."
+        )
+    return sizes.pop()
+
+
+def split_batch(element: Any, num_replicas: int, per_replica: int) -> list:
+    """Splits one global batch into `num_replicas` slices, in replica order.
+
+    Replica `i` gets rows `[i * per_replica, (i + 1) * per_replica)`; on a
+    short batch the last replicas get fewer rows, or none.
+    """
+    import keras
+
+    slices = []
+    for replica in range(num_replicas):
+        start = min(replica * per_replica, _batch_size(element))
+        stop = min(start + per_replica, _batch_size(element))
+        slices.append(
+            keras.tree.map_structure(
+                lambda leaf: leaf if leaf is None else leaf[start:stop],
+                element,
+            )
+        )
+    return slices
+
+
+class DistributedDataset:
+    """A dataset whose elements are split across the replicas.
+
+    Made by `strategy.experimental_distribute_dataset`; iterate it and pass
+    each element to `strategy.run`.
+
+    Args:
+        strategy: The strategy whose replicas receive the data.
+        dataset: The global-batch dataset.
+        options: Optional `kd.InputOptions`.
+    """
+
+    def __init__(self, strategy, dataset: Any,
+                 options: Optional[InputOptions] = None):
+        self._strategy = strategy
+        self._dataset = dataset
+        self._options = options or InputOptions()
+
+    def __iter__(self) -> Iterator[Any]:
+        num_replicas = self._strategy.num_replicas_in_sync
+        per_replica = None
+        for element in iterate_source(self._dataset):
+            batch = _batch_size(element)
+            if per_replica is None or batch > per_replica * num_replicas:
+                per_replica = math.ceil(batch / num_replicas)
+            slices = split_batch(element, num_replicas, per_replica)
+            yield self._strategy._engine.put_per_replica(
+                slices, on_device=self._options.fetch_to_device
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"<DistributedDataset num_replicas="
+            f"{self._strategy.num_replicas_in_sync}>"
+        )
+
+
+class DistributedDatasetsFromFunction:
+    """Per-replica batches from a `dataset_fn`, one element per replica.
+
+    Made by `strategy.distribute_datasets_from_function`. `dataset_fn` is
+    called once per input pipeline with a `kd.InputContext`, and its dataset
+    must already be batched with the per-replica batch size. Consecutive
+    elements go to consecutive replicas; when the dataset runs out part-way
+    through a step, the remaining replicas get empty batches.
+    """
+
+    def __init__(self, strategy, dataset_fn: Callable[[InputContext], Any],
+                 input_context: InputContext,
+                 options: Optional[InputOptions] = None):
+        if not callable(dataset_fn):
+            raise ValueError(
+                "Expected `dataset_fn` to be a callable taking a "
+                "`kd.InputContext` and returning a dataset. Received: "
+                f"dataset_fn={dataset_fn!r}."
+            )
+        self._strategy = strategy
+        self._dataset = dataset_fn(input_context)
+        self._options = options or InputOptions()
+
+    def __iter__(self) -> Iterator[Any]:
+        import keras
+
+        num_replicas = self._strategy.num_replicas_in_sync
+        group = []
+        for element in iterate_source(self._dataset):
+            group.append(element)
+            if len(group) == num_replicas:
+                yield self._strategy._engine.put_per_replica(
+                    group, on_device=self._options.fetch_to_device
+                )
+                group = []
+        if group:
+            empty = keras.tree.map_structure(
+                lambda leaf: leaf if leaf is None else leaf[:0], group[0]
+            )
+            group += [empty] * (num_replicas - len(group))
+            yield self._strategy._engine.put_per_replica(
+                group, on_device=self._options.fetch_to_device
+            )

@@ -1,0 +1,153 @@
+"""Every place where keras_distribute hooks into Keras, in one module.
+
+Keras has no hook for "a model remembers the strategy it was created
+under", nor (on JAX) for laying out a short last batch. This module adds
+them, on first use (the first strategy created, never at import), and
+`uninstall()` removes them again. Tested against Keras 3.10-3.15.
+
+1. `Trainer.__init__` records the current strategy on every model created
+   inside a `scope()` (`model._kd_strategy`).
+2. `Model.compile/fit/evaluate/predict/*_on_batch` re-enter that strategy's
+   scope wherever they are called, lay out stray optimizer / metric /
+   lazily-built variables, and refuse a model created outside any scope
+   whose variables the strategy does not own, or mixing two strategies.
+3. JAX only: Keras' trainer computes the data layout from the first batch
+   of an epoch and reuses it; a short last batch then fails with
+   `IndivisibleError`. The hook asks the strategy's distribution for every
+   batch instead (a short batch is laid out replicated).
+"""
+
+import functools
+import threading
+
+from keras_distribute import context
+
+_TRAINER_METHODS = (
+    "compile", "fit", "evaluate", "predict",
+    "train_on_batch", "test_on_batch", "predict_on_batch",
+)
+_lock = threading.Lock()
+_originals = []  # (owner, attribute name, original, was in owner.__dict__)
+
+
+def _patch(owner, name: str, replacement) -> None:
+    had_own = name in owner.__dict__
+    _originals.append((owner, name, owner.__dict__.get(name), had_own))
+    setattr(owner, name, replacement)
+
+
+def model_strategy(model):
+    """Returns the strategy `model` was created under, or `None`."""
+    return model.__dict__.get("_kd_strategy")
+
+
+def _strategy_for(model, method_name: str):
+    owner = model_strategy(model)
+    current = context.get_strategy() if context.has_strategy() else None
+    if owner is None:
+        if current is None:
+            return None
+        strays = [v.path for v in model.variables
+                  if not current._engine.owns_variable(v)]
+        if strays:
+            raise ValueError(
+                f"`{method_name}` was called inside {current!r}.scope() on a "
+                "model whose variables were created outside any strategy "
+                f"scope (e.g. {strays[:3]}). Received: model "
+                f"'{model.name}' with {len(strays)} such variable(s). Create "
+                "the model inside the scope:\n\n"
+                "    with strategy.scope():\n"
+                "        model = ...\n"
+                "        model.compile(...)\n"
+            )
+        object.__setattr__(model, "_kd_strategy", current)
+        return current
+    if current is not None and current is not owner:
+        raise ValueError(
+            f"`{method_name}` was called inside the scope of {current!r} on a "
+            f"model created under {owner!r}. Mixing strategies is not "
+            f"allowed. Received: model '{model.name}'. Call it outside the "
+            "other scope (the model remembers its strategy), or rebuild the "
+            "model under the new strategy."
+        )
+    return owner
+
+
+def _adopt_strays(model, strategy) -> None:
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "variables"):
+        variables += list(optimizer.variables)
+    variables += list(getattr(model, "metrics_variables", []))
+    strategy._engine.adopt_variables(variables)
+
+
+def _wrap_trainer_method(name: str, original):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        strategy = _strategy_for(self, name)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        with strategy.scope():
+            _adopt_strays(self, strategy)
+            return strategy._engine.call_trainer(original, self, args, kwargs)
+
+    method._kd_original = original
+    return method
+
+
+def _install_model_hooks() -> None:
+    import keras
+    from keras.src.trainers import trainer as base_trainer
+
+    original_init = base_trainer.Trainer.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if context.has_strategy() and model_strategy(self) is None:
+            object.__setattr__(self, "_kd_strategy", context.get_strategy())
+
+    _patch(base_trainer.Trainer, "__init__", __init__)
+    for name in _TRAINER_METHODS:
+        _patch(keras.Model, name,
+               _wrap_trainer_method(name, getattr(keras.Model, name)))
+
+
+def _install_jax_data_hook() -> None:
+    from keras.src.backend.jax import trainer as jax_trainer
+    from keras.src.distribution import distribution_lib
+
+    original = jax_trainer._distribute_data
+
+    @functools.wraps(original)
+    def _distribute_data(data, layouts=None):
+        distribution = distribution_lib.distribution()
+        if getattr(distribution, "_kd_strategy_distribution", False):
+            layouts = None  # per batch: a short batch gets its own layout
+        return original(data, layouts)
+
+    _patch(jax_trainer, "_distribute_data", _distribute_data)
+
+
+def install() -> None:
+    """Installs the hooks once; later calls do nothing."""
+    import keras
+
+    with _lock:
+        if _originals:
+            return
+        _install_model_hooks()
+        if keras.backend.backend() == "jax":
+            _install_jax_data_hook()
+
+
+def uninstall() -> None:
+    """Removes every hook, restoring Keras exactly as it was."""
+    with _lock:
+        while _originals:
+            owner, name, original, had_own = _originals.pop()
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)

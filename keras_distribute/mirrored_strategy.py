@@ -1,0 +1,122 @@
+"""`MirroredStrategy`: synchronous data parallelism over one host's devices."""
+
+import warnings
+from typing import Any, Optional, Sequence
+
+from keras_distribute.backend import get_backend
+from keras_distribute.devices import parse_device_name
+from keras_distribute.strategy import Strategy
+
+
+def _resolve_devices(backend, devices: Sequence[Any]) -> list:
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise ValueError(
+            "Expected `devices` to be a list of device names (e.g. "
+            "['GPU:0', 'GPU:1']) or device objects. Received: "
+            f"devices={devices!r}. Wrap a single device in a list."
+        )
+    devices = list(devices)
+    if not devices:
+        raise ValueError(
+            "Expected at least one device. Received: devices=[]. Pass "
+            "`devices=None` to use all local devices."
+        )
+    resolved = [
+        backend.resolve_device(
+            parse_device_name(d) if isinstance(d, str) else d
+        )
+        for d in devices
+    ]
+    seen = {}
+    for given, device in zip(devices, resolved):
+        if device in seen:
+            raise ValueError(
+                f"The device {backend.device_name(device)!r} is listed twice "
+                f"(as {seen[device]!r} and {given!r}). Received: "
+                f"devices={devices!r}. List each device once."
+            )
+        seen[device] = given
+    return resolved
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on all devices of one machine.
+
+    Each variable created in `scope()` is replicated on every device (or
+    laid out by `layout_map`); each training step splits the **global**
+    batch across the replicas and combines their gradients, so N replicas
+    on a batch of B make the same update as one device on B.
+
+    On JAX this drives `keras.distribution.DataParallel` (or `ModelParallel`
+    with a `layout_map`), compiled by XLA as one SPMD program.
+
+    Args:
+        devices: The devices to use: names such as `"GPU:0"`, `"/gpu:1"`,
+            `"cpu:0"`, `"/job:localhost/replica:0/task:0/device:CPU:0"`, or
+            backend device objects. Defaults to all local GPUs/TPUs, else
+            all local CPU devices.
+        cross_device_ops: Accepted for `tf.distribute` compatibility; the
+            backend's engine chooses the all-reduce algorithm. Defaults to
+            `None`.
+        layout_map: Optional `keras.distribution.LayoutMap` that shards
+            variables over a model axis (model parallelism). Its mesh's first
+            axis is the replica (batch) axis.
+
+    Raises:
+        ValueError: for an unknown, duplicate or malformed device, or
+            `devices` that disagree with `layout_map`'s mesh.
+        NotImplementedError: on a backend not supported yet.
+
+    Example:
+
+    ```python
+    import keras_distribute as kd
+    strategy = kd.MirroredStrategy()
+    print(strategy.num_replicas_in_sync)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64, epochs=3)
+    ```
+    """
+
+    def __init__(self, devices: Optional[Sequence[Any]] = None,
+                 cross_device_ops: Any = None, *, layout_map: Any = None):
+        backend = get_backend()
+        if layout_map is not None:
+            mesh_devices = _mesh_devices(backend, layout_map)
+            if devices is not None and set(
+                _resolve_devices(backend, devices)
+            ) != set(mesh_devices):
+                raise ValueError(
+                    "`devices` and the devices of `layout_map.device_mesh` "
+                    f"differ. Received: devices={list(devices)!r}, mesh "
+                    f"devices={[backend.device_name(d) for d in mesh_devices]}."
+                    " Pass only `layout_map`, or build its mesh on `devices`."
+                )
+            resolved = mesh_devices
+        elif devices is None:
+            resolved = backend.default_devices()
+        else:
+            resolved = _resolve_devices(backend, devices)
+        if cross_device_ops is not None:
+            warnings.warn(
+                f"`cross_device_ops` is ignored on the {backend.name} "
+                "backend: its engine chooses the all-reduce algorithm.",
+                stacklevel=2,
+            )
+        super().__init__(backend.make_engine(resolved, layout_map=layout_map))
+
+
+def _mesh_devices(backend, layout_map) -> list:
+    mesh = getattr(layout_map, "device_mesh", None)
+    if mesh is None:
+        raise ValueError(
+            "Expected `layout_map` to be a `keras.distribution.LayoutMap` "
+            f"built on a `DeviceMesh`. Received: layout_map={layout_map!r}."
+        )
+    return [
+        backend.resolve_device(parse_device_name(str(d)) if not hasattr(
+            d, "platform") else d)
+        for d in mesh.devices.flatten()
+    ]

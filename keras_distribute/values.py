@@ -1,0 +1,45 @@
+"""Values that live on several replicas at once."""
+
+from typing import Any, Sequence
+
+
+class DistributedValues:
+    """Base class for values that have one component per replica.
+
+    Use `strategy.experimental_local_results(value)` to get the components
+    as a tuple, in replica order.
+    """
+
+    def __init__(self, values: Sequence[Any]):
+        self._values = tuple(values)
+
+    @property
+    def values(self) -> tuple:
+        """The per-replica components, in replica order."""
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        items = ",\n".join(
+            f"  {i}: {value!r}" for i, value in enumerate(self._values)
+        )
+        return f"{type(self).__name__}:{{\n{items}\n}}"
+
+
+class PerReplica(DistributedValues):
+    """A value that can differ from replica to replica.
+
+    Returned by `strategy.run`, yielded by distributed datasets and made by
+    `strategy.experimental_distribute_values_from_function`.
+    """
+
+
+class Mirrored(DistributedValues):
+    """A value that is the same on every replica (e.g. an all-reduce)."""
+
+
+def is_distributed(value: Any) -> bool:
+    """Returns `True` if `value` is a `DistributedValues`."""
+    return isinstance(value, DistributedValues)
