@@ -110,8 +110,10 @@ def _install_model_hooks() -> None:
 
     _patch(base_trainer.Trainer, "__init__", __init__)
     for name in _TRAINER_METHODS:
-        _patch(keras.Model, name,
-               _wrap_trainer_method(name, getattr(keras.Model, name)))
+        # Patch where the method is defined, so that Keras' own override
+        # checks (`cls.compile != Trainer.compile`) still see the default.
+        owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+        _patch(owner, name, _wrap_trainer_method(name, owner.__dict__[name]))
 
 
 def _install_jax_data_hook() -> None:

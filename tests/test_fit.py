@@ -1,0 +1,214 @@
+"""Keras `fit` / `evaluate` / `predict` under a strategy: same numbers as one
+device, global batch, short last batch, model remembers its strategy."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import keras
+import keras_distribute as kd
+from conftest import NUM_DEVICES, cpu_names
+
+pytestmark = pytest.mark.needs_strategy
+BATCH = 32
+
+
+def make_data(n=203, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(n,))
+    return x, y
+
+
+def make_model(build=True):
+    keras.utils.set_random_seed(1)
+    layers = [keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)]
+    model = keras.Sequential(([keras.Input((16,))] if build else []) + layers)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(wa, wb, atol=atol)
+
+
+def test_fit_equals_single_device_with_short_last_batch(strategy):
+    # 203 samples, batch 32 on 8 replicas: the last batch has 11 rows.
+    x, y = make_data()
+    reference = make_model()
+    ref_history = reference.fit(x, y, batch_size=BATCH, epochs=3,
+                                shuffle=False, verbose=0)
+    with strategy.scope():
+        model = make_model()
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False,
+                        verbose=0)
+    assert_same_weights(reference, model)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[key],
+                                   ref_history.history[key], rtol=1e-5)
+    results = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(
+        results, reference.evaluate(x, y, batch_size=BATCH, verbose=0),
+        rtol=1e-5)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    assert predictions.shape == (203, 3)
+    np.testing.assert_allclose(
+        predictions, reference.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5)
+
+
+def test_variables_are_replicated_on_every_device(strategy):
+    with strategy.scope():
+        model = make_model()
+    kernel = model.layers[0].kernel
+    copies = strategy.experimental_local_results(kernel)
+    assert len(copies) == NUM_DEVICES
+    for copy in copies[1:]:
+        np.testing.assert_array_equal(np.asarray(copy), np.asarray(copies[0]))
+
+
+def test_global_batch_is_split_across_replicas(strategy, monkeypatch):
+    from keras.src.backend.jax import trainer as jax_trainer
+
+    seen = []
+    hooked = jax_trainer._distribute_data
+
+    def spy(data, layouts=None):
+        result = hooked(data, layouts)
+        seen.append(keras.tree.flatten(result)[0])
+        return result
+
+    monkeypatch.setattr(jax_trainer, "_distribute_data", spy)
+    x, y = make_data(n=40)
+    with strategy.scope():
+        model = make_model()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    full, short = seen[0], seen[-1]
+    assert full.shape == (32, 16)
+    assert {s.data.shape for s in full.addressable_shards} == {(4, 16)}
+    assert short.shape == (8, 16)
+    assert len(full.sharding.device_set) == NUM_DEVICES
+
+
+def test_fit_outside_scope_still_distributes(strategy):
+    x, y = make_data(n=64)
+    with strategy.scope():
+        model = make_model()
+    assert kd.keras_hooks.model_strategy(model) is strategy
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # outside scope
+    kernel = model.layers[0].kernel.value
+    assert len(kernel.sharding.device_set) == NUM_DEVICES
+    reference = make_model()
+    reference.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert_same_weights(reference, model)
+
+
+def test_lazily_built_model_and_optimizer_from_outside(strategy):
+    x, y = make_data(n=64)
+    optimizer = keras.optimizers.SGD(0.1)  # created outside the scope
+    with strategy.scope():
+        model = make_model(build=False)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, np.eye(3)[y], batch_size=BATCH, verbose=0)
+    for variable in model.variables + optimizer.variables:
+        assert strategy.extended.variable_created_in_scope(variable), (
+            variable.path)
+
+
+def test_model_created_outside_scope_then_fit_inside_is_an_error(strategy):
+    x, y = make_data(n=32)
+    model = make_model()
+    with pytest.raises(ValueError, match="created outside any strategy scope"):
+        with strategy.scope():
+            model.fit(x, y, verbose=0)
+
+
+def test_mixing_strategies_is_an_error(strategy):
+    other = kd.MirroredStrategy(cpu_names(2))
+    with strategy.scope():
+        model = make_model()
+    with pytest.raises(ValueError, match="Mixing strategies"):
+        with other.scope():
+            model.fit(*make_data(n=32), verbose=0)
+    with pytest.raises(ValueError, match="Mixing different strategies"):
+        with strategy.scope(), other.scope():
+            pass
+
+
+def test_fit_failure_leaves_model_usable(strategy):
+    x, y = make_data(n=64)
+    with strategy.scope():
+        model = make_model()
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("boom")
+
+    before = model.get_weights()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(x, y, batch_size=BATCH, callbacks=[Boom()], verbose=0)
+    assert all(v.value is not None for v in model.variables)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert not np.allclose(model.get_weights()[0], before[0])
+
+
+def test_train_and_predict_on_batch_with_odd_batch(strategy):
+    x, y = make_data(n=13)
+    reference = make_model()
+    with strategy.scope():
+        model = make_model()
+    np.testing.assert_allclose(model.train_on_batch(x, y),
+                               reference.train_on_batch(x, y), rtol=1e-5)
+    np.testing.assert_allclose(model.predict_on_batch(x),
+                               reference.predict_on_batch(x), atol=1e-5)
+    np.testing.assert_allclose(model.test_on_batch(x, y),
+                               reference.test_on_batch(x, y), rtol=1e-5)
+
+
+def test_fit_on_tf_data_with_validation(strategy):
+    import tensorflow as tf
+
+    x, y = make_data(n=100)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    reference = make_model()
+    ref = reference.fit(train, validation_data=train, epochs=2, verbose=0)
+    with strategy.scope():
+        model = make_model()
+    hist = model.fit(train, validation_data=train, epochs=2, verbose=0)
+    np.testing.assert_allclose(hist.history["val_loss"],
+                               ref.history["val_loss"], rtol=1e-5)
+    assert_same_weights(reference, model)
+
+
+def test_model_save_and_load_round_trip(strategy, tmp_path):
+    with strategy.scope():
+        model = make_model()
+    model.fit(*make_data(n=64), batch_size=BATCH, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "compile() was not called"
+        restored = keras.models.load_model(path)
+    assert restored.compiled
+    for a, b in zip(model.get_weights(), restored.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_hooks_uninstall_restores_keras():
+    from keras.src.trainers import trainer as base_trainer
+
+    kd.MirroredStrategy(cpu_names(1))
+    assert hasattr(keras.Model.fit, "_kd_original")
+    kd.keras_hooks.uninstall()
+    try:
+        assert not hasattr(keras.Model.fit, "_kd_original")
+        assert not hasattr(keras.Model.compile, "_kd_original")
+        assert not hasattr(base_trainer.Trainer.__init__, "__wrapped__")
+    finally:
+        kd.keras_hooks.install()
