@@ -181,6 +181,18 @@ def _to_numpy(leaf: Any) -> Any:
     return np.asarray(leaf)
 
 
+def check_source(source: Any) -> None:
+    """Raises `ValueError` unless `source` is a dataset we can iterate."""
+    import keras
+
+    if not isinstance(source, (Iterable, keras.utils.PyDataset)):
+        raise ValueError(
+            "Expected a `tf.data.Dataset`, a `keras.utils.PyDataset` or an "
+            "iterable of (nested) arrays whose leading dimension is the "
+            f"batch. Received: dataset of type {type(source).__name__}."
+        )
+
+
 def iterate_source(source: Any) -> Iterator[Any]:
     """Yields the elements of a dataset as nested numpy arrays.
 
@@ -189,18 +201,13 @@ def iterate_source(source: Any) -> Iterator[Any]:
     """
     import keras
 
+    check_source(source)
     if hasattr(source, "as_numpy_iterator") and hasattr(source, "element_spec"):
         elements = source.as_numpy_iterator()
     elif isinstance(source, keras.utils.PyDataset):
         elements = (source[i] for i in range(len(source)))
-    elif isinstance(source, Iterable):
-        elements = iter(source)
     else:
-        raise ValueError(
-            "Expected a `tf.data.Dataset`, a `keras.utils.PyDataset` or an "
-            "iterable of (nested) arrays whose leading dimension is the "
-            f"batch. Received: dataset of type {type(source).__name__}."
-        )
+        elements = iter(source)
     for element in elements:
         yield keras.tree.map_structure(_to_numpy, element)
 
@@ -258,6 +265,7 @@ class DistributedDataset:
 
     def __init__(self, strategy, dataset: Any,
                  options: Optional[InputOptions] = None):
+        check_source(dataset)
         self._strategy = strategy
         self._dataset = dataset
         self._options = options or InputOptions()
@@ -302,6 +310,7 @@ class DistributedDatasetsFromFunction:
             )
         self._strategy = strategy
         self._dataset = dataset_fn(input_context)
+        check_source(self._dataset)
         self._options = options or InputOptions()
 
     def __iter__(self) -> Iterator[Any]:

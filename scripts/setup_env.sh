@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the local virtual environment .venv with every backend.
+# Reinstalls only when pyproject.toml or constraints.txt changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.kd-installed
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # A CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[jax,tensorflow,torch,test,examples]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs (or refreshes) .venv and runs the whole suite under every Keras
+# backend, one after another (they would fight for 2 cores in parallel).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh || exit 1
+export TF_CPP_MIN_LOG_LEVEL=2
+status=0
+for backend in ${KD_BACKENDS:-jax tensorflow torch}; do
+  echo "=== KERAS_BACKEND=$backend ==="
+  KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
+done
+exit $status

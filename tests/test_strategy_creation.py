@@ -1,0 +1,98 @@
+"""Device selection and every error message of strategy creation."""
+
+import numpy as np
+import pytest
+
+import keras_distribute as kd
+from conftest import BACKEND, NUM_DEVICES
+
+pytestmark = pytest.mark.needs_strategy
+
+
+def test_default_devices_are_all_local_devices():
+    strategy = kd.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == NUM_DEVICES
+    assert repr(strategy).startswith("<MirroredStrategy devices=['cpu:0'")
+    assert strategy.device_mesh.shape == (NUM_DEVICES,)
+    assert strategy.cluster_resolver is None
+
+
+@pytest.mark.parametrize("devices", [
+    ["CPU:0", "/cpu:1"],
+    ["cpu:0", "/job:localhost/replica:0/task:0/device:CPU:1"],
+    ["/device:CPU:0", "CPU:1"],
+])
+def test_device_name_forms(devices):
+    strategy = kd.MirroredStrategy(devices)
+    assert strategy.extended.worker_devices == ("cpu:0", "cpu:1")
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.Device objects: JAX only")
+def test_jax_device_objects():
+    import jax
+
+    strategy = kd.MirroredStrategy(jax.devices()[2:4])
+    assert strategy.extended.worker_devices == ("cpu:2", "cpu:3")
+
+
+@pytest.mark.parametrize("devices, match", [
+    (["CPU:0", "CPU:99"], "Unknown device 'CPU:99'"),
+    (["GPU:0"], "Unknown device 'GPU:0'"),
+    (["CPU:0", "/cpu:0"], "listed twice"),
+    ([], "at least one device"),
+    ("CPU:0", "Wrap a single device in a list"),
+    (["TPX:0"], "unknown device type"),
+    (["/job:worker/task:3/device:CPU:0"], "not local to this process"),
+    ([3.5], "Expected a device name"),
+])
+def test_bad_devices(devices, match):
+    with pytest.raises(ValueError, match=match):
+        kd.MirroredStrategy(devices)
+
+
+def test_cross_device_ops_is_accepted_with_a_warning():
+    with pytest.warns(UserWarning, match="cross_device_ops"):
+        kd.MirroredStrategy(["CPU:0"], cross_device_ops=object())
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="ModelParallel: JAX only here")
+def test_layout_map_shards_variables_and_checks_rank():
+    import keras
+    from keras.distribution import DeviceMesh, LayoutMap
+
+    mesh = DeviceMesh((4, 2), ["batch", "model"],
+                      [f"cpu:{i}" for i in range(8)])
+    layout_map = LayoutMap(mesh)
+    layout_map["dense/kernel"] = (None, "model")
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    assert strategy.num_replicas_in_sync == 4
+    with strategy.scope():
+        layer = keras.layers.Dense(8, name="dense")
+        layer.build((None, 4))
+    shards = {s.data.shape for s in layer.kernel.value.addressable_shards}
+    assert shards == {(4, 4)}
+
+    bad = LayoutMap(mesh)
+    bad["dense_1/kernel"] = ("model",)
+    with pytest.raises(ValueError, match="has rank 1 but the variable"):
+        with kd.MirroredStrategy(layout_map=bad).scope():
+            keras.layers.Dense(8, name="dense_1").build((None, 4))
+    with pytest.raises(ValueError, match="differ"):
+        kd.MirroredStrategy(["CPU:0"], layout_map=layout_map)
+    with pytest.raises(ValueError, match="LayoutMap"):
+        kd.MirroredStrategy(layout_map=object())
+
+
+def test_options_type_error():
+    strategy = kd.MirroredStrategy(["CPU:0"])
+    with pytest.raises(ValueError, match="kd.InputOptions"):
+        strategy.experimental_distribute_dataset([np.ones(2)], options={})
+    with pytest.raises(ValueError, match="value_fn"):
+        strategy.experimental_distribute_values_from_function(3)
+    with pytest.raises(ValueError, match="dataset_fn"):
+        strategy.distribute_datasets_from_function(3)
+    with pytest.raises(ValueError, match="leading"):
+        list(strategy.experimental_distribute_dataset(
+            [(np.ones(2), np.ones(3))]))
+    with pytest.raises(ValueError, match="iterable"):
+        strategy.experimental_distribute_dataset(3)
