@@ -45,6 +45,15 @@ class _InPlaceEngine:
         return ops.sum(value, axis) if op is ReduceOp.SUM else ops.mean(
             value, axis)
 
+    def from_native(self, value: Any) -> Any:
+        return value
+
+    def distribute_datasets_from_function(self, dataset_fn, options) -> Any:
+        return None  # built by the neutral layer
+
+    def distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        return dataset
+
     def gather(self, values: Sequence[Any], axis: int) -> Any:
         return values[0]
 

@@ -11,7 +11,11 @@ them, on first use (the first strategy created, never at import), and
    scope wherever they are called, lay out stray optimizer / metric /
    lazily-built variables, and refuse a model created outside any scope
    whose variables the strategy does not own, or mixing two strategies.
-3. JAX only: Keras' trainer computes the data layout from the first batch
+3. TensorFlow only: Keras scales each replica's mean loss by
+   `1 / num_replicas`, wrong when a short last batch is split unevenly; the
+   hook on `Loss.__call__` scales it by `local_batch / global_batch` instead
+   (and `unscale_loss_for_distribution` undoes that for the logged loss).
+4. JAX only: Keras' trainer computes the data layout from the first batch
    of an epoch and reuses it; a short last batch then fails with
    `IndivisibleError`. The hook asks the strategy's distribution for every
    batch instead (a short batch is laid out replicated).
@@ -132,6 +136,32 @@ def _install_jax_data_hook() -> None:
     _patch(jax_trainer, "_distribute_data", _distribute_data)
 
 
+def _install_tf_loss_hook() -> None:
+    from keras.src.losses import loss as loss_module
+
+    from keras_distribute.backend import tensorflow as tf_backend
+
+    original_call = loss_module.Loss.__call__
+    original_unscale = loss_module.unscale_loss_for_distribution
+    last_factor = threading.local()  # per replica thread
+
+    @functools.wraps(original_call)
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = original_call(self, y_true, y_pred, sample_weight)
+        factor = tf_backend.uneven_batch_loss_factor(self, y_pred)
+        last_factor.value = factor
+        return value if factor is None else value * factor
+
+    @functools.wraps(original_unscale)
+    def unscale_loss_for_distribution(value):
+        factor = getattr(last_factor, "value", None)
+        return original_unscale(value if factor is None else value / factor)
+
+    _patch(loss_module.Loss, "__call__", __call__)
+    _patch(loss_module, "unscale_loss_for_distribution",
+           unscale_loss_for_distribution)
+
+
 def install() -> None:
     """Installs the hooks once; later calls do nothing."""
     import keras
@@ -142,6 +172,8 @@ def install() -> None:
         _install_model_hooks()
         if keras.backend.backend() == "jax":
             _install_jax_data_hook()
+        elif keras.backend.backend() == "tensorflow":
+            _install_tf_loss_hook()
 
 
 def uninstall() -> None:

@@ -200,6 +200,7 @@ class Strategy:
         """
         op = ReduceOp.from_value(reduce_op)
         self._check_cross_replica("reduce")
+        value = self._engine.from_native(value)
 
         def reduce_leaf(leaf):
             if isinstance(leaf, PerReplica):
@@ -247,6 +248,7 @@ class Strategy:
         ```
         """
         self._check_cross_replica("gather")
+        value = self._engine.from_native(value)
 
         def gather_leaf(leaf):
             if isinstance(leaf, PerReplica):
@@ -273,6 +275,7 @@ class Strategy:
         strategy.experimental_local_results(result)   # (1.0, 1.0) on 2
         ```
         """
+        value = self._engine.from_native(value)
         if isinstance(value, PerReplica):
             return value.values
         tree = _tree()
@@ -317,9 +320,11 @@ class Strategy:
         # on 2 replicas: ([0], [2]) then ([4], [6])
         ```
         """
-        return input_lib.DistributedDataset(
-            self, dataset, self._check_options(options)
-        )
+        options = self._check_options(options)
+        native = self._engine.distribute_dataset(dataset, options)
+        if native is not None:
+            return native
+        return input_lib.DistributedDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable,
                                           options: Optional[
@@ -349,13 +354,24 @@ class Strategy:
         dist = strategy.distribute_datasets_from_function(dataset_fn)
         ```
         """
+        if not callable(dataset_fn):
+            raise ValueError(
+                "Expected `dataset_fn` to be a callable taking a "
+                "`kd.InputContext` and returning a dataset. Received: "
+                f"dataset_fn={dataset_fn!r}."
+            )
+        options = self._check_options(options)
+        native = self._engine.distribute_datasets_from_function(
+            dataset_fn, options)
+        if native is not None:
+            return native
         input_context = input_lib.InputContext(
             num_input_pipelines=self._num_input_pipelines(),
             input_pipeline_id=self._input_pipeline_id(),
             num_replicas_in_sync=self.num_replicas_in_sync,
         )
         return input_lib.DistributedDatasetsFromFunction(
-            self, dataset_fn, input_context, self._check_options(options)
+            self, dataset_fn, input_context, options
         )
 
     def experimental_distribute_values_from_function(self, value_fn: Callable):

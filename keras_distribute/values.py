@@ -1,12 +1,14 @@
 """Values that live on several replicas at once."""
 
+import abc
 from typing import Any, Sequence
 
 
-class DistributedValues:
+class DistributedValues(metaclass=abc.ABCMeta):
     """Base class for values that have one component per replica.
 
-    Use `strategy.experimental_local_results(value)` to get the components
+    A backend may register its framework's own per-replica type as a
+    virtual subclass (TensorFlow does). Use `strategy.experimental_local_results(value)` to get the components
     as a tuple, in replica order.
     """
 

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
-STRATEGY_BACKENDS = ("jax",)
+STRATEGY_BACKENDS = ("jax", "tensorflow")
 NUM_DEVICES = {"jax": 8, "tensorflow": 4}.get(BACKEND, 1)
 
 if BACKEND == "tensorflow":

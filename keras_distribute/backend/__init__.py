@@ -2,11 +2,11 @@
 
 import importlib
 
-_SUPPORTED = {"jax": "keras_distribute.backend.jax"}
-_PLANNED = {
-    "tensorflow": "tf.distribute.MirroredStrategy",
-    "torch": "torch.distributed",
+_SUPPORTED = {
+    "jax": "keras_distribute.backend.jax",
+    "tensorflow": "keras_distribute.backend.tensorflow",
 }
+_PLANNED = {"torch": "torch.distributed"}
 _loaded = {}
 
 

@@ -38,6 +38,16 @@ class ReplicaEngine(Protocol):
                         on_device: bool = True) -> Any:
         """Places structure `i` on replica `i`; returns `PerReplica` leaves."""
 
+    def from_native(self, value: Any) -> Any:
+        """Turns the framework's own distributed values into `PerReplica`."""
+
+    def distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        """The framework's own distributed dataset, or `None` to split here."""
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable,
+                                          options: Any) -> Any:
+        """The framework's own per-pipeline datasets, or `None`."""
+
     def variable_local_results(self, variable: Any) -> Optional[tuple]:
         """The per-replica copies of a strategy variable, else `None`."""
 

@@ -229,6 +229,15 @@ class JaxEngine:
             raise
 
     # ------------------------------------------------------- placing values
+    def from_native(self, value: Any) -> Any:
+        return value
+
+    def distribute_datasets_from_function(self, dataset_fn, options) -> Any:
+        return None  # built by the neutral layer
+
+    def distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        return None  # split by the neutral DistributedDataset
+
     def put_per_replica(self, structures: Sequence[Any],
                         on_device: bool = True) -> Any:
         def put(*leaves):

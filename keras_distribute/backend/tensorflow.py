@@ -1,0 +1,319 @@
+"""The TensorFlow engine: `tf.distribute.MirroredStrategy` underneath.
+
+Variables created in the scope become `tf.distribute` mirrored variables,
+Keras 3's TensorFlow trainer runs its steps through the strategy, and `run`,
+`reduce`, `gather` and the replica context map onto their `tf.distribute`
+counterparts. `run` returns `tf.distribute`'s own per-replica values, so it
+works inside and outside `tf.function` alike.
+"""
+
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import keras
+import tensorflow as tf
+from keras.distribution import DeviceMesh
+from tensorflow.python.distribute import values as tf_values
+
+from keras_distribute import context
+from keras_distribute.devices import DeviceSpec
+from keras_distribute.devices import parse_device_name
+from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.values import PerReplica
+
+name = "tensorflow"
+_TF_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "tpu": "TPU"}
+
+# `isinstance(value, kd.PerReplica)` holds for tf.distribute's own values.
+PerReplica.register(tf_values.PerReplica)
+_our_tf_strategies = weakref.WeakSet()
+
+
+def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
+    """How much to rescale a replica's loss so that uneven batches weigh right.
+
+    Keras scales each replica's mean loss by `1 / num_replicas`, which is
+    exact only when every replica holds as many examples. The right scale is
+    `local_batch / global_batch`; this returns the ratio of the two scales
+    (`num_replicas * local / global`), or `None` outside a replica step of a
+    kd strategy or for a loss that is not averaged over the batch.
+    """
+    if getattr(loss, "reduction", None) != "sum_over_batch_size":
+        return None
+    if not tf.distribute.has_strategy() or (
+        tf.distribute.get_strategy() not in _our_tf_strategies
+    ):
+        return None
+    tf_context = tf.distribute.get_replica_context()
+    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if tf_context is None or num_replicas == 1:
+        return None
+    first = keras.tree.flatten(y_pred)[0]
+    local = tf.cast(tf.shape(first)[0], "float32")
+    total = tf_context.all_reduce("SUM", local)
+    return tf.math.divide_no_nan(num_replicas * local, total)
+
+
+def default_devices() -> list:
+    """All local logical GPUs, else all local logical CPU devices."""
+    return tf.config.list_logical_devices("GPU") or (
+        tf.config.list_logical_devices("CPU"))
+
+
+def device_name(device: Any) -> str:
+    """`"cpu:0"`-style name of a `tf.config.LogicalDevice`."""
+    spec = parse_device_name(device.name)
+    return str(spec)
+
+
+def resolve_device(device: "DeviceSpec | Any") -> Any:
+    """Resolves a `DeviceSpec` (or a `LogicalDevice`) to a logical device."""
+    if isinstance(device, tf.config.LogicalDevice):
+        device = parse_device_name(device.name)
+    if not isinstance(device, DeviceSpec):
+        raise ValueError(
+            "Expected a device name (e.g. 'GPU:0', 'cpu:1') or a "
+            f"`tf.config.LogicalDevice`. Received: device={device!r} of type "
+            f"{type(device).__name__}."
+        )
+    if device.task not in (None, 0):
+        raise ValueError(
+            f"The device {device} of task {device.task} is not local to this "
+            "process. MirroredStrategy uses local devices only; use "
+            "kd.MultiWorkerMirroredStrategy for several processes."
+        )
+    tf_type = _TF_TYPES.get(device.device_type)
+    candidates = tf.config.list_logical_devices(tf_type) if tf_type else []
+    if device.index >= len(candidates):
+        available = [device_name(d) for d in default_devices()]
+        raise ValueError(
+            f"Unknown device {str(device).upper()!r}: this process has "
+            f"{len(candidates)} logical {device.device_type.upper()} "
+            f"device(s). Available devices: {available}. On CPU, split the "
+            "CPU into N logical devices with kd.simulate_cpu_devices(N) "
+            "before TensorFlow initialises its devices."
+        )
+    return candidates[device.index]
+
+
+def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TfEngine":
+    """Builds the engine of a strategy over `devices`."""
+    if layout_map is not None:
+        sharded = {
+            key: layout.axes for key, layout in layout_map.items()
+            if any(axis is not None for axis in layout.axes)
+        }
+        if sharded:
+            raise NotImplementedError(
+                "Sharded variable layouts are not supported on the "
+                "'tensorflow' Keras backend: keras.distribution has no "
+                "TensorFlow implementation and tf.distribute.MirroredStrategy "
+                "replicates variables. Received sharded layouts for "
+                f"{sorted(sharded)}. Use the JAX backend for model "
+                "parallelism, or a layout_map whose axes are all None."
+            )
+        devices = [resolve_device(parse_device_name(str(d)))
+                   for d in layout_map.device_mesh.devices.flatten()]
+    return TfEngine(devices)
+
+
+def _tf_options(options) -> Optional[tf.distribute.InputOptions]:
+    if options is None:
+        return None
+    mode = getattr(tf.distribute.InputReplicationMode,
+                   options.experimental_replication_mode.value)
+    return tf.distribute.InputOptions(
+        experimental_fetch_to_device=options.experimental_fetch_to_device,
+        experimental_replication_mode=mode,
+        experimental_place_dataset_on_device=(
+            options.experimental_place_dataset_on_device),
+        experimental_per_replica_buffer_size=(
+            options.experimental_per_replica_buffer_size),
+    )
+
+
+class TfEngine:
+    """The per-strategy TensorFlow engine (see `interface.ReplicaEngine`)."""
+
+    def __init__(self, devices: Sequence[Any]):
+        self.devices = tuple(devices)
+        self.num_replicas = len(self.devices)
+        # Every strategy in a process needs its own collective group keys,
+        # else a second strategy over another device count aborts its
+        # collectives ("joining a group with size 2, but that group has size
+        # 4"). TensorFlow's own test combinations bump the base the same way.
+        tf.distribute.MirroredStrategy._collective_key_base += 100000
+        self.tf_strategy = tf.distribute.MirroredStrategy(
+            devices=[d.name for d in self.devices]
+        )
+        _our_tf_strategies.add(self.tf_strategy)
+        self.device_mesh = DeviceMesh(
+            shape=(self.num_replicas,), axis_names=["batch"],
+            devices=[device_name(d) for d in self.devices],
+        )
+        # keras.distribution has no TensorFlow implementation.
+        self.distribution = None
+
+    def scope(self):
+        return self.tf_strategy.scope()
+
+    # ------------------------------------------------------------ variables
+    def owns_variable(self, variable: Any) -> bool:
+        value = getattr(variable, "_value", variable)
+        return isinstance(value, tf_values.DistributedValues) and (
+            self.tf_strategy.extended.variable_created_in_scope(value))
+
+    def adopt_variables(self, variables: Sequence[Any]) -> None:
+        # tf.distribute cannot turn a plain variable into a mirrored one.
+        strays = [v.path for v in variables if not self.owns_variable(v)]
+        if strays:
+            raise ValueError(
+                "Some variables used by this model were created outside the "
+                "strategy's scope, which tf.distribute cannot mirror "
+                f"afterwards. Received: {len(strays)} such variable(s), e.g. "
+                f"{strays[:3]}. Create the optimizer (and build the model) "
+                "inside the scope:\n\n"
+                "    with strategy.scope():\n"
+                "        model = ...\n"
+                "        model.compile(optimizer=keras.optimizers.SGD(0.1))\n"
+            )
+
+    def variable_local_results(self, variable: Any) -> Optional[tuple]:
+        value = getattr(variable, "_value", None)
+        if isinstance(variable, keras.Variable) and isinstance(
+            value, tf_values.DistributedValues
+        ):
+            return tuple(self.tf_strategy.experimental_local_results(value))
+        return None
+
+    def call_trainer(self, method: Callable, model: Any, args: tuple,
+                     kwargs: dict) -> Any:
+        if method.__name__ == "predict_on_batch":
+            # Keras' TF `predict_on_batch` feeds the whole batch to every
+            # replica and concatenates N copies; `predict` splits it.
+            (x,) = args or (kwargs["x"],)
+            size = keras.tree.flatten(x)[0].shape[0]
+            return model.predict(x, batch_size=size, verbose=0)
+        return method(model, *args, **kwargs)
+
+    # ------------------------------------------------------- placing values
+    def from_native(self, value: Any) -> Any:
+        def convert(leaf):
+            if isinstance(leaf, tf_values.DistributedValues):
+                return PerReplica(
+                    self.tf_strategy.experimental_local_results(leaf))
+            return leaf
+
+        return keras.tree.map_structure(convert, value)
+
+    def _to_native(self, value: Any) -> Any:
+        def convert(leaf):
+            if isinstance(leaf, PerReplica) and not isinstance(
+                leaf, tf_values.DistributedValues
+            ):
+                return tf_values.PerReplica(tuple(leaf.values))
+            return leaf
+
+        return keras.tree.map_structure(convert, value)
+
+    def put_per_replica(self, structures: Sequence[Any],
+                        on_device: bool = True) -> Any:
+        return self.tf_strategy.experimental_distribute_values_from_function(
+            lambda ctx: keras.tree.map_structure(
+                _to_tensor, structures[ctx.replica_id_in_sync_group])
+        )
+
+    def distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        if isinstance(dataset, tf.data.Dataset):
+            return self.tf_strategy.experimental_distribute_dataset(
+                dataset, _tf_options(options))
+        return None
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable,
+                                          options: Any) -> Any:
+        from keras_distribute.input_lib import InputContext
+
+        def tf_dataset_fn(tf_context):
+            return dataset_fn(InputContext(
+                num_input_pipelines=tf_context.num_input_pipelines,
+                input_pipeline_id=tf_context.input_pipeline_id,
+                num_replicas_in_sync=tf_context.num_replicas_in_sync,
+            ))
+
+        return self.tf_strategy.distribute_datasets_from_function(
+            tf_dataset_fn, _tf_options(options))
+
+    # ------------------------------------------------------------------ run
+    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        def replica_fn(*call_args, **call_kwargs):
+            tf_context = tf.distribute.get_replica_context()
+            ctx = context.ReplicaContext(
+                strategy, tf_context.replica_id_in_sync_group,
+                _TfCollectives(tf_context),
+            )
+            with context._enter(strategy, ctx):
+                return fn(*call_args, **call_kwargs)
+
+        return self.tf_strategy.run(
+            replica_fn, args=self._to_native(args),
+            kwargs=self._to_native(kwargs),
+        )
+
+    # -------------------------------------------------- cross-replica ops
+    def reduce(self, op: ReduceOp, values: Sequence[Any],
+               axis: Optional[int]) -> Any:
+        if axis is None:
+            shapes = {tuple(_to_tensor(v).shape) for v in values}
+            if len(shapes) > 1:
+                raise ValueError(
+                    "Cannot reduce per-replica values of different shapes "
+                    f"{sorted(shapes)} with axis=None. Pass the batch "
+                    "dimension as `axis` (usually `axis=0`)."
+                )
+        else:
+            _check_axis(axis, len(_to_tensor(values[0]).shape))
+        per_replica = tf_values.PerReplica(tuple(_to_tensor(v) for v in values))
+        return self.tf_strategy.reduce(op.value, per_replica, axis=axis)
+
+    def gather(self, values: Sequence[Any], axis: int) -> Any:
+        rank = len(_to_tensor(values[0]).shape)
+        if rank == 0:
+            raise ValueError(
+                "`gather` needs per-replica values of rank >= 1 to "
+                "concatenate. Received scalars. Use `reduce` for scalars, or "
+                "give each replica's value a leading dimension."
+            )
+        _check_axis(axis, rank)
+        per_replica = tf_values.PerReplica(tuple(_to_tensor(v) for v in values))
+        return self.tf_strategy.gather(per_replica, axis=axis)
+
+
+def _check_axis(axis: int, rank: int) -> None:
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"`axis`={axis} is out of range for per-replica values of "
+            f"rank {rank}. Use an axis in [{-rank}, {rank})."
+        )
+
+
+def _to_tensor(value: Any) -> Any:
+    if value is None or isinstance(value, tf.Variable):
+        return value
+    if isinstance(value, keras.Variable):
+        return value.value
+    return tf.convert_to_tensor(value)
+
+
+class _TfCollectives:
+    """Collectives of a `tf.distribute` replica context."""
+
+    def __init__(self, tf_context):
+        self._tf_context = tf_context
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        return self._tf_context.all_reduce(
+            op.value, keras.tree.map_structure(_to_tensor, value))
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        return self._tf_context.all_gather(
+            keras.tree.map_structure(_to_tensor, value), axis)
