@@ -33,6 +33,7 @@ from keras_distribute.losses import compute_average_loss
 from keras_distribute.losses import scale_regularization_loss
 from keras_distribute.mirrored_strategy import MirroredStrategy
 from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.simulate import simulate_cpu_devices
 from keras_distribute.strategy import Strategy
 from keras_distribute.strategy import StrategyExtended
 from keras_distribute.values import DistributedValues
@@ -62,4 +63,5 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "scale_regularization_loss",
+    "simulate_cpu_devices",
 ]

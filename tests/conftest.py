@@ -21,12 +21,9 @@ STRATEGY_BACKENDS = ("jax", "tensorflow")
 NUM_DEVICES = {"jax": 8, "tensorflow": 4}.get(BACKEND, 1)
 
 if BACKEND == "tensorflow":
-    import tensorflow as tf
+    import keras_distribute as _kd
 
-    _cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(
-        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES
-    )
+    _kd.simulate_cpu_devices(NUM_DEVICES)
 
 requires_strategy = pytest.mark.skipif(
     BACKEND not in STRATEGY_BACKENDS,

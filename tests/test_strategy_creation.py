@@ -96,3 +96,11 @@ def test_options_type_error():
             [(np.ones(2), np.ones(3))]))
     with pytest.raises(ValueError, match="iterable"):
         strategy.experimental_distribute_dataset(3)
+
+
+def test_simulate_cpu_devices_after_initialisation():
+    kd.simulate_cpu_devices(NUM_DEVICES)  # same count again: harmless
+    with pytest.raises(RuntimeError, match="already initialised"):
+        kd.simulate_cpu_devices(NUM_DEVICES + 1)
+    with pytest.raises(ValueError, match="positive int"):
+        kd.simulate_cpu_devices(0)

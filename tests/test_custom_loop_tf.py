@@ -1,0 +1,105 @@
+"""TensorFlow custom training loops under `strategy.run` (the tf.distribute
+tutorial pattern) and sparse (embedding) gradients across replicas."""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_distribute as kd
+from conftest import BACKEND
+
+pytestmark = [
+    pytest.mark.needs_strategy,
+    pytest.mark.skipif(BACKEND != "tensorflow",
+                       reason="GradientTape loop: TensorFlow backend"),
+]
+GLOBAL_BATCH = 64
+
+
+def make_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def test_gradient_tape_loop_in_tf_function_matches_fit(strategy):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 16)).astype("float32")  # short last batch: 8
+    y = rng.integers(0, 3, size=(200,))
+    reference = make_model()
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False,
+                  verbose=0)
+
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras.optimizers.SGD(0.1)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=None)
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+
+    def train_step(inputs, global_batch):
+        xb, yb = inputs
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            loss = kd.compute_average_loss(loss_fn(yb, logits),
+                                           global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        accuracy.update_state(yb, logits)
+        return loss
+
+    @tf.function
+    def distributed_step(inputs, global_batch):
+        per_replica = strategy.run(train_step, args=(inputs, global_batch))
+        return strategy.reduce("sum", per_replica, axis=None)
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    for _ in range(3):
+        for start, inputs in zip(range(0, 200, GLOBAL_BATCH), dist_dataset):
+            size = tf.constant(min(GLOBAL_BATCH, 200 - start))
+            distributed_step(inputs, size)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert 0.0 < float(accuracy.result()) <= 1.0
+    assert len(strategy.experimental_local_results(optimizer.iterations)) == 4
+
+
+def test_embedding_model_trains_on_replicas(strategy):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=(96, 6))
+    labels = rng.integers(0, 2, size=(96,))
+
+    def make():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([
+            keras.Input((6,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ])
+        model.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        return model
+
+    reference = make()
+    reference.fit(tokens, labels, batch_size=32, epochs=2, shuffle=False,
+                  verbose=0)
+    with strategy.scope():
+        model = make()
+    model.fit(tokens, labels, batch_size=32, epochs=2, shuffle=False,
+              verbose=0)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    table = strategy.experimental_local_results(model.layers[0].embeddings)
+    for copy in table[1:]:
+        np.testing.assert_array_equal(np.asarray(copy), np.asarray(table[0]))
