@@ -27,6 +27,11 @@ _TF_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "tpu": "TPU"}
 # `isinstance(value, kd.PerReplica)` holds for tf.distribute's own values.
 PerReplica.register(tf_values.PerReplica)
 _our_tf_strategies = weakref.WeakSet()
+_strategies_created = 0
+# Strategies inside a `fit` whose every training batch splits evenly: their
+# replicas skip the all-reduce that weighs uneven batches.
+_even_fits = weakref.WeakSet()
+_KEY_BASE_STRIDE = 1_000_000
 
 
 def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
@@ -42,7 +47,7 @@ def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
         return None
     if not tf.distribute.has_strategy() or (
         tf.distribute.get_strategy() not in _our_tf_strategies
-    ):
+    ) or tf.distribute.get_strategy() in _even_fits:
         return None
     tf_context = tf.distribute.get_replica_context()
     num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -141,11 +146,18 @@ class TfEngine:
         # Every strategy in a process needs its own collective group keys,
         # else a second strategy over another device count aborts its
         # collectives ("joining a group with size 2, but that group has size
-        # 4"). TensorFlow's own test combinations bump the base the same way.
-        tf.distribute.MirroredStrategy._collective_key_base += 100000
-        self.tf_strategy = tf.distribute.MirroredStrategy(
-            devices=[d.name for d in self.devices]
-        )
+        # 4"). TensorFlow's own test combinations move the key base the same
+        # way; it is restored so that plain tf.distribute strategies created
+        # later keep the keys they would have had.
+        global _strategies_created
+        _strategies_created += 1
+        cls = tf.distribute.MirroredStrategy
+        saved_base = cls._collective_key_base
+        cls._collective_key_base = _KEY_BASE_STRIDE * _strategies_created
+        try:
+            self.tf_strategy = cls(devices=[d.name for d in self.devices])
+        finally:
+            cls._collective_key_base = saved_base
         _our_tf_strategies.add(self.tf_strategy)
         self.device_mesh = DeviceMesh(
             shape=(self.num_replicas,), axis_names=["batch"],
@@ -194,7 +206,14 @@ class TfEngine:
             (x,) = args or (kwargs["x"],)
             size = keras.tree.flatten(x)[0].shape[0]
             return model.predict(x, batch_size=size, verbose=0)
-        return method(model, *args, **kwargs)
+        even = method.__name__ == "fit" and _batches_split_evenly(
+            args, kwargs, self.num_replicas)
+        if even:
+            _even_fits.add(self.tf_strategy)
+        try:
+            return method(model, *args, **kwargs)
+        finally:
+            _even_fits.discard(self.tf_strategy)
 
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:
@@ -286,6 +305,27 @@ class TfEngine:
         _check_axis(axis, rank)
         per_replica = tf_values.PerReplica(tuple(_to_tensor(v) for v in values))
         return self.tf_strategy.gather(per_replica, axis=axis)
+
+
+def _batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
+    """Whether every training batch of `fit(x=arrays, ...)` splits evenly.
+
+    Conservative: `False` for datasets, generators and `steps_per_epoch`.
+    """
+    x = args[0] if args else kwargs.get("x")
+    leaves = keras.tree.flatten(x) if x is not None else []
+    if not leaves or not all(hasattr(leaf, "shape") and not isinstance(
+            leaf, tf.data.Dataset) for leaf in leaves):
+        return False
+    if kwargs.get("steps_per_epoch") is not None or len(args) > 3:
+        return False
+    num_samples = leaves[0].shape[0]
+    batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
+    split = kwargs.get("validation_split") or 0.0
+    if split and kwargs.get("validation_data") is None:
+        num_samples = int(num_samples * (1.0 - split))
+    return (batch_size % num_replicas == 0
+            and (num_samples % batch_size) % num_replicas == 0)
 
 
 def _check_axis(axis: int, rank: int) -> None:

@@ -1,0 +1,105 @@
+"""Steady-state `fit` step time: kd.MirroredStrategy vs tf.distribute.
+
+Both train the same Keras 3 model on the same data over the same logical CPU
+devices; the native side builds it under `tf.distribute.MirroredStrategy`
+directly. Trials alternate so that machine noise hits both alike; median
+step times are compared. Prints one JSON object.
+
+Usage:
+    python benchmarks/bench_fit_tf.py [--devices 4] [--steps 60] [--trials 5]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=256)
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+os.environ["KERAS_BACKEND"] = "tensorflow"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_distribute as kd  # noqa: E402
+
+kd.simulate_cpu_devices(ARGS.devices)
+
+
+class StepTimer(keras.callbacks.Callback):
+    def __init__(self, warmup=5):
+        super().__init__()
+        self.warmup, self.times, self._start = warmup, [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch >= self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+
+
+def make_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((256,)),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def step_times(scope, x, y):
+    with scope():
+        model = make_model()
+    timer = StepTimer()
+    model.fit(x, y, batch_size=ARGS.batch_size, epochs=1, shuffle=False,
+              verbose=0, callbacks=[timer])
+    return timer.times
+
+
+def main():
+    rng = np.random.default_rng(0)
+    n = ARGS.batch_size * ARGS.steps
+    x = rng.normal(size=(n, 256)).astype("float32")
+    y = rng.integers(0, 10, size=(n,))
+    strategy = kd.MirroredStrategy()
+    native = tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")])
+    kd_times, native_times = [], []
+    for _ in range(ARGS.trials):
+        kd_times += step_times(strategy.scope, x, y)
+        native_times += step_times(native.scope, x, y)
+    kd_ms = 1000 * float(np.median(kd_times))
+    native_ms = 1000 * float(np.median(native_times))
+    print(json.dumps({
+        "benchmark": "fit_step_time_tensorflow",
+        "devices": strategy.num_replicas_in_sync,
+        "global_batch": ARGS.batch_size,
+        "steps_timed": len(kd_times),
+        "kd_mirrored_ms": round(kd_ms, 3),
+        "tf_distribute_mirrored_ms": round(native_ms, 3),
+        "ratio": round(kd_ms / native_ms, 3),
+        "goal": "<= 1.02",
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
