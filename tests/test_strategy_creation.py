@@ -104,3 +104,18 @@ def test_simulate_cpu_devices_after_initialisation():
         kd.simulate_cpu_devices(NUM_DEVICES + 1)
     with pytest.raises(ValueError, match="positive int"):
         kd.simulate_cpu_devices(0)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF layout_map limits")
+def test_tf_sharded_layout_map_is_refused_replicated_is_fine():
+    from keras.distribution import DeviceMesh, LayoutMap
+
+    mesh = DeviceMesh((2, 2), ["batch", "model"],
+                      [f"cpu:{i}" for i in range(4)])
+    sharded = LayoutMap(mesh)
+    sharded["dense/kernel"] = (None, "model")
+    with pytest.raises(NotImplementedError, match="'tensorflow' Keras backend"):
+        kd.MirroredStrategy(layout_map=sharded)
+    replicated = LayoutMap(mesh)
+    replicated["dense/kernel"] = (None, None)
+    assert kd.MirroredStrategy(layout_map=replicated).num_replicas_in_sync == 4
