@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 
 def parse_args():
@@ -34,35 +33,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
+from _common import StepTimer, make_model  # noqa: E402
 
 kd.simulate_cpu_devices(ARGS.devices)
-
-
-class StepTimer(keras.callbacks.Callback):
-    def __init__(self, warmup=5):
-        super().__init__()
-        self.warmup, self.times, self._start = warmup, [], None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch >= self.warmup:
-            self.times.append(time.perf_counter() - self._start)
-
-
-def make_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((256,)),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
-    return model
 
 
 def step_times(scope, x, y):

@@ -55,3 +55,13 @@ def rng():
 
 def cpu_names(n):
     return [f"CPU:{i}" for i in range(n)]
+
+
+def make_mlp():
+    """The small tanh MLP of the parity tests (tanh: no ReLU kinks)."""
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(3),
+    ])

@@ -7,21 +7,13 @@ import pytest
 import keras
 import keras_distribute as kd
 from conftest import BACKEND
+from conftest import make_mlp as make_model
 
 pytestmark = [
     pytest.mark.needs_strategy,
     pytest.mark.skipif(BACKEND != "jax", reason="jax.grad loop: JAX backend"),
 ]
 GLOBAL_BATCH = 64
-
-
-def make_model():
-    keras.utils.set_random_seed(1)
-    return keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(3),
-    ])
 
 
 def test_jax_custom_loop_matches_fit(strategy):

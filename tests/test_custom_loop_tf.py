@@ -7,6 +7,7 @@ import pytest
 import keras
 import keras_distribute as kd
 from conftest import BACKEND
+from conftest import make_mlp as make_model
 
 pytestmark = [
     pytest.mark.needs_strategy,
@@ -14,15 +15,6 @@ pytestmark = [
                        reason="GradientTape loop: TensorFlow backend"),
 ]
 GLOBAL_BATCH = 64
-
-
-def make_model():
-    keras.utils.set_random_seed(1)
-    return keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(3),
-    ])
 
 
 def test_gradient_tape_loop_in_tf_function_matches_fit(strategy):
