@@ -29,6 +29,9 @@ from keras_distribute.input_lib import DistributedDataset
 from keras_distribute.input_lib import InputContext
 from keras_distribute.input_lib import InputOptions
 from keras_distribute.input_lib import InputReplicationMode
+from keras_distribute.launch import LaunchError
+from keras_distribute.launch import launch
+from keras_distribute.launch import notebook_launcher
 from keras_distribute.losses import compute_average_loss
 from keras_distribute.losses import scale_regularization_loss
 from keras_distribute.mirrored_strategy import MirroredStrategy
@@ -49,6 +52,7 @@ __all__ = [
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
+    "LaunchError",
     "Mirrored",
     "MirroredStrategy",
     "PerReplica",
@@ -62,6 +66,8 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "launch",
+    "notebook_launcher",
     "scale_regularization_loss",
     "simulate_cpu_devices",
 ]

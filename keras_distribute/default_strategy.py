@@ -26,6 +26,8 @@ class _InPlaceEngine:
 
     devices = ()
     num_replicas = 1
+    local_replica_ids = (0,)
+    num_input_pipelines, input_pipeline_id = 1, 0
     device_mesh = None
     distribution = None
 

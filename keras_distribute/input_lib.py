@@ -278,8 +278,10 @@ class DistributedDataset:
             if per_replica is None or batch > per_replica * num_replicas:
                 per_replica = math.ceil(batch / num_replicas)
             slices = split_batch(element, num_replicas, per_replica)
-            yield self._strategy._engine.put_per_replica(
-                slices, on_device=self._options.fetch_to_device
+            engine = self._strategy._engine
+            yield engine.put_per_replica(
+                [slices[i] for i in engine.local_replica_ids],
+                on_device=self._options.fetch_to_device,
             )
 
     def __repr__(self) -> str:
@@ -316,7 +318,7 @@ class DistributedDatasetsFromFunction:
     def __iter__(self) -> Iterator[Any]:
         import keras
 
-        num_replicas = self._strategy.num_replicas_in_sync
+        num_replicas = len(self._strategy._engine.local_replica_ids)
         group = []
         for element in iterate_source(self._dataset):
             group.append(element)

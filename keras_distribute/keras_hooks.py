@@ -15,7 +15,11 @@ them, on first use (the first strategy created, never at import), and
    `1 / num_replicas`, wrong when a short last batch is split unevenly; the
    hook on `Loss.__call__` scales it by `local_batch / global_batch` instead
    (and `unscale_loss_for_distribution` undoes that for the logged loss).
-4. JAX only: Keras' trainer computes the data layout from the first batch
+4. PyTorch only (in a process group): new variables are recorded for the
+   rank-0 broadcast; `TorchTrainer.train_step` forwards through a held
+   `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
+   nothing); `Trainer.get_metrics_result` reads all-process metric states.
+5. JAX only: Keras' trainer computes the data layout from the first batch
    of an epoch and reuses it; a short last batch then fails with
    `IndivisibleError`. The hook asks the strategy's distribution for every
    batch instead (a short batch is laid out replicated).
@@ -162,6 +166,50 @@ def _install_tf_loss_hook() -> None:
            unscale_loss_for_distribution)
 
 
+def _torch_engine(model):
+    strategy = model_strategy(model)
+    engine = getattr(strategy, "_engine", None)
+    return engine if getattr(engine, "in_group", False) else None
+
+
+def _install_torch_hooks() -> None:
+    from keras.src.backend.torch import core as torch_core
+    from keras.src.backend.torch import trainer as torch_trainer
+    from keras.src.trainers import trainer as base_trainer
+
+    from keras_distribute.backend import torch as torch_backend
+
+    original_initialize = torch_core.Variable._initialize
+
+    @functools.wraps(original_initialize)
+    def _initialize(self, value):
+        original_initialize(self, value)
+        torch_backend.on_variable_created(self)
+
+    original_train_step = torch_trainer.TorchTrainer.train_step
+
+    @functools.wraps(original_train_step)
+    def train_step(self, data):
+        engine = _torch_engine(self)
+        if engine is None:
+            return original_train_step(self, data)
+        return engine.train_step(self, data)
+
+    original_results = base_trainer.Trainer.get_metrics_result
+
+    @functools.wraps(original_results)
+    def get_metrics_result(self):
+        engine = _torch_engine(self)
+        if engine is None:
+            return original_results(self)
+        with engine.global_metric_states(self.metrics_variables):
+            return original_results(self)
+
+    _patch(torch_core.Variable, "_initialize", _initialize)
+    _patch(torch_trainer.TorchTrainer, "train_step", train_step)
+    _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
+
+
 def install() -> None:
     """Installs the hooks once; later calls do nothing."""
     import keras
@@ -174,6 +222,8 @@ def install() -> None:
             _install_jax_data_hook()
         elif keras.backend.backend() == "tensorflow":
             _install_tf_loss_hook()
+        elif keras.backend.backend() == "torch":
+            _install_torch_hooks()
 
 
 def uninstall() -> None:

@@ -211,9 +211,9 @@ class Strategy:
 
     def _reduce_plain(self, op: ReduceOp, value: Any, axis: Optional[int]):
         if axis is not None:
-            # The same value on every replica: reduce it as N copies.
+            # The same value on every replica: one copy per local replica.
             return self._engine.reduce(
-                op, [value] * self.num_replicas_in_sync, axis
+                op, [value] * len(self._engine.local_replica_ids), axis
             )
         if op is ReduceOp.MEAN or self.num_replicas_in_sync == 1:
             return value
@@ -402,11 +402,9 @@ class Strategy:
                 "Expected `value_fn` to be a callable taking a "
                 f"`kd.ValueContext`. Received: value_fn={value_fn!r}."
             )
-        n = self.num_replicas_in_sync
-        first = self._input_pipeline_id() * n
         structures = [
-            value_fn(context.ValueContext(first + i, self._global_replicas()))
-            for i in range(n)
+            value_fn(context.ValueContext(i, self.num_replicas_in_sync))
+            for i in self._engine.local_replica_ids
         ]
         return self._engine.put_per_replica(structures, on_device=True)
 
@@ -419,13 +417,10 @@ class Strategy:
         return options
 
     def _num_input_pipelines(self) -> int:
-        return 1
+        return self._engine.num_input_pipelines
 
     def _input_pipeline_id(self) -> int:
-        return 0
-
-    def _global_replicas(self) -> int:
-        return self.num_replicas_in_sync
+        return self._engine.input_pipeline_id
 
     def _default_replica_context(self):
         raise NotImplementedError

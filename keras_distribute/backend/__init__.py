@@ -5,8 +5,9 @@ import importlib
 _SUPPORTED = {
     "jax": "keras_distribute.backend.jax",
     "tensorflow": "keras_distribute.backend.tensorflow",
+    "torch": "keras_distribute.backend.torch",
 }
-_PLANNED = {"torch": "torch.distributed"}
+_PLANNED = {}
 _loaded = {}
 
 

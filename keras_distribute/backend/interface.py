@@ -16,7 +16,10 @@ class ReplicaEngine(Protocol):
     """The per-strategy engine: devices, layouts, collectives."""
 
     devices: tuple
-    num_replicas: int
+    num_replicas: int  # replicas in sync, over every process
+    local_replica_ids: tuple  # the replicas this process runs
+    num_input_pipelines: int  # one per process
+    input_pipeline_id: int
     device_mesh: Any  # keras.distribution.DeviceMesh
     distribution: Any  # keras.distribution.Distribution or None
 

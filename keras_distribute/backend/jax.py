@@ -169,6 +169,8 @@ class JaxEngine:
             )
         self.batch_axis = self.device_mesh.axis_names[0]
         self.num_replicas = self.device_mesh.shape[0]
+        self.local_replica_ids = tuple(range(self.num_replicas))
+        self.num_input_pipelines, self.input_pipeline_id = 1, 0
         self.mesh = self.device_mesh.backend_mesh
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._replica_of_device = {}

@@ -143,6 +143,8 @@ class TfEngine:
     def __init__(self, devices: Sequence[Any]):
         self.devices = tuple(devices)
         self.num_replicas = len(self.devices)
+        self.local_replica_ids = tuple(range(self.num_replicas))
+        self.num_input_pipelines, self.input_pipeline_id = 1, 0
         # Every strategy in a process needs its own collective group keys,
         # else a second strategy over another device count aborts its
         # collectives ("joining a group with size 2, but that group has size

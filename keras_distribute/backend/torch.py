@@ -1,0 +1,419 @@
+"""The PyTorch engine: one replica per process, `torch.distributed` underneath.
+
+In a launched group (`kd.launch`, `python -m keras_distribute.launch`,
+`torchrun`) every process is one replica: gloo on CPU, nccl on GPU (device =
+`LOCAL_RANK`). `fit` forwards through a `DistributedDataParallel` held inside
+the train step (bucketed all-reduce overlapped with backward); metric states
+are all-reduced before they are read; each process trains on its slice of
+every global batch. In a plain single process there is one replica.
+"""
+
+import contextlib
+import datetime
+import logging
+import warnings
+import os
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import keras
+from keras.distribution import DeviceMesh
+
+from keras_distribute import context
+from keras_distribute.devices import DeviceSpec
+from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.values import PerReplica
+
+name = "torch"
+DEFAULT_TIMEOUT_S = 120.0
+_log = logging.getLogger("keras_distribute")
+
+
+def _timeout_s() -> float:
+    value = os.environ.get("KERAS_DISTRIBUTE_TIMEOUT", DEFAULT_TIMEOUT_S)
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            "Expected KERAS_DISTRIBUTE_TIMEOUT to be a number of seconds. "
+            f"Received: KERAS_DISTRIBUTE_TIMEOUT={value!r}."
+        ) from None
+
+
+def ensure_process_group() -> bool:
+    """Joins the torchrun-style group of this process; `False` when alone."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return False
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        timeout=datetime.timedelta(seconds=_timeout_s()),
+    )
+    return True
+
+
+def default_devices() -> list:
+    """This process's device: `cuda:LOCAL_RANK`, else the CPU."""
+    in_group = ensure_process_group()
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) if in_group else 0
+        return [torch.device("cuda", index)]
+    if not in_group:
+        _log.info(
+            "kd.MirroredStrategy on the torch backend: one process is one "
+            "replica, so this single process has 1 replica. Run N processes "
+            "with kd.launch(fn, num_processes=N), `python -m "
+            "keras_distribute.launch --nproc N script.py` or torchrun.")
+    return [torch.device("cpu")]
+
+
+def device_name(device: Any) -> str:
+    """`"cpu:0"`-style name of a `torch.device`."""
+    return f"{device.type}:{device.index or 0}"
+
+
+def resolve_device(device: "DeviceSpec | Any") -> Any:
+    """Checks that `device` is this process's own device."""
+    own = default_devices()[0]
+    if isinstance(device, torch.device):
+        spec_type, index = device.type, device.index or 0
+    elif isinstance(device, DeviceSpec):
+        spec_type = "cuda" if device.device_type in ("gpu", "cuda") else (
+            device.device_type)
+        index = device.index
+    else:
+        raise ValueError(
+            "Expected a device name (e.g. 'GPU:0', 'cpu:0') or a "
+            f"`torch.device`. Received: device={device!r}.")
+    if spec_type != own.type or (own.type == "cuda" and index != own.index):
+        raise ValueError(
+            f"On the torch backend each process is one replica on its own "
+            f"device ({device_name(own)}). Received: device={device!r}. Run "
+            "one process per device (kd.launch / torchrun) instead of listing "
+            "several devices.")
+    return own
+
+
+def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine":
+    """Builds the engine of a strategy over this process's device."""
+    if layout_map is not None and any(
+        any(axis is not None for axis in layout.axes)
+        for layout in layout_map.values()
+    ):
+        raise NotImplementedError(
+            "Sharded variable layouts are not supported on the 'torch' Keras "
+            "backend yet (DTensor-backed Keras variables break get_weights "
+            "and saving). Use the JAX backend for model parallelism, or a "
+            "layout_map whose axes are all None.")
+    if len(devices) != 1:
+        raise ValueError(
+            "On the torch backend each process drives exactly one device. "
+            f"Received {len(devices)} devices. Run one process per device.")
+    return TorchEngine(devices[0])
+
+
+class TorchEngine:
+    """The per-strategy torch engine (see `interface.ReplicaEngine`)."""
+
+    def __init__(self, device: Any):
+        self.in_group = ensure_process_group()
+        self.world_size = dist.get_world_size() if self.in_group else 1
+        self.rank = dist.get_rank() if self.in_group else 0
+        self.device = device
+        self.devices = (device,)
+        self.num_replicas = self.world_size
+        self.local_replica_ids = (self.rank,)
+        self.num_input_pipelines = self.world_size
+        self.input_pipeline_id = self.rank
+        self.device_mesh = DeviceMesh(
+            shape=(self.world_size,), axis_names=["batch"],
+            devices=[f"{device.type}:{r}" for r in range(self.world_size)])
+        self.distribution = None  # keras.distribution has no torch support
+        self._created = []  # variables created in scope, not yet broadcast
+        self._ddp = weakref.WeakKeyDictionary()
+        self.even_batches = False  # set by `fit` when every batch splits evenly
+
+    # ------------------------------------------------------------ variables
+    def scope(self):
+        return _EngineScope(self)
+
+    def record_variable(self, variable: Any) -> None:
+        if self.in_group:
+            self._created.append(weakref.ref(variable))
+
+    def broadcast_new_variables(self) -> None:
+        """Makes every variable created so far equal to rank 0's."""
+        pending, self._created = self._created, []
+        with torch.no_grad():
+            for ref in pending:
+                variable = ref()
+                if variable is not None and variable._value is not None:
+                    dist.broadcast(variable.value.data, src=0)
+
+    def owns_variable(self, variable: Any) -> bool:
+        return getattr(variable, "_kd_engine", None) is self
+
+    def adopt_variables(self, variables: Sequence[Any]) -> None:
+        for variable in variables:
+            if not self.owns_variable(variable):
+                object.__setattr__(variable, "_kd_engine", self)
+                self.record_variable(variable)
+
+    def variable_local_results(self, variable: Any) -> Optional[tuple]:
+        if isinstance(variable, keras.Variable) and self.owns_variable(variable):
+            return (variable.value,)
+        return None
+
+    def call_trainer(self, method: Callable, model: Any, args: tuple,
+                     kwargs: dict) -> Any:
+        if not self.in_group:
+            return method(model, *args, **kwargs)
+        from keras_distribute.backend import torch_data
+
+        return torch_data.call_sharded(self, method, model, args, kwargs)
+
+    def ddp(self, model: Any) -> Any:
+        """The DistributedDataParallel that wraps `model`, made once."""
+        params = tuple(p for p in model.parameters() if p.requires_grad)
+        held = self._ddp.get(model)
+        if held is None or held[1] != tuple(map(id, params)):
+            self.broadcast_new_variables()
+            wrapper = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=None if self.device.type == "cpu" else [
+                    self.device.index])
+            held = (wrapper, tuple(map(id, params)))
+            self._ddp[model] = held
+        return held[0]
+
+    # ------------------------------------------------------------ training
+    def train_step(self, model: Any, data: Any) -> Any:
+        """Keras' torch train step, forwarding through the held DDP."""
+        from keras.src import tree
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        wrapper = self.ddp(model)
+        if model._call_has_training_arg:
+            y_pred = wrapper(x, training=True)
+        else:
+            y_pred = wrapper(x)
+        model.zero_grad()
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                   sample_weight=sample_weight, training=True)
+        local = next(i for i in tree.flatten(x) if i is not None).shape[0]
+        model._loss_tracker.update_state(loss, sample_weight=local)
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+        if not self.even_batches:
+            # DDP averages over processes; weigh each by its share of the
+            # global batch so that an uneven split gives the global mean.
+            total = self._all_reduce_sum(
+                torch.tensor(float(local), device=self.device))
+            loss = loss * (self.world_size * local / total)
+        if model.trainable_weights:
+            loss.backward()
+            weights = model.trainable_weights[:]
+            with torch.no_grad():
+                model.optimizer.apply([v.value.grad for v in weights], weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    @contextlib.contextmanager
+    def global_metric_states(self, variables: Sequence[Any]):
+        """Temporarily gives metric variables their all-process values.
+
+        Variables aggregated by `"sum"` are summed over processes, `"mean"`
+        averaged, `"only_first_replica"` taken from rank 0; one flat
+        all-reduce serves them all. Local values are restored on exit, so
+        accumulation goes on locally.
+        """
+        variables = [v for v in variables
+                     if getattr(v, "aggregation", "none") != "none"]
+        if not variables:
+            yield
+            return
+        local = [v.value.detach().clone() for v in variables]
+        flat = torch.cat([
+            (t.double() if v.aggregation != "only_first_replica" or
+             self.rank == 0 else torch.zeros_like(t, dtype=torch.float64)
+             ).reshape(-1)
+            for v, t in zip(variables, local)]).to(self.device)
+        self._all_reduce_sum(flat)
+        offset = 0
+        with torch.no_grad():
+            for variable, value in zip(variables, local):
+                part = flat[offset:offset + value.numel()].reshape(value.shape)
+                offset += value.numel()
+                if variable.aggregation == "mean":
+                    part = part / self.world_size
+                variable.value.copy_(part.to(value.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for variable, value in zip(variables, local):
+                    variable.value.copy_(value)
+
+    # ------------------------------------------------------- placing values
+    def from_native(self, value: Any) -> Any:
+        return value
+
+    def distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        return None
+
+    def distribute_datasets_from_function(self, dataset_fn, options) -> Any:
+        return None
+
+    def put_per_replica(self, structures: Sequence[Any],
+                        on_device: bool = True) -> Any:
+        (structure,) = structures
+
+        def put(leaf):
+            if leaf is None:
+                return None
+            tensor = _to_tensor(leaf)
+            return PerReplica([tensor.to(self.device) if on_device else tensor])
+
+        return keras.tree.map_structure(put, structure)
+
+    # ------------------------------------------------------------------ run
+    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.in_group:
+            self.broadcast_new_variables()
+        local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
+        call_args = keras.tree.map_structure(local, args)
+        call_kwargs = keras.tree.map_structure(local, kwargs)
+        ctx = context.ReplicaContext(strategy, self.rank, _TorchCollectives(self))
+        with context._enter(strategy, ctx):
+            result = fn(*call_args, **call_kwargs)
+        return keras.tree.map_structure(
+            lambda out: out if out is None else PerReplica([out]), result)
+
+    # -------------------------------------------------- cross-replica ops
+    def reduce(self, op: ReduceOp, values: Sequence[Any],
+               axis: Optional[int]) -> Any:
+        (value,) = values  # this process's one replica
+        tensor = _to_tensor(value).to(self.device)
+        if axis is None:
+            total = self._all_reduce_sum(tensor.clone())
+            return total / self.world_size if op is ReduceOp.MEAN else total
+        _check_axis(axis, tensor.dim())
+        total = self._all_reduce_sum(tensor.sum(dim=axis))
+        if op is ReduceOp.SUM:
+            return total
+        count = torch.tensor(float(tensor.shape[axis]), device=self.device)
+        return total / self._all_reduce_sum(count)
+
+    def gather(self, values: Sequence[Any], axis: int) -> Any:
+        tensor = _to_tensor(values[0]).to(self.device)
+        if tensor.dim() == 0:
+            raise ValueError(
+                "`gather` needs per-replica values of rank >= 1 to "
+                "concatenate. Received scalars. Use `reduce` for scalars, or "
+                "give each replica's value a leading dimension.")
+        _check_axis(axis, tensor.dim())
+        return self.all_gather(tensor, axis)
+
+    def _all_reduce_sum(self, tensor):
+        if self.in_group:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather(self, tensor, axis: int):
+        """Concatenates `tensor` of every process along `axis` (sizes may differ)."""
+        if not self.in_group:
+            return tensor
+        axis = axis % tensor.dim()
+        size = torch.tensor([tensor.shape[axis]], device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        longest = int(max(s.item() for s in sizes))
+        pad = [0, 0] * (tensor.dim() - axis - 1) + [0, longest - tensor.shape[axis]]
+        padded = torch.nn.functional.pad(tensor, pad)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([p.narrow(axis, 0, int(s.item()))
+                          for p, s in zip(parts, sizes)], dim=axis)
+
+
+class _EngineScope:
+    """Records the variables created in scope, for the rank-0 broadcast."""
+
+    _active = []
+
+    def __init__(self, engine: TorchEngine):
+        self._engine = engine
+
+    def __enter__(self):
+        _EngineScope._active.append(self._engine)
+        return self
+
+    def __exit__(self, *exc):
+        _EngineScope._active.pop()
+        if self._engine.in_group and not any(exc) and (
+            context.get_replica_context() is None
+        ):
+            self._engine.broadcast_new_variables()
+        return False
+
+    @classmethod
+    def current(cls) -> Optional[TorchEngine]:
+        return cls._active[-1] if cls._active else None
+
+
+def on_variable_created(variable: Any) -> None:
+    """Called by the Keras hook for every torch Keras variable created."""
+    engine = _EngineScope.current()
+    if engine is not None:
+        object.__setattr__(variable, "_kd_engine", engine)
+        engine.record_variable(variable)
+
+
+def _check_axis(axis: int, rank: int) -> None:
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"`axis`={axis} is out of range for per-replica values of "
+            f"rank {rank}. Use an axis in [{-rank}, {rank}).")
+
+
+def _to_tensor(value: Any) -> Any:
+    if isinstance(value, keras.Variable):
+        return value.value
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "numpy") and not isinstance(value, np.generic):
+        value = value.numpy()
+    return torch.as_tensor(np.asarray(value))
+
+
+class _TorchCollectives:
+    """Collectives of one process-replica: `torch.distributed` all-reduce."""
+
+    def __init__(self, engine: TorchEngine):
+        self._engine = engine
+
+    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        def reduce(leaf):
+            tensor = _to_tensor(leaf).to(self._engine.device).clone()
+            if not torch.is_floating_point(tensor) and op is ReduceOp.MEAN:
+                tensor = tensor.float()
+            total = self._engine._all_reduce_sum(tensor)
+            return total / self._engine.world_size if op is ReduceOp.MEAN else total
+
+        return keras.tree.map_structure(reduce, value)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        return keras.tree.map_structure(
+            lambda leaf: self._engine.all_gather(
+                _to_tensor(leaf).to(self._engine.device), axis), value)

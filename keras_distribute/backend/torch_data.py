@@ -1,0 +1,243 @@
+"""Per-process slices of every global batch, for Keras `fit` on torch.
+
+Each process is one replica and sees the whole input; this module hands
+Keras, in each process, only that process's slice of every global batch (as
+a `keras.utils.PyDataset`), and puts `predict` outputs back together in
+input order. Global batches are split as evenly as possible (sizes differ by
+at most one row); all processes shuffle arrays with the same seed.
+"""
+
+import inspect
+import math
+from typing import Any, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import keras
+from keras.src.trainers.data_adapters import array_slicing
+
+from keras_distribute.input_lib import iterate_source
+
+
+def rank_bounds(batch: int, rank: int, world_size: int):
+    """Rows `[start, stop)` of a batch of `batch` rows that `rank` takes."""
+    base, extra = divmod(batch, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _is_arrays(x: Any) -> bool:
+    leaves = keras.tree.flatten(x) if x is not None else []
+    return bool(leaves) and all(
+        isinstance(leaf, (np.ndarray, torch.Tensor)) or (
+            hasattr(leaf, "__array__") and hasattr(leaf, "shape")
+            and not hasattr(leaf, "element_spec"))
+        for leaf in leaves)
+
+
+def _take(structure: Any, index: Any) -> Any:
+    return keras.tree.map_structure(
+        lambda a: None if a is None else np.asarray(a)[index], structure)
+
+
+def _pack(x, y, sample_weight):
+    if sample_weight is not None:
+        return (x, y, sample_weight)
+    return (x,) if y is None else (x, y)
+
+
+class ArrayShards(keras.utils.PyDataset):
+    """This process's slice of each global batch of in-memory arrays."""
+
+    def __init__(self, engine, x, y, sample_weight, batch_size: int,
+                 shuffle: bool, seed: int):
+        super().__init__()
+        self._engine = engine
+        self._data = (x, y, sample_weight)
+        self._num = keras.tree.flatten(x)[0].shape[0]
+        self._batch = batch_size
+        self._shuffle, self._seed, self._epoch = shuffle, seed, 0
+        self._order = self._permutation()
+        self.batch_sizes = [
+            min(batch_size, self._num - i * batch_size)
+            for i in range(len(self))]
+
+    def _permutation(self):
+        if not self._shuffle:
+            return np.arange(self._num)
+        return np.random.default_rng(self._seed + self._epoch).permutation(
+            self._num)
+
+    def __len__(self) -> int:
+        return math.ceil(self._num / self._batch)
+
+    def __getitem__(self, index: int):
+        rows = self._order[index * self._batch:(index + 1) * self._batch]
+        start, stop = rank_bounds(len(rows), self._engine.rank,
+                                  self._engine.world_size)
+        rows = rows[start:stop]
+        x, y, sample_weight = (_take(part, rows) for part in self._data)
+        return _pack(x, y, sample_weight)
+
+    def on_epoch_end(self):
+        self._epoch += 1
+        self._order = self._permutation()
+
+    def splits_evenly(self) -> bool:
+        n = self._engine.world_size
+        return all(size % n == 0 for size in self.batch_sizes)
+
+
+class SourceShards(keras.utils.PyDataset):
+    """This process's slice of each global batch of a dataset or iterable."""
+
+    def __init__(self, engine, source: Any):
+        super().__init__()
+        self._engine = engine
+        self._source = source
+        self._iterator = None
+        self._next_index = 0
+        self.batch_sizes: List[int] = []
+        self._length = _length(source)
+
+    @property
+    def num_batches(self):
+        return self._length
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this dataset has no known length")
+        return self._length
+
+    def __getitem__(self, index: int):
+        if index == 0 or self._iterator is None or index != self._next_index:
+            self._iterator = iterate_source(self._source)
+            self.batch_sizes = []
+            for _ in range(index):
+                next(self._iterator)
+        element = next(self._iterator)
+        self._next_index = index + 1
+        leaves = [a for a in keras.tree.flatten(element) if a is not None]
+        batch = leaves[0].shape[0]
+        self.batch_sizes.append(batch)
+        start, stop = rank_bounds(batch, self._engine.rank,
+                                  self._engine.world_size)
+        local = _take(element, slice(start, stop))
+        return tuple(local) if isinstance(local, (tuple, list)) else (local,)
+
+
+def _length(source: Any):
+    if hasattr(source, "cardinality"):
+        count = int(source.cardinality())
+        return count if count >= 0 else None
+    try:
+        return len(source)
+    except TypeError:
+        return None
+
+
+def _shared_seed(engine) -> int:
+    seed = [int(np.random.default_rng().integers(0, 2**31 - 1))]
+    dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+def _shard(engine, params: dict, shuffle: bool):
+    x, y = params.get("x"), params.get("y")
+    sample_weight = params.get("sample_weight")
+    if _is_arrays(x):
+        return ArrayShards(engine, x, y, sample_weight,
+                           params.get("batch_size") or 32, shuffle,
+                           _shared_seed(engine) if shuffle else 0)
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            "`y` and `sample_weight` must be omitted when `x` is a dataset; "
+            f"received y of type {type(y).__name__}. Put the targets in the "
+            "dataset's elements.")
+    return SourceShards(engine, x)
+
+
+def _bind(method, model, args, kwargs) -> dict:
+    bound = inspect.signature(method).bind(model, *args, **kwargs)
+    params = dict(bound.arguments)
+    params.pop(next(iter(params)))  # self
+    params.update(params.pop("kwargs", {}))
+    return params
+
+
+def call_sharded(engine, method, model, args, kwargs) -> Any:
+    """Calls a Keras trainer method with this process's share of the data."""
+    name = method.__name__
+    if name == "compile":
+        return method(model, *args, **kwargs)
+    params = _bind(method, model, args, kwargs)
+    if name == "fit":
+        return _fit(engine, method, model, params)
+    if name == "evaluate":
+        params.pop("_use_cached_eval_dataset", None)
+        params.update(x=_shard(engine, params, False), y=None,
+                      sample_weight=None, batch_size=None)
+        return method(model, **params)
+    if name == "predict":
+        data = _shard(engine, params, False)
+        params.update(x=data, batch_size=None)
+        return _unshard(engine, method(model, **params), data.batch_sizes)
+    if name in ("train_on_batch", "test_on_batch", "predict_on_batch"):
+        return _on_batch(engine, method, model, params)
+    return method(model, **params)
+
+
+def _fit(engine, method, model, params: dict) -> Any:
+    x, y, sample_weight = (params.get(k) for k in ("x", "y", "sample_weight"))
+    split = params.get("validation_split") or 0.0
+    if split and params.get("validation_data") is None and _is_arrays(x):
+        (x, y, sample_weight), params["validation_data"] = (
+            array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=split))
+        params.update(x=x, y=y, sample_weight=sample_weight)
+    data = _shard(engine, params, bool(params.get("shuffle", True)))
+    params.update(x=data, y=None, sample_weight=None, batch_size=None,
+                  shuffle=False, validation_split=0.0)
+    engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
+    try:
+        return method(model, **params)
+    finally:
+        engine.even_batches = False
+
+
+def _on_batch(engine, method, model, params: dict) -> Any:
+    x = params["x"]
+    batch = keras.tree.flatten(x)[0].shape[0]
+    start, stop = rank_bounds(batch, engine.rank, engine.world_size)
+    for key in ("x", "y", "sample_weight"):
+        if params.get(key) is not None:
+            params[key] = _take(params[key], slice(start, stop))
+    if method.__name__ != "predict_on_batch":
+        engine.even_batches = batch % engine.world_size == 0
+        try:
+            return method(model, **params)
+        finally:
+            engine.even_batches = False
+    return _unshard(engine, method(model, **params), [batch])
+
+
+def _unshard(engine, outputs: Any, batch_sizes: List[int]) -> Any:
+    """Puts every process's predictions back in input order."""
+    def gather(local):
+        local = torch.as_tensor(np.ascontiguousarray(local))
+        everyone = engine.all_gather(local, axis=0).numpy()
+        pieces, offset = [], 0
+        per_rank = []
+        for rank in range(engine.world_size):
+            sizes = [np.subtract(*rank_bounds(b, rank, engine.world_size)[::-1])
+                     for b in batch_sizes]
+            per_rank.append(np.split(everyone[offset:offset + sum(sizes)],
+                                     np.cumsum(sizes)[:-1]))
+            offset += sum(sizes)
+        for index in range(len(batch_sizes)):
+            pieces += [per_rank[rank][index] for rank in range(engine.world_size)]
+        return np.concatenate(pieces, axis=0)
+
+    return keras.tree.map_structure(gather, outputs)

@@ -1,0 +1,304 @@
+"""Run a function, or a script, in N local processes that form a group.
+
+Each process gets the environment `torchrun` would give it (`MASTER_ADDR`,
+`MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`), so a
+`kd.MirroredStrategy()` created inside joins the group. Every wait is bounded;
+when one process fails the others are ended (only processes started here)
+and the failure is raised with that rank's traceback.
+
+    python -m keras_distribute.launch --nproc 2 train.py --epochs 3
+"""
+
+import argparse
+import multiprocessing
+import os
+import queue as queue_module
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, List, Optional, Sequence
+
+DEFAULT_TIMEOUT_S = 900.0
+_GRACE_S = 5.0
+
+
+class LaunchError(RuntimeError):
+    """A launched process failed, died or did not finish in time."""
+
+    def __init__(self, message: str, rank: Optional[int] = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_env(rank: int, world_size: int, port: int) -> dict:
+    """The torchrun-style environment of process `rank` on this host."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+    }
+
+
+def _check_main_guard() -> None:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.exists(path):
+        return  # notebook or interactive session: nothing is re-imported
+    with open(path, encoding="utf-8", errors="replace") as source:
+        text = source.read()
+    if "__name__" not in text or "__main__" not in text:
+        raise LaunchError(
+            f"The script {path} calls kd.launch at import time. Each new "
+            "process imports the script again and would launch again. "
+            "Received: a script without a main guard. Put the launching code "
+            "under a guard:\n\n    if __name__ == \"__main__\":\n"
+            "        kd.launch(train, num_processes=2)\n"
+        )
+
+
+def _worker(payload: bytes, rank: int, world_size: int, port: int,
+            results) -> None:
+    os.environ.update(process_env(rank, world_size, port))
+    try:
+        import cloudpickle
+
+        fn, args = cloudpickle.loads(payload)
+        value = fn(*args)
+        results.put((rank, True, value))
+    except BaseException:  # reported to the launcher with the traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    torch_distributed = sys.modules.get("torch.distributed")
+    if torch_distributed is not None and torch_distributed.is_initialized():
+        torch_distributed.destroy_process_group()
+
+
+def _end(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(_GRACE_S)
+
+
+def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
+           timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+    """Runs `fn(*args)` in `num_processes` local processes forming a group.
+
+    Functions defined in a script or a notebook both work: `fn` travels by
+    value (cloudpickle). Return values must be picklable.
+
+    Args:
+        fn: The function each process runs.
+        num_processes: How many processes (one replica each on PyTorch).
+        args: Positional arguments for `fn`. Defaults to `()`.
+        timeout: Seconds before the whole launch is ended as hung.
+            Defaults to 900.
+
+    Returns:
+        `fn`'s return values, in rank order.
+
+    Raises:
+        ValueError: if `num_processes` is not a positive int or `fn` is not
+            callable.
+        LaunchError: if a process raised (its traceback is in the message),
+            died, or the launch ran past `timeout`; the other processes are
+            ended first.
+
+    Example:
+
+    ```python
+    def train():
+        strategy = kd.MirroredStrategy()
+        return strategy.num_replicas_in_sync
+
+    if __name__ == "__main__":
+        print(kd.launch(train, num_processes=2))   # [2, 2]
+    ```
+    """
+    import cloudpickle
+
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
+            or num_processes < 1:
+        raise ValueError(
+            "Expected `num_processes` to be a positive int. Received: "
+            f"num_processes={num_processes!r}."
+        )
+    if not callable(fn):
+        raise ValueError(f"Expected `fn` to be callable. Received: fn={fn!r}.")
+    _check_main_guard()
+    payload = cloudpickle.dumps((fn, tuple(args)))
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_worker,
+                        args=(payload, rank, num_processes, port, results))
+        for rank in range(num_processes)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        return _collect(processes, results, timeout)
+    finally:
+        _end(processes)
+
+
+def _collect(processes, results, timeout: float) -> List[Any]:
+    values, deadline = {}, time.monotonic() + timeout
+    exited_at = {}
+    while len(values) < len(processes):
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(processes))) - set(values))
+            raise LaunchError(
+                f"The launch ran past its timeout of {timeout:.0f} s; "
+                f"process(es) {missing} had not finished. Raise `timeout`, "
+                "or look for a process stuck in a collective.")
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue_module.Empty:
+            _check_dead(processes, values, exited_at)
+            continue
+        if not ok:
+            raise LaunchError(
+                f"Process {rank} of {len(processes)} failed:\n{value}", rank)
+        values[rank] = value
+    return [values[rank] for rank in range(len(processes))]
+
+
+def _check_dead(processes, values, exited_at) -> None:
+    now = time.monotonic()
+    for rank, process in enumerate(processes):
+        if rank in values or process.exitcode is None:
+            continue
+        # A clean exit may still have its result in flight: wait a little.
+        exited_at.setdefault(rank, now)
+        if process.exitcode != 0 or now - exited_at[rank] > _GRACE_S:
+            raise LaunchError(
+                f"Process {rank} of {len(processes)} died with exit code "
+                f"{process.exitcode} before returning"
+                f"{_signal_name(process.exitcode)}. The other processes "
+                "were ended.", rank)
+
+
+def _signal_name(exitcode: int) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f" (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            return ""
+    return ""
+
+
+def notebook_launcher(fn: Callable, num_processes: int,
+                      args: Sequence[Any] = (), *,
+                      timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+    """`kd.launch` for Jupyter: runs a function defined in the notebook.
+
+    Args:
+        fn: The function each process runs (may be defined in a cell).
+        num_processes: How many processes.
+        args: Positional arguments for `fn`. Defaults to `()`.
+        timeout: Seconds before the launch is ended as hung. Defaults to 900.
+
+    Returns:
+        `fn`'s return values, in rank order.
+
+    Raises:
+        LaunchError: as `kd.launch`.
+
+    Example:
+
+    ```python
+    def train():
+        return kd.MirroredStrategy().num_replicas_in_sync
+    kd.notebook_launcher(train, num_processes=2)   # [2, 2]
+    ```
+    """
+    return launch(fn, num_processes, args, timeout=timeout)
+
+
+def run_script(script: str, script_args: Sequence[str], num_processes: int,
+               timeout: float = DEFAULT_TIMEOUT_S) -> int:
+    """Runs `python script args...` in `num_processes` processes.
+
+    Returns:
+        0 if every process succeeded, else the first failure's exit code.
+    """
+    port = _free_port()
+    processes = []
+    for rank in range(num_processes):
+        env = dict(os.environ, **process_env(rank, num_processes, port))
+        processes.append(subprocess.Popen(
+            [sys.executable, script, *script_args], env=env))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(f"keras_distribute.launch: process {rank} of "
+                      f"{num_processes} exited with code {code}"
+                      f"{_signal_name(code)}; ending the others.",
+                      file=sys.stderr)
+                return code if code > 0 else 1
+            if all(c == 0 for c in codes):
+                return 0
+            if time.monotonic() > deadline:
+                print(f"keras_distribute.launch: timeout of {timeout:.0f} s "
+                      "reached; ending every process.", file=sys.stderr)
+                return 124
+            time.sleep(0.1)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(_GRACE_S)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_distribute.launch",
+        description="Run a training script in N local processes (torchrun-"
+        "style environment).")
+    parser.add_argument("--nproc", "--nproc-per-node", type=int, default=2,
+                        dest="nproc", help="number of processes (default 2)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="seconds before every process is ended")
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1; received {args.nproc}")
+    return run_script(args.script, args.script_args, args.nproc, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
