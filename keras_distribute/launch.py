@@ -181,10 +181,28 @@ def _collect(processes, results, timeout: float) -> List[Any]:
             _check_dead(processes, values, exited_at)
             continue
         if not ok:
-            raise LaunchError(
-                f"Process {rank} of {len(processes)} failed:\n{value}", rank)
+            raise _failure(processes, values, rank, value)
         values[rank] = value
     return [values[rank] for rank in range(len(processes))]
+
+
+def _failure(processes, values, rank: int, trace: str) -> LaunchError:
+    """The error for a failed rank, naming a peer that died first if any."""
+    deadline = time.monotonic() + 2.0  # a dead peer's exit code lands soon
+    dead = []
+    while time.monotonic() < deadline and not dead:
+        dead = [r for r, p in enumerate(processes)
+                if r != rank and r not in values and p.exitcode not in (None, 0)]
+        time.sleep(0.05)
+    if dead:
+        cause = dead[0]
+        code = processes[cause].exitcode
+        return LaunchError(
+            f"Process {cause} of {len(processes)} died with exit code {code}"
+            f"{_signal_name(code)}; process {rank} then failed:\n{trace}",
+            cause)
+    return LaunchError(
+        f"Process {rank} of {len(processes)} failed:\n{trace}", rank)
 
 
 def _check_dead(processes, values, exited_at) -> None:

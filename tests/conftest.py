@@ -27,8 +27,9 @@ if BACKEND == "tensorflow":
 
 requires_strategy = pytest.mark.skipif(
     BACKEND not in STRATEGY_BACKENDS,
-    reason=f"kd strategies are not implemented on the '{BACKEND}' backend "
-    "yet (JAX only for now)",
+    reason=f"in-process multi-replica test: on the '{BACKEND}' backend each "
+    "process is one replica, so these behaviours are tested across "
+    "processes in test_torch_multiprocess.py",
 )
 
 

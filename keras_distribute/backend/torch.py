@@ -95,7 +95,8 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
         raise ValueError(
             "Expected a device name (e.g. 'GPU:0', 'cpu:0') or a "
             f"`torch.device`. Received: device={device!r}.")
-    if spec_type != own.type or (own.type == "cuda" and index != own.index):
+    own_index = own.index or 0
+    if spec_type != own.type or index != own_index:
         raise ValueError(
             f"On the torch backend each process is one replica on its own "
             f"device ({device_name(own)}). Received: device={device!r}. Run "

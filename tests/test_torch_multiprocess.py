@@ -1,0 +1,178 @@
+"""The strategy across 2 gloo processes (PyTorch), through `kd.launch`.
+
+Each launch starts real processes on 127.0.0.1; every wait is bounded.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import keras_distribute as kd
+import workers_torch as workers
+from conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(
+    BACKEND != "torch", reason="process-per-replica tests: torch backend")
+TIMEOUT = 240
+
+
+def reference_fit():
+    x, y = workers.make_data()
+    model = workers.make_model(workers.initial_weights())
+    history = model.fit(x, y, batch_size=workers.BATCH, epochs=3,
+                        shuffle=False, verbose=0)
+    return model, history, x, y
+
+
+@pytest.fixture(scope="module")
+def fit_results():
+    return kd.launch(workers.fit_evaluate_predict, num_processes=2,
+                     timeout=TIMEOUT)
+
+
+def test_fit_matches_single_process_with_short_last_batch(fit_results):
+    model, history, x, y = reference_fit()
+    for result in fit_results:
+        assert result["replicas"] == 2
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(result["history"][key],
+                                       history.history[key], rtol=1e-5)
+
+
+def test_weights_and_logs_identical_on_every_rank(fit_results):
+    first, second = fit_results
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert first["batch_logs"] == second["batch_logs"]
+    assert first["history"] == second["history"]
+
+
+def test_evaluate_and_predict_are_global_and_ordered(fit_results):
+    model, _, x, y = reference_fit()
+    expected = model.evaluate(x, y, batch_size=workers.BATCH, verbose=0)
+    predictions = model.predict(x, batch_size=workers.BATCH, verbose=0)
+    for result in fit_results:
+        np.testing.assert_allclose(result["evaluate"], expected, rtol=1e-5)
+        assert result["predict"].shape == (203, 3)
+        np.testing.assert_allclose(result["predict"], predictions, atol=1e-5)
+        np.testing.assert_allclose(result["predict_on_batch"],
+                                   predictions[:13], atol=1e-5)
+    assert fit_results[0]["train_on_batch"] == fit_results[1]["train_on_batch"]
+
+
+def test_documentation_examples_across_processes():
+    rank0, rank1 = kd.launch(workers.docs_examples, num_processes=2,
+                             timeout=TIMEOUT)
+    assert rank0["doubled"] == [[[0]], [[4]]]
+    assert rank1["doubled"] == [[[2]], [[6]]]
+    assert (rank0["ids"], rank1["ids"]) == ([0], [1])
+    for out in (rank0, rank1):
+        assert out["sum_ids"] == 1.0
+        assert out["all_reduce"] == [2.0]
+        assert out["all_gather"] == [[1, 2, 3, 1, 2, 3]]
+        assert out["gather_shape"] == (4, 1)
+        assert out["reduce_none"] == [4.0, 6.0, 8.0, 10.0]
+        assert out["reduce_axis0"] == 3.5
+        assert out["short_mean"] == pytest.approx(10.5)
+        assert out["avg_loss"] == pytest.approx(1.0)
+    assert (rank0["array_value"], rank1["array_value"]) == ([3.0], [2.0])
+    assert rank0["contexts"] == [(2, 0, 2)] and rank1["contexts"] == [(2, 1, 2)]
+    assert rank1["from_function"] == [[[1, 1]]]
+
+
+def test_custom_loop_matches_fit():
+    results = kd.launch(workers.custom_loop, num_processes=2, timeout=TIMEOUT)
+    x, y = workers.make_data(n=128)
+    model = workers.make_model(workers.initial_weights())
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for result in results:
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_fit_on_tf_data_py_dataset_and_data_loader():
+    results = kd.launch(workers.input_types, num_processes=2, timeout=TIMEOUT)
+    x, y = workers.make_data(n=96)
+    model = workers.make_model(workers.initial_weights())
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for weights in results:
+        for name, values in weights.items():
+            for a, b in zip(values, model.get_weights()):
+                np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
+def test_single_process_has_one_replica():
+    assert kd.launch(workers.single_process_info, num_processes=1,
+                     timeout=TIMEOUT) == [1]
+
+
+def test_launch_returns_in_rank_order():
+    assert kd.launch(workers.rank_and_world, num_processes=3,
+                     timeout=TIMEOUT) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_failing_rank_raises_with_its_traceback():
+    with pytest.raises(kd.LaunchError, match="(?s)Process 1 of 2 failed.*"
+                       "rank one is broken") as info:
+        kd.launch(workers.raise_on_rank_one, num_processes=2, timeout=TIMEOUT)
+    assert info.value.rank == 1
+
+
+def test_a_dead_rank_fails_the_launch_quickly_without_orphans():
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match="Process 1 of 2 died with exit "
+                       "code 3") as info:
+        kd.launch(workers.die_on_rank_one_during_training, num_processes=2,
+                  timeout=TIMEOUT)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < TIMEOUT / 2
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
+
+
+def test_launch_argument_errors():
+    with pytest.raises(ValueError, match="positive int"):
+        kd.launch(workers.rank_and_world, num_processes=0)
+    with pytest.raises(ValueError, match="callable"):
+        kd.launch(3, num_processes=1)
+
+
+def test_launch_module_runs_a_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import keras_distribute as kd
+        strategy = kd.MirroredStrategy()
+        out = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.txt")
+        with open(out, "w") as f:
+            f.write(str(strategy.num_replicas_in_sync))
+    """))
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+         str(script), str(tmp_path)], env=env, timeout=TIMEOUT)
+    assert done.returncode == 0
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [
+        "2", "2"]
+    failing = tmp_path / "fail.py"
+    failing.write_text("import os, sys\nsys.exit(7 if os.environ['RANK'] == "
+                       "'1' else 0)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+         str(failing)], env=env, timeout=TIMEOUT, capture_output=True, text=True)
+    assert done.returncode == 7
+    assert "process 1 of 2 exited with code 7" in done.stderr
+
+
+def test_torch_device_errors():
+    with pytest.raises(ValueError, match="each process is one replica"):
+        kd.MirroredStrategy(["CPU:0", "CPU:1"])

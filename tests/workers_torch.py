@@ -1,0 +1,266 @@
+"""Bodies of the multi-process torch tests; each runs in every launched rank.
+
+Module-level so that `kd.launch` can send them to the worker processes.
+"""
+
+import os
+
+import numpy as np
+
+BATCH = 32
+
+
+def _setup():
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def make_data(n=203, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(n,))
+    return x, y
+
+
+def initial_weights():
+    rng = np.random.default_rng(1)
+    return [rng.normal(scale=0.3, size=s).astype("float32")
+            for s in [(16, 32), (32,), (32, 3), (3,)]]
+
+
+def make_model(weights=None):
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+class RecordLogs:
+    """A callback factory: records the logs every batch and epoch sees."""
+
+    @staticmethod
+    def make():
+        import keras
+
+        class Recorder(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.batch_logs, self.epoch_logs = [], []
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.batch_logs.append(dict(logs))
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.epoch_logs.append(dict(logs))
+
+        return Recorder()
+
+
+def fit_evaluate_predict(seed_per_rank=True):
+    """Fit (short last batch), evaluate, predict; report what each rank saw."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    x, y = make_data()
+    strategy = kd.MirroredStrategy()
+    rank = int(os.environ["RANK"])
+    with strategy.scope():
+        model = make_model()
+        # Different initial weights per rank: the rank-0 broadcast must win.
+        rng = np.random.default_rng(100 + rank)
+        model.set_weights([w + rng.normal(size=w.shape).astype("float32")
+                           for w in initial_weights()])
+        if rank == 0:
+            model.set_weights(initial_weights())
+    recorder = RecordLogs.make()
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False,
+                        verbose=0, callbacks=[recorder])
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "history": history.history,
+        "batch_logs": recorder.batch_logs,
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        "predict": model.predict(x, batch_size=BATCH, verbose=0),
+        "predict_on_batch": np.asarray(model.predict_on_batch(x[:13])),
+        "train_on_batch": model.train_on_batch(x[:13], y[:13]),
+    }
+
+
+def docs_examples():
+    """The tf.distribute documentation examples, on 2 process-replicas."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    strategy = kd.MirroredStrategy()
+    out = {}
+    local = lambda v: [np.asarray(t).tolist()  # noqa: E731
+                       for t in strategy.experimental_local_results(v)]
+    dataset = [np.arange(2 * i, 2 * i + 2) for i in range(2)]  # range(4).batch(2)
+    out["doubled"] = [local(strategy.run(lambda x: x * 2, args=(x,)))
+                      for x in strategy.experimental_distribute_dataset(dataset)]
+    ids = strategy.run(lambda: kd.get_replica_context().replica_id_in_sync_group)
+    out["ids"] = local(ids)
+    out["sum_ids"] = float(strategy.reduce("SUM", ids, axis=None))
+    array_value = np.array([3.0, 2.0, 1.0])
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: array_value[ctx.replica_id_in_sync_group])
+    out["array_value"] = local(values)
+    out["all_reduce"] = local(strategy.run(
+        lambda: kd.get_replica_context().all_reduce("sum", 1.0)))
+    out["all_gather"] = local(strategy.run(
+        lambda: kd.get_replica_context().all_gather(
+            np.array([1, 2, 3]), axis=0)))
+    pair = strategy.experimental_distribute_values_from_function(
+        lambda _: np.array([[1], [2]]))
+    out["gather_shape"] = tuple(strategy.gather(pair, axis=0).shape)
+    halves = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(4, dtype="float32") + 4 * ctx.replica_id_in_sync_group)
+    out["reduce_none"] = np.asarray(strategy.reduce("sum", halves, axis=None)).tolist()
+    out["reduce_axis0"] = float(strategy.reduce("mean", halves, axis=0))
+    # A short batch of 6 over 2 replicas: the mean divides by 6.
+    short = list(strategy.experimental_distribute_dataset(
+        [np.arange(8.0), np.arange(8.0, 14.0)]))[-1]
+    out["short_mean"] = float(strategy.reduce("mean", short, axis=0))
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append((ctx.num_input_pipelines, ctx.input_pipeline_id,
+                         ctx.num_replicas_in_sync))
+        return [np.full((2,), ctx.input_pipeline_id)]
+
+    out["from_function"] = [local(x) for x in
+                            strategy.distribute_datasets_from_function(dataset_fn)]
+    out["contexts"] = contexts
+    out["avg_loss"] = float(strategy.reduce("sum", strategy.run(
+        lambda: kd.compute_average_loss(keras.ops.ones((3,)))), axis=None))
+    return out
+
+
+def custom_loop():
+    """torch backward + all_reduce of gradients under `run` == fit."""
+    _setup()
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    x, y = make_data(n=128)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model(initial_weights())
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+    global_batch = 32
+
+    def step(xb, yb):
+        logits = model(xb)
+        loss = kd.compute_average_loss(loss_fn(yb, logits),
+                                       global_batch_size=global_batch)
+        model.zero_grad()
+        loss.backward()
+        weights = model.trainable_variables
+        grads = kd.get_replica_context().all_reduce(
+            "sum", [v.value.grad for v in weights])
+        with torch.no_grad():
+            optimizer.apply(grads, weights)
+        return loss
+
+    batches = [(x[i:i + global_batch], y[i:i + global_batch])
+               for i in range(0, 128, global_batch)]
+    losses = []
+    for _ in range(2):
+        for xb, yb in strategy.experimental_distribute_dataset(batches):
+            per_replica = strategy.run(step, args=(xb, yb))
+            losses.append(float(strategy.reduce("sum", per_replica, axis=None)))
+    return {"weights": model.get_weights(), "losses": losses}
+
+
+def input_types():
+    """fit on tf.data, a PyDataset and a torch DataLoader: same weights."""
+    _setup()
+    import keras
+    import tensorflow as tf
+    import torch
+
+    import keras_distribute as kd
+
+    x, y = make_data(n=96)
+    strategy = kd.MirroredStrategy()
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return x[i * 32:(i + 1) * 32], y[i * 32:(i + 1) * 32]
+
+    sources = {
+        "tf_data": tf.data.Dataset.from_tensor_slices((x, y)).batch(32),
+        "py_dataset": Batches(),
+        "data_loader": torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)),
+            batch_size=32),
+    }
+    weights = {}
+    for name, source in sources.items():
+        with strategy.scope():
+            model = make_model(initial_weights())
+        model.fit(source, epochs=2, verbose=0)
+        weights[name] = model.get_weights()
+    return weights
+
+
+def single_process_info():
+    import keras_distribute as kd
+
+    return kd.MirroredStrategy().num_replicas_in_sync
+
+
+def raise_on_rank_one():
+    if os.environ["RANK"] == "1":
+        raise KeyError("rank one is broken")
+    return "ok"
+
+
+def die_on_rank_one_during_training():
+    """Rank 1 dies mid-training; rank 0 must fail within the timeout."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    x, y = make_data(n=256)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model(initial_weights())
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and os.environ["RANK"] == "1":
+                os._exit(3)
+
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[Die()])
+    return "finished"
+
+
+def rank_and_world():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
