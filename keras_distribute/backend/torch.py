@@ -143,6 +143,11 @@ class TorchEngine:
         self._created = []  # variables created in scope, not yet broadcast
         self._ddp = weakref.WeakKeyDictionary()
         self.even_batches = False  # set by `fit` when every batch splits evenly
+        # Set by `fit`: whether per-batch logs have a reader (a progress bar,
+        # a callback with batch hooks); if not, train steps skip the metric
+        # all-reduce and only the epoch-end results are made global.
+        self.sync_metrics_each_step = True
+        self._in_train_step = False
 
     # ------------------------------------------------------------ variables
     def scope(self):
@@ -228,7 +233,12 @@ class TorchEngine:
                 model.optimizer.apply([v.value.grad for v in weights], weights)
         else:
             warnings.warn("The model does not have any trainable weights.")
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        self._in_train_step = True
+        try:
+            return model.compute_metrics(x, y, y_pred,
+                                         sample_weight=sample_weight)
+        finally:
+            self._in_train_step = False
 
     @contextlib.contextmanager
     def global_metric_states(self, variables: Sequence[Any]):
@@ -241,7 +251,9 @@ class TorchEngine:
         """
         variables = [v for v in variables
                      if getattr(v, "aggregation", "none") != "none"]
-        if not variables:
+        if not variables or (
+            self._in_train_step and not self.sync_metrics_each_step
+        ):
             yield
             return
         local = [v.value.detach().clone() for v in variables]

@@ -201,10 +201,27 @@ def _fit(engine, method, model, params: dict) -> Any:
     params.update(x=data, y=None, sample_weight=None, batch_size=None,
                   shuffle=False, validation_split=0.0)
     engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
+    engine.sync_metrics_each_step = _batch_logs_are_read(params)
     try:
         return method(model, **params)
     finally:
         engine.even_batches = False
+        engine.sync_metrics_each_step = True
+
+
+def _batch_logs_are_read(params: dict) -> bool:
+    """Whether anything reads per-batch training logs (Keras' own test)."""
+    from keras.src.utils.python_utils import is_default
+
+    if params.get("verbose", "auto") in (1, "auto"):
+        return True  # the progress bar shows running values every batch
+    callbacks = params.get("callbacks") or []
+    if not isinstance(callbacks, (list, tuple)):
+        return True  # a prepared CallbackList: assume the worst
+    return any(
+        not is_default(callback.on_batch_end)
+        or not is_default(callback.on_train_batch_end)
+        for callback in callbacks)
 
 
 def _on_batch(engine, method, model, params: dict) -> Any:
