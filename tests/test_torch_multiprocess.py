@@ -176,3 +176,27 @@ def test_launch_module_runs_a_script(tmp_path):
 def test_torch_device_errors():
     with pytest.raises(ValueError, match="each process is one replica"):
         kd.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+def test_epoch_logs_are_global_when_no_batch_log_is_read():
+    x, y = workers.make_data()
+    model = workers.make_model(workers.initial_weights())
+    expected = model.fit(x, y, batch_size=workers.BATCH, epochs=2,
+                         shuffle=False, verbose=0).history
+    for history in kd.launch(workers.fit_quiet, num_processes=2,
+                             timeout=TIMEOUT):
+        for key in ("loss", "accuracy"):
+            np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+
+
+def test_notebook_launcher_runs_a_function_defined_in_main():
+    namespace = {"__name__": "__main__"}
+    exec(textwrap.dedent("""
+        def notebook_cell_fn(offset):
+            import os
+            import keras_distribute as kd
+            strategy = kd.MirroredStrategy()
+            return int(os.environ["RANK"]) + offset, strategy.num_replicas_in_sync
+    """), namespace)
+    assert kd.notebook_launcher(namespace["notebook_cell_fn"], num_processes=2,
+                                args=(10,), timeout=TIMEOUT) == [(10, 2), (11, 2)]
