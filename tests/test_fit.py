@@ -226,3 +226,40 @@ def test_hooks_uninstall_restores_keras():
         assert not hasattr(base_trainer.Trainer.__init__, "__wrapped__")
     finally:
         kd.keras_hooks.install()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="per-replica BN: TF")
+def test_warns_when_replicas_get_empty_batches_with_unsynced_batchnorm(
+        strategy):
+    x, y = make_data(n=34)  # last batch: 2 rows for 4 replicas
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((16,)), keras.layers.BatchNormalization(),
+            keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match="synchronized=True"):
+        model.fit(x, np.eye(3)[y], batch_size=BATCH, verbose=0)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="synchronized BN on TF")
+def test_synchronized_batchnorm_matches_single_device_with_empty_replicas(
+        strategy):
+    x, y = make_data(n=162)
+
+    def make():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((16,)), keras.layers.Dense(32, activation="tanh"),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        return model
+
+    reference = make()
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = make()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_same_weights(reference, model)

@@ -7,6 +7,7 @@ counterparts. `run` returns `tf.distribute`'s own per-replica values, so it
 works inside and outside `tf.function` alike.
 """
 
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -208,6 +209,9 @@ class TfEngine:
             (x,) = args or (kwargs["x"],)
             size = keras.tree.flatten(x)[0].shape[0]
             return model.predict(x, batch_size=size, verbose=0)
+        if method.__name__ == "fit":
+            _warn_if_replicas_get_empty_batches(model, args, kwargs,
+                                                self.num_replicas)
         even = method.__name__ == "fit" and _batches_split_evenly(
             args, kwargs, self.num_replicas)
         if even:
@@ -309,23 +313,52 @@ class TfEngine:
         return self.tf_strategy.gather(per_replica, axis=axis)
 
 
-def _batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
-    """Whether every training batch of `fit(x=arrays, ...)` splits evenly.
-
-    Conservative: `False` for datasets, generators and `steps_per_epoch`.
-    """
+def _fit_sizes(args: tuple, kwargs: dict):
+    """`(num_samples, batch_size)` of `fit` on arrays, else `None`."""
     x = args[0] if args else kwargs.get("x")
     leaves = keras.tree.flatten(x) if x is not None else []
     if not leaves or not all(hasattr(leaf, "shape") and not isinstance(
             leaf, tf.data.Dataset) for leaf in leaves):
-        return False
+        return None
     if kwargs.get("steps_per_epoch") is not None or len(args) > 3:
-        return False
+        return None
     num_samples = leaves[0].shape[0]
     batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
     split = kwargs.get("validation_split") or 0.0
     if split and kwargs.get("validation_data") is None:
         num_samples = int(num_samples * (1.0 - split))
+    return num_samples, batch_size
+
+
+def _warn_if_replicas_get_empty_batches(model, args, kwargs,
+                                        num_replicas: int) -> None:
+    sizes = _fit_sizes(args, kwargs)
+    if sizes is None:
+        return
+    last = sizes[0] % sizes[1]
+    unsynced = [layer.name for layer in model._flatten_layers()
+                if isinstance(layer, keras.layers.BatchNormalization)
+                and not layer.synchronized]
+    if 0 < last < num_replicas and unsynced:
+        warnings.warn(
+            f"The last batch of each epoch has {last} example(s) for "
+            f"{num_replicas} replicas, so some replicas get an empty batch, "
+            "on which BatchNormalization(synchronized=False) computes NaN "
+            f"statistics (layers: {unsynced}). Use "
+            "BatchNormalization(synchronized=True), which also matches the "
+            "single-device statistics, or a batch size that leaves at least "
+            f"{num_replicas} examples in the last batch.", stacklevel=4)
+
+
+def _batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
+    """Whether every training batch of `fit(x=arrays, ...)` splits evenly.
+
+    Conservative: `False` for datasets, generators and `steps_per_epoch`.
+    """
+    sizes = _fit_sizes(args, kwargs)
+    if sizes is None:
+        return False
+    num_samples, batch_size = sizes
     return (batch_size % num_replicas == 0
             and (num_samples % batch_size) % num_replicas == 0)
 
