@@ -17,6 +17,7 @@ model.fit(x, y, batch_size=256, epochs=3)   # 256 = global batch size
 ```
 """
 
+from keras_distribute import cluster_resolver
 from keras_distribute import default_strategy as _default_strategy  # noqa: F401
 from keras_distribute.context import ReplicaContext
 from keras_distribute.context import ValueContext
@@ -35,6 +36,8 @@ from keras_distribute.launch import notebook_launcher
 from keras_distribute.losses import compute_average_loss
 from keras_distribute.losses import scale_regularization_loss
 from keras_distribute.mirrored_strategy import MirroredStrategy
+from keras_distribute.multi_worker_strategy import CommunicationOptions
+from keras_distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.simulate import simulate_cpu_devices
 from keras_distribute.strategy import Strategy
@@ -47,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoShardPolicy",
+    "CommunicationOptions",
     "DistributedDataset",
     "DistributedValues",
     "InputContext",
@@ -55,12 +59,14 @@ __all__ = [
     "LaunchError",
     "Mirrored",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
     "ValueContext",
+    "cluster_resolver",
     "compute_average_loss",
     "get_replica_context",
     "get_strategy",

@@ -119,3 +119,13 @@ def test_tf_sharded_layout_map_is_refused_replicated_is_fine():
     replicated = LayoutMap(mesh)
     replicated["dense/kernel"] = (None, None)
     assert kd.MirroredStrategy(layout_map=replicated).num_replicas_in_sync == 4
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch has a multi-worker engine")
+def test_multi_worker_strategy_names_the_backends_that_work():
+    with pytest.raises(NotImplementedError, match=f"'{BACKEND}' Keras backend"
+                       ".*works on the 'torch'"):
+        kd.MultiWorkerMirroredStrategy(
+            kd.cluster_resolver.SimpleClusterResolver(["127.0.0.1:1"]))
+    with pytest.raises(ValueError, match="kd.CommunicationOptions"):
+        kd.MultiWorkerMirroredStrategy(communication_options={"timeout": 1})

@@ -200,3 +200,37 @@ def test_notebook_launcher_runs_a_function_defined_in_main():
     """), namespace)
     assert kd.notebook_launcher(namespace["notebook_cell_fn"], num_processes=2,
                                 args=(10,), timeout=TIMEOUT) == [(10, 2), (11, 2)]
+
+
+def test_multi_worker_strategy_from_tf_config_matches_one_process():
+    from keras_distribute.launch import _free_port
+
+    results = kd.launch(workers.multi_worker_from_tf_config, num_processes=2,
+                        args=(_free_port(),), timeout=TIMEOUT)
+    x, y = workers.make_data(n=100)
+    model = workers.make_model(workers.initial_weights())
+    expected = model.fit(x, y, batch_size=20, epochs=2, shuffle=False,
+                         verbose=0).history
+    assert [r["task"] for r in results] == [("worker", 0, True),
+                                            ("worker", 1, False)]
+    for result in results:
+        assert result["replicas"] == 2
+        np.testing.assert_allclose(result["history"]["loss"], expected["loss"],
+                                   rtol=1e-5)
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_multi_worker_peer_that_never_joins_times_out_clearly():
+    from keras_distribute.launch import _free_port
+
+    (message, elapsed), = kd.launch(workers.multi_worker_peer_never_joins,
+                                    num_processes=1, args=(_free_port(),),
+                                    timeout=TIMEOUT)
+    assert "Not every worker joined within 3 s" in message
+    assert elapsed < 60
+
+
+def test_communication_options_validation():
+    with pytest.raises(ValueError, match="positive number"):
+        kd.CommunicationOptions(timeout_seconds=0)

@@ -277,3 +277,48 @@ def fit_quiet():
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
                         verbose=0)
     return history.history
+
+
+def multi_worker_from_tf_config(port):
+    """MultiWorkerMirroredStrategy from TF_CONFIG (torchrun vars removed)."""
+    _setup()
+    import json
+
+    import keras_distribute as kd
+
+    rank = int(os.environ["RANK"])
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(name)
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
+        "task": {"type": "worker", "index": rank}})
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    resolver = strategy.cluster_resolver
+    x, y = make_data(n=100)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False,
+                        verbose=0)
+    return {"replicas": strategy.num_replicas_in_sync,
+            "task": (resolver.task_type, resolver.task_id, resolver.is_chief),
+            "weights": model.get_weights(), "history": history.history}
+
+
+def multi_worker_peer_never_joins(port):
+    """Only worker 0 of a 2-worker TF_CONFIG starts: a clear timeout."""
+    import json
+    import time
+
+    import keras_distribute as kd
+
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
+        "task": {"type": "worker", "index": 0}})
+    start = time.monotonic()
+    try:
+        kd.MultiWorkerMirroredStrategy(
+            communication_options=kd.CommunicationOptions(timeout_seconds=3))
+    except TimeoutError as error:
+        return str(error), time.monotonic() - start
+    return "joined", time.monotonic() - start

@@ -105,6 +105,41 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
     return own
 
 
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> "TorchEngine":
+    """Joins (or checks) the group `resolver` describes; one replica each."""
+    timeout_s = timeout_s or _timeout_s()
+    if dist.is_initialized():
+        if dist.get_world_size() != resolver.num_processes:
+            raise ValueError(
+                f"This process already belongs to a group of "
+                f"{dist.get_world_size()} processes, but the cluster "
+                f"resolver describes {resolver.num_processes}. Received: "
+                f"{resolver!r}.")
+    else:
+        local_rank = int(getattr(resolver, "local_rank", os.environ.get(
+            "LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))))
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        try:
+            dist.init_process_group(
+                backend="nccl" if use_cuda else "gloo",
+                init_method=f"tcp://{resolver.coordinator_address}",
+                rank=resolver.process_id, world_size=resolver.num_processes,
+                timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, TimeoutError) as error:
+            raise TimeoutError(
+                f"Not every worker joined within {timeout_s:.0f} s: process "
+                f"{resolver.process_id} of {resolver.num_processes} waited at "
+                f"the coordinator {resolver.coordinator_address}. Check that "
+                "every worker was started with the same cluster description "
+                "and can reach the coordinator; raise "
+                "CommunicationOptions(timeout_seconds=...) for slow starts. "
+                f"Cause: {error}") from error
+    return make_engine(default_devices(), layout_map)
+
+
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine":
     """Builds the engine of a strategy over this process's device."""
     if layout_map is not None and any(

@@ -1,0 +1,101 @@
+"""Cluster resolvers on mocked environments (no processes started)."""
+
+import json
+
+import pytest
+
+from keras_distribute import cluster_resolver as cr
+
+
+def tf_config(cluster, task_type="worker", index=0):
+    return {"TF_CONFIG": json.dumps(
+        {"cluster": cluster, "task": {"type": task_type, "index": index}})}
+
+
+def test_tf_config_chief_is_process_zero():
+    cluster = {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"]}
+    chief = cr.resolve(tf_config(cluster, "chief", 0))
+    assert isinstance(chief, cr.TFConfigClusterResolver)
+    assert (chief.process_id, chief.num_workers, chief.is_chief) == (0, 3, True)
+    worker = cr.resolve(tf_config(cluster, "worker", 1))
+    assert (worker.task_type, worker.task_id, worker.process_id) == (
+        "worker", 1, 2)
+    assert worker.coordinator_address == "c:2222"
+    assert worker.cluster_spec() == cluster
+    assert not worker.is_chief
+
+
+def test_tf_config_without_chief_worker_zero_leads():
+    env = tf_config({"worker": ["a:1", "b:1"]}, "worker", 0)
+    resolver = cr.TFConfigClusterResolver(env)
+    assert resolver.is_chief and resolver.coordinator_address == "a:1"
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"TF_CONFIG": "{not json"}, "not valid JSON"),
+    ({"TF_CONFIG": json.dumps({"task": {}})}, "'cluster' object"),
+    (tf_config({"worker": ["a:1"]}, "worker", 3), "index 3 is out of range"),
+    (tf_config({"worker": ["a:1"]}, "chief", 0), "'chief' needs a 'chief' job"),
+    (tf_config({"worker": ["a:port"]}), "port of 'a:port'"),
+    (tf_config({"worker": ["a"]}), "Expected an address 'host:port'"),
+    (tf_config({"chief": ["a:1", "b:1"], "worker": []}, "chief"), "2 chiefs"),
+])
+def test_tf_config_errors(env, match):
+    with pytest.raises(ValueError, match=match):
+        cr.resolve(env)
+
+
+def test_torchrun_environment():
+    env = {"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400", "RANK": "3",
+           "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    resolver = cr.resolve(env)
+    assert isinstance(resolver, cr.TorchElasticClusterResolver)
+    assert (resolver.process_id, resolver.num_processes, resolver.local_rank) \
+        == (3, 4, 1)
+    assert resolver.coordinator_address == "10.1.1.1:29400"
+    with pytest.raises(ValueError, match="WORLD_SIZE='four'"):
+        cr.resolve(dict(env, WORLD_SIZE="four"))
+
+
+def test_slurm_environment_and_node_lists():
+    assert cr.expand_slurm_nodelist("node[01-03,07],login") == [
+        "node01", "node02", "node03", "node07", "login"]
+    assert cr.expand_slurm_nodelist("a[8-10]-ib") == ["a8-ib", "a9-ib", "a10-ib"]
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NODELIST": "gpu[3-4]", "KERAS_DISTRIBUTE_PORT": "4000"}
+    resolver = cr.resolve(env)
+    assert isinstance(resolver, cr.SlurmClusterResolver)
+    assert resolver.coordinator_address == "gpu3:4000"
+    assert resolver.nodes == ["gpu3", "gpu4"] and resolver.process_id == 1
+    with pytest.raises(ValueError, match="Unbalanced"):
+        cr.expand_slurm_nodelist("gpu[1-2")
+    with pytest.raises(ValueError, match="Bad range"):
+        cr.expand_slurm_nodelist("gpu[a-b]")
+
+
+def test_keras_distribution_variables():
+    env = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": "h0:1234,h1:1234",
+           "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+           "KERAS_DISTRIBUTION_PROCESS_ID": "1"}
+    resolver = cr.resolve(env)
+    assert isinstance(resolver, cr.KerasDistributionClusterResolver)
+    assert (resolver.process_id, resolver.coordinator_address) == (1, "h0:1234")
+    with pytest.raises(ValueError, match="lists 2 addresses"):
+        cr.resolve(dict(env, KERAS_DISTRIBUTION_NUM_PROCESSES="3"))
+
+
+def test_precedence_and_local_fallback():
+    both = dict(tf_config({"worker": ["a:1", "b:1"]}, "worker", 1),
+                MASTER_ADDR="x", MASTER_PORT="1", RANK="0", WORLD_SIZE="2")
+    assert isinstance(cr.resolve(both), cr.TFConfigClusterResolver)
+    local = cr.resolve({})
+    assert (local.num_processes, local.process_id, local.is_chief) == (1, 0, True)
+
+
+def test_simple_resolver_validation():
+    resolver = cr.SimpleClusterResolver(["a:1", "b:2"], process_id=1)
+    assert repr(resolver).startswith("<SimpleClusterResolver num_processes=2")
+    with pytest.raises(ValueError, match="out of range"):
+        cr.SimpleClusterResolver(["a:1"], process_id=1)
+    with pytest.raises(ValueError, match="not a number"):
+        cr.SimpleClusterResolver(["a:99999"])
