@@ -71,7 +71,6 @@ class RecordLogs:
 def fit_evaluate_predict(seed_per_rank=True):
     """Fit (short last batch), evaluate, predict; report what each rank saw."""
     _setup()
-    import keras
 
     import keras_distribute as kd
 
