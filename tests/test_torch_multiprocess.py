@@ -234,3 +234,17 @@ def test_multi_worker_peer_that_never_joins_times_out_clearly():
 def test_communication_options_validation():
     with pytest.raises(ValueError, match="positive number"):
         kd.CommunicationOptions(timeout_seconds=0)
+
+
+def test_only_the_chief_writes_and_early_stopping_agrees(tmp_path):
+    results = kd.launch(workers.fit_with_file_callbacks, num_processes=2,
+                        args=(str(tmp_path),), timeout=TIMEOUT)
+    (epochs0, weights0), (epochs1, weights1) = results
+    assert epochs0 == epochs1 < 20  # every rank stopped at the same epoch
+    for a, b in zip(weights0, weights1):
+        np.testing.assert_array_equal(a, b)
+    rows = (tmp_path / "log.csv").read_text().strip().splitlines()
+    assert rows[0].startswith("epoch") and len(rows) == epochs0 + 1
+    saved = sorted(p.name for p in tmp_path.glob("ckpt_*.weights.h5"))
+    assert len(saved) == epochs0
+    assert not (tmp_path / "backup").exists()  # the chief cleaned it up

@@ -321,3 +321,28 @@ def multi_worker_peer_never_joins(port):
     except TimeoutError as error:
         return str(error), time.monotonic() - start
     return "joined", time.monotonic() - start
+
+
+def fit_with_file_callbacks(directory):
+    """ModelCheckpoint, CSVLogger, BackupAndRestore and EarlyStopping."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    x, y = make_data(n=96)
+    with kd.MirroredStrategy().scope():
+        model = make_model(initial_weights())
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(directory, "ckpt_{epoch}.weights.h5"),
+            save_weights_only=True),
+        keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+        keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+        # Stops once the (global) loss improves by less than 10 %.
+        keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.1,
+                                      patience=0),
+    ]
+    history = model.fit(x, y, batch_size=32, epochs=20, verbose=0,
+                        callbacks=callbacks)
+    return len(history.history["loss"]), model.get_weights()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import keras
 from keras.src.trainers.data_adapters import array_slicing
 
+from keras_distribute import worker_callbacks
 from keras_distribute.input_lib import iterate_source
 
 
@@ -203,7 +204,9 @@ def _fit(engine, method, model, params: dict) -> Any:
     engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
     engine.sync_metrics_each_step = _batch_logs_are_read(params)
     try:
-        return method(model, **params)
+        with worker_callbacks.chief_only_writes(params.get("callbacks"),
+                                                engine.rank == 0):
+            return method(model, **params)
     finally:
         engine.even_batches = False
         engine.sync_metrics_each_step = True

@@ -1,0 +1,67 @@
+"""Keras callbacks in multi-process runs: only the chief writes files.
+
+Every process runs the same `fit` with the same callbacks. Left alone, a
+`ModelCheckpoint` or `CSVLogger` in N processes writes the same file N times
+at once. Inside `chief_only_writes`, the non-chief processes keep their
+callbacks' logic (logs are global, so `EarlyStopping` stops every process at
+the same epoch) but send their writes to a scratch directory or skip them;
+the callbacks are restored when `fit` returns.
+"""
+
+import contextlib
+import os
+import tempfile
+from typing import Any, Iterator, Sequence
+
+
+def _no_write(*args, **kwargs) -> None:
+    return None
+
+
+def _redirect(callback: Any, scratch: str, saved: list) -> None:
+    import keras
+
+    def swap(name: str, value: Any) -> None:
+        saved.append((callback, name, callback.__dict__.get(name, _MISSING)))
+        setattr(callback, name, value)
+
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        swap("_save_model", _no_write)        # the chief writes the backup
+        swap("delete_checkpoint", False)      # and deletes it at the end
+    elif isinstance(callback, keras.callbacks.ModelCheckpoint):
+        swap("_save_model", _no_write)
+    elif isinstance(callback, keras.callbacks.CSVLogger):
+        swap("filename", os.path.join(scratch, "log.csv"))
+    elif isinstance(callback, keras.callbacks.TensorBoard):
+        swap("log_dir", os.path.join(scratch, "tensorboard"))
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def chief_only_writes(callbacks: Sequence[Any], is_chief: bool) -> Iterator[None]:
+    """Redirects the file writes of non-chief processes' callbacks.
+
+    Args:
+        callbacks: The callbacks passed to `fit` (a list, or `None`).
+        is_chief: Whether this process is the chief (process 0).
+
+    Yields:
+        Nothing; on exit the callbacks are as they were.
+    """
+    if is_chief or not callbacks or not isinstance(callbacks, (list, tuple)):
+        yield
+        return
+    saved = []
+    with tempfile.TemporaryDirectory(prefix="kd-worker-") as scratch:
+        try:
+            for callback in callbacks:
+                _redirect(callback, scratch, saved)
+            yield
+        finally:
+            for callback, name, value in reversed(saved):
+                if value is _MISSING:
+                    delattr(callback, name)
+                else:
+                    setattr(callback, name, value)
