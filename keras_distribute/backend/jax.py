@@ -8,6 +8,7 @@ per-replica inputs of unequal shape (a short last batch) run one thread per
 replica instead, with collectives that meet at a barrier.
 """
 
+import contextlib
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -107,10 +108,15 @@ class _StrategyLayouts:
     def _init_layout_cache(self, batch_shards: int):
         self._batch_shards = batch_shards
         self._data_layouts = {}
+        # Several processes: set by the engine for each batch it splits.
+        self.batch_given_whole = None
 
     def get_data_layout(self, data_shape):
         rank = len(data_shape)
-        divisible = rank > 0 and data_shape[0] % self._batch_shards == 0
+        if self.batch_given_whole is not None:
+            divisible = rank > 0 and not self.batch_given_whole
+        else:
+            divisible = rank > 0 and data_shape[0] % self._batch_shards == 0
         key = (rank, divisible)
         if key not in self._data_layouts:
             axes = [None] * rank
@@ -145,6 +151,47 @@ class _StrategyModelParallel(_StrategyLayouts, ModelParallel):
         self._init_layout_cache(layout_map.device_mesh.shape[axis])
 
 
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> "JaxEngine":
+    """Joins the `jax.distributed` job `resolver` describes; all devices."""
+    timeout_s = int(timeout_s or 60)
+    if not jax.distributed.is_initialized():
+        # SIGTERM must still end a process (JAX's preemption service would
+        # swallow it); a dead peer is then noticed within the timeout.
+        jax.config.update("jax_enable_preemption_service", False)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=resolver.coordinator_address,
+                num_processes=resolver.num_processes,
+                process_id=resolver.process_id,
+                initialization_timeout=timeout_s,
+                heartbeat_timeout_seconds=max(timeout_s, 10),
+            )
+        except RuntimeError as error:
+            if "before any JAX" in str(error) or "backend" in str(error):
+                raise RuntimeError(
+                    "jax.distributed must start before JAX runs anything. "
+                    "Create kd.MultiWorkerMirroredStrategy at the start of "
+                    "the program, before any array is made.") from error
+            raise TimeoutError(
+                f"Not every worker joined within {timeout_s} s: process "
+                f"{resolver.process_id} of {resolver.num_processes} waited "
+                f"for the coordinator {resolver.coordinator_address}. Check "
+                "that every worker started with the same cluster description."
+                f" Cause: {error}") from error
+        # As keras.distribution.initialize does: one global seed, so that
+        # every process initialises variables to the same values.
+        from keras.src.backend.jax import distribution_lib as keras_jax_lib
+
+        keras_jax_lib.initialize_rng()
+    elif jax.process_count() != resolver.num_processes:
+        raise ValueError(
+            f"jax.distributed runs {jax.process_count()} processes but the "
+            f"cluster resolver describes {resolver.num_processes}. "
+            f"Received: {resolver!r}.")
+    return make_engine(list(jax.devices()), layout_map)
+
+
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
     """Builds the engine of a strategy over `devices`."""
     return JaxEngine(devices, layout_map)
@@ -169,8 +216,13 @@ class JaxEngine:
             )
         self.batch_axis = self.device_mesh.axis_names[0]
         self.num_replicas = self.device_mesh.shape[0]
-        self.local_replica_ids = tuple(range(self.num_replicas))
-        self.num_input_pipelines, self.input_pipeline_id = 1, 0
+        self.rank, self.world_size = jax.process_index(), jax.process_count()
+        self.multi_process = self.world_size > 1
+        self.num_input_pipelines = self.world_size
+        self.input_pipeline_id = self.rank
+        if self.multi_process:
+            # Each process is handed its own rows (process_data.py).
+            self.distribution.auto_shard_dataset = False
         self.mesh = self.device_mesh.backend_mesh
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._replica_of_device = {}
@@ -183,6 +235,15 @@ class JaxEngine:
             self.mesh.devices[(i,) + (0,) * (self.mesh.devices.ndim - 1)]
             for i in range(self.num_replicas)
         )
+        # The replicas this process runs; per-replica values hold these only.
+        self.local_replica_ids = tuple(
+            i for i, d in enumerate(self.replica_devices)
+            if d.process_index == self.rank)
+        self._local_position = {
+            replica: position
+            for position, replica in enumerate(self.local_replica_ids)}
+        self.local_replica_devices = tuple(
+            self.replica_devices[i] for i in self.local_replica_ids)
         self._run_cache = {}
 
     # ------------------------------------------------------------ variables
@@ -223,12 +284,56 @@ class JaxEngine:
             variables += list(optimizer.variables)
         saved = [(v, v._value) for v in variables]
         try:
+            if self.multi_process:
+                from keras_distribute import process_data
+
+                with _process_local_predictions(model):
+                    return process_data.call_sharded(self, method, model,
+                                                     args, kwargs)
             return method(model, *args, **kwargs)
         except BaseException:
             for variable, value in saved:
                 if variable._value is None:
                     variable._value = value
             raise
+
+    # ---------------------------------------------------- several processes
+    def split_rows(self, batch: int, rank: Optional[int] = None):
+        """This process's rows of a global batch.
+
+        A batch that divides by the replica count is cut into equal
+        per-process slices (laid out sharded); any other batch is given
+        whole to every process and laid out replicated, which keeps the
+        single-device result.
+        """
+        whole = batch % self.num_replicas != 0
+        if rank is None:
+            rank = self.rank
+            self.distribution.batch_given_whole = whole
+        if whole:
+            return 0, batch
+        per_process = batch // self.world_size
+        return rank * per_process, (rank + 1) * per_process
+
+    def shared_seed(self) -> int:
+        """A random seed, the same in every process (process 0's)."""
+        from jax.experimental import multihost_utils
+
+        seed = np.int32(np.random.default_rng().integers(0, 2**31 - 1))
+        return int(multihost_utils.broadcast_one_to_all(seed))
+
+    def gather_rows(self, array: np.ndarray) -> np.ndarray:
+        """Every process's rows (counts may differ), in process order."""
+        from jax.experimental import multihost_utils
+
+        counts = multihost_utils.process_allgather(
+            np.array([array.shape[0]]))
+        longest = int(np.max(counts))
+        padded = np.zeros((longest,) + array.shape[1:], array.dtype)
+        padded[:array.shape[0]] = array
+        everyone = multihost_utils.process_allgather(padded)
+        return np.concatenate([everyone[p][:int(counts[p][0])]
+                               for p in range(self.world_size)], axis=0)
 
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:
@@ -249,17 +354,19 @@ class JaxEngine:
                 return PerReplica([np.asarray(leaf) for leaf in leaves])
             return PerReplica([
                 jax.device_put(_as_array(leaf), device)
-                for leaf, device in zip(leaves, self.replica_devices)
+                for leaf, device in zip(leaves, self.local_replica_devices)
             ])
 
         return keras.tree.map_structure(put, *structures)
 
     def _per_replica_shards(self, array: Any) -> tuple:
-        parts = [None] * self.num_replicas
+        """This process's replicas' parts of a global array, in order."""
+        parts = [None] * len(self.local_replica_ids)
         for shard in array.addressable_shards:
-            replica = self._replica_of_device.get(shard.device)
-            if replica is not None and parts[replica] is None:
-                parts[replica] = shard.data
+            position = self._local_position.get(
+                self._replica_of_device.get(shard.device))
+            if position is not None and parts[position] is None:
+                parts[position] = shard.data
         return tuple(parts)
 
     def _stack(self, values: Sequence[Any]) -> jax.Array:
@@ -269,9 +376,9 @@ class JaxEngine:
         sharding = NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
         pieces = []
         for device in sharding.addressable_devices_indices_map(shape):
-            replica = self._replica_of_device[device]
+            position = self._local_position[self._replica_of_device[device]]
             pieces.append(
-                jax.device_put(_as_array(values[replica])[None], device)
+                jax.device_put(_as_array(values[position])[None], device)
             )
         return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
@@ -288,16 +395,23 @@ class JaxEngine:
             (args, kwargs), is_leaf=lambda x: isinstance(x, PerReplica)
         )
         kinds = tuple(_leaf_kind(leaf) for leaf in leaves)
+        local = len(self.local_replica_ids)
         for leaf in leaves:
-            if isinstance(leaf, PerReplica) and len(leaf) != self.num_replicas:
+            if isinstance(leaf, PerReplica) and len(leaf) != local:
                 raise ValueError(
                     f"A per-replica argument has {len(leaf)} components but "
-                    f"the strategy has {self.num_replicas} replicas. Make it "
-                    "with this strategy's distributed dataset or "
+                    f"this process runs {local} of the strategy's replicas. "
+                    "Make it with this strategy's distributed dataset or "
                     "`experimental_distribute_values_from_function`."
                 )
         if all(_even(leaf) for leaf, k in zip(leaves, kinds) if k == "split"):
             return self._run_spmd(strategy, fn, leaves, kinds, treedef)
+        if self.multi_process:
+            raise ValueError(
+                "Per-replica inputs of different shapes (a short last batch) "
+                "cannot run across several JAX processes: SPMD needs equal "
+                "shapes. Batch the dataset with `drop_remainder=True`, or "
+                "pad the last batch.")
         return self._run_threads(strategy, fn, leaves, kinds, treedef)
 
     def _run_spmd(self, strategy, fn, leaves, kinds, treedef):
@@ -420,9 +534,8 @@ class JaxEngine:
                     "dimension as `axis` (usually `axis=0`)."
                 )
             stacked = self._stack(values)
-            if op is ReduceOp.SUM:
-                return _sum0(stacked)
-            return _mean0(stacked)
+            result = _sum0(stacked) if op is ReduceOp.SUM else _mean0(stacked)
+            return self._local(result)
         rank = np.ndim(values[0])
         if not -rank <= axis < rank:
             raise ValueError(
@@ -430,11 +543,17 @@ class JaxEngine:
                 f"rank {rank}. Use an axis in [{-rank}, {rank})."
             )
         partial_sums = [jnp.sum(v, axis=axis) for v in values]
-        total = _sum0(self._stack(partial_sums))
+        total = self._local(_sum0(self._stack(partial_sums)))
         if op is ReduceOp.SUM:
             return total
-        count = sum(np.shape(v)[axis] for v in values)
-        return total / count
+        counts = [np.float32(np.shape(v)[axis]) for v in values]
+        return total / self._local(_sum0(self._stack(counts)))
+
+    def _local(self, replicated: Any) -> Any:
+        """A replicated global array as an array this process can read."""
+        if self.multi_process:
+            return replicated.addressable_data(0)
+        return replicated
 
     def gather(self, values: Sequence[Any], axis: int) -> Any:
         values = [_as_array(v) for v in values]
@@ -450,10 +569,56 @@ class JaxEngine:
                 f"`axis`={axis} is out of range for per-replica values of "
                 f"rank {rank}. Use an axis in [{-rank}, {rank})."
             )
-        host = self.replica_devices[0]
-        return jnp.concatenate(
-            [jax.device_put(v, host) for v in values], axis=axis
-        )
+        host = self.local_replica_devices[0]
+        local = jnp.concatenate(
+            [jax.device_put(v, host) for v in values], axis=axis)
+        if not self.multi_process:
+            return local
+        moved = np.moveaxis(np.asarray(local), axis, 0)
+        return jnp.asarray(np.moveaxis(self.gather_rows(moved), 0, axis))
+
+
+def _process_rows(array: Any) -> Any:
+    """This process's rows of a global array sharded along axis 0."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return array
+    if array.is_fully_replicated:
+        return array.addressable_data(0)
+    rows = {}
+    for shard in array.addressable_shards:
+        rows.setdefault(shard.index[0].start or 0, shard.data)
+    # The shards live on different devices: meet on the host.
+    return np.concatenate([np.asarray(rows[start]) for start in sorted(rows)],
+                          axis=0)
+
+
+@contextlib.contextmanager
+def _process_local_predictions(model):
+    """Makes Keras' predict function return process-local rows.
+
+    Keras' JAX `predict` turns every batch's output into numpy, which a
+    global array spanning several processes refuses; each process takes its
+    own rows instead, and `process_data` puts them back together.
+    """
+    original = model.make_predict_function
+
+    def make_predict_function(force=False):
+        original(force)
+        inner = model.predict_function
+        if not getattr(inner, "_kd_process_rows", False):
+            def predict_function(state, iterator):
+                outputs, state = inner(state, iterator)
+                return jax.tree_util.tree_map(_process_rows, outputs), state
+
+            predict_function._kd_process_rows = True
+            model.predict_function = predict_function
+        return model.predict_function
+
+    object.__setattr__(model, "make_predict_function", make_predict_function)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("make_predict_function", None)
 
 
 @jax.jit

@@ -219,9 +219,26 @@ class TorchEngine:
                      kwargs: dict) -> Any:
         if not self.in_group:
             return method(model, *args, **kwargs)
-        from keras_distribute.backend import torch_data
+        from keras_distribute import process_data
 
-        return torch_data.call_sharded(self, method, model, args, kwargs)
+        return process_data.call_sharded(self, method, model, args, kwargs)
+
+    def split_rows(self, batch: int, rank: Optional[int] = None):
+        """This process's rows of a global batch: balanced slices."""
+        from keras_distribute.process_data import balanced_bounds
+
+        return balanced_bounds(batch, self.rank if rank is None else rank,
+                               self.world_size)
+
+    def shared_seed(self) -> int:
+        """A random seed, the same in every process (rank 0's)."""
+        seed = [int(np.random.default_rng().integers(0, 2**31 - 1))]
+        dist.broadcast_object_list(seed, src=0)
+        return seed[0]
+
+    def gather_rows(self, array: np.ndarray) -> np.ndarray:
+        """Every process's rows, concatenated in process order."""
+        return self.all_gather(torch.as_tensor(array), axis=0).numpy()
 
     def ddp(self, model: Any) -> Any:
         """The DistributedDataParallel that wraps `model`, made once."""

@@ -1,10 +1,12 @@
-"""Per-process slices of every global batch, for Keras `fit` on torch.
+"""Per-process slices of every global batch, for Keras `fit` in N processes.
 
-Each process is one replica and sees the whole input; this module hands
-Keras, in each process, only that process's slice of every global batch (as
-a `keras.utils.PyDataset`), and puts `predict` outputs back together in
-input order. Global batches are split as evenly as possible (sizes differ by
-at most one row); all processes shuffle arrays with the same seed.
+Every process sees the whole input; this module hands Keras, in each process,
+only that process's rows of every global batch (as a `keras.utils.PyDataset`)
+and puts `predict` outputs back together in input order. The engine decides
+how a batch is split (`engine.split_rows(batch)` gives this process's
+`(start, stop)` and whether the batch is instead given whole to every
+process), shares the shuffling seed (`engine.shared_seed()`) and gathers rows
+(`engine.gather_rows(array)`). No framework is imported here.
 """
 
 import inspect
@@ -12,8 +14,6 @@ import math
 from typing import Any, List
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 import keras
 from keras.src.trainers.data_adapters import array_slicing
@@ -22,8 +22,11 @@ from keras_distribute import worker_callbacks
 from keras_distribute.input_lib import iterate_source
 
 
-def rank_bounds(batch: int, rank: int, world_size: int):
-    """Rows `[start, stop)` of a batch of `batch` rows that `rank` takes."""
+def balanced_bounds(batch: int, rank: int, world_size: int):
+    """Rows `[start, stop)` of a `batch`-row batch that `rank` takes.
+
+    Sizes differ by at most one row between processes.
+    """
     base, extra = divmod(batch, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
@@ -32,7 +35,7 @@ def rank_bounds(batch: int, rank: int, world_size: int):
 def _is_arrays(x: Any) -> bool:
     leaves = keras.tree.flatten(x) if x is not None else []
     return bool(leaves) and all(
-        isinstance(leaf, (np.ndarray, torch.Tensor)) or (
+        isinstance(leaf, np.ndarray) or (
             hasattr(leaf, "__array__") and hasattr(leaf, "shape")
             and not hasattr(leaf, "element_spec"))
         for leaf in leaves)
@@ -76,8 +79,7 @@ class ArrayShards(keras.utils.PyDataset):
 
     def __getitem__(self, index: int):
         rows = self._order[index * self._batch:(index + 1) * self._batch]
-        start, stop = rank_bounds(len(rows), self._engine.rank,
-                                  self._engine.world_size)
+        start, stop = self._engine.split_rows(len(rows))
         rows = rows[start:stop]
         x, y, sample_weight = (_take(part, rows) for part in self._data)
         return _pack(x, y, sample_weight)
@@ -87,7 +89,7 @@ class ArrayShards(keras.utils.PyDataset):
         self._order = self._permutation()
 
     def splits_evenly(self) -> bool:
-        n = self._engine.world_size
+        n = self._engine.num_replicas
         return all(size % n == 0 for size in self.batch_sizes)
 
 
@@ -123,8 +125,7 @@ class SourceShards(keras.utils.PyDataset):
         leaves = [a for a in keras.tree.flatten(element) if a is not None]
         batch = leaves[0].shape[0]
         self.batch_sizes.append(batch)
-        start, stop = rank_bounds(batch, self._engine.rank,
-                                  self._engine.world_size)
+        start, stop = self._engine.split_rows(batch)
         local = _take(element, slice(start, stop))
         return tuple(local) if isinstance(local, (tuple, list)) else (local,)
 
@@ -139,19 +140,13 @@ def _length(source: Any):
         return None
 
 
-def _shared_seed(engine) -> int:
-    seed = [int(np.random.default_rng().integers(0, 2**31 - 1))]
-    dist.broadcast_object_list(seed, src=0)
-    return seed[0]
-
-
 def _shard(engine, params: dict, shuffle: bool):
     x, y = params.get("x"), params.get("y")
     sample_weight = params.get("sample_weight")
     if _is_arrays(x):
         return ArrayShards(engine, x, y, sample_weight,
                            params.get("batch_size") or 32, shuffle,
-                           _shared_seed(engine) if shuffle else 0)
+                           engine.shared_seed() if shuffle else 0)
     if y is not None or sample_weight is not None:
         raise ValueError(
             "`y` and `sample_weight` must be omitted when `x` is a dataset; "
@@ -230,12 +225,12 @@ def _batch_logs_are_read(params: dict) -> bool:
 def _on_batch(engine, method, model, params: dict) -> Any:
     x = params["x"]
     batch = keras.tree.flatten(x)[0].shape[0]
-    start, stop = rank_bounds(batch, engine.rank, engine.world_size)
+    start, stop = engine.split_rows(batch)
     for key in ("x", "y", "sample_weight"):
         if params.get(key) is not None:
             params[key] = _take(params[key], slice(start, stop))
     if method.__name__ != "predict_on_batch":
-        engine.even_batches = batch % engine.world_size == 0
+        engine.even_batches = batch % engine.num_replicas == 0
         try:
             return method(model, **params)
         finally:
@@ -243,21 +238,42 @@ def _on_batch(engine, method, model, params: dict) -> Any:
     return _unshard(engine, method(model, **params), [batch])
 
 
+def _given_whole(engine, batch: int) -> bool:
+    """Whether every process gets the whole of a `batch`-row batch."""
+    return engine.world_size > 1 and all(
+        engine.split_rows(batch, rank=rank) == (0, batch)
+        for rank in range(engine.world_size))
+
+
 def _unshard(engine, outputs: Any, batch_sizes: List[int]) -> Any:
-    """Puts every process's predictions back in input order."""
+    """Puts every process's predictions back in input order.
+
+    A batch given whole to every process (see `engine.split_rows`) is taken
+    once, from process 0.
+    """
+    world = engine.world_size
+
+    def sizes_of(rank: int) -> List[int]:
+        sizes = []
+        for batch in batch_sizes:
+            start, stop = engine.split_rows(batch, rank=rank)
+            sizes.append(stop - start)
+        return sizes
+
     def gather(local):
-        local = torch.as_tensor(np.ascontiguousarray(local))
-        everyone = engine.all_gather(local, axis=0).numpy()
-        pieces, offset = [], 0
-        per_rank = []
-        for rank in range(engine.world_size):
-            sizes = [np.subtract(*rank_bounds(b, rank, engine.world_size)[::-1])
-                     for b in batch_sizes]
+        everyone = engine.gather_rows(np.ascontiguousarray(local))
+        per_rank, offset = [], 0
+        for rank in range(world):
+            sizes = sizes_of(rank)
             per_rank.append(np.split(everyone[offset:offset + sum(sizes)],
                                      np.cumsum(sizes)[:-1]))
             offset += sum(sizes)
-        for index in range(len(batch_sizes)):
-            pieces += [per_rank[rank][index] for rank in range(engine.world_size)]
+        pieces = []
+        for index, batch in enumerate(batch_sizes):
+            if _given_whole(engine, batch):
+                pieces.append(per_rank[0][index])  # the same on every rank
+            else:
+                pieces += [per_rank[rank][index] for rank in range(world)]
         return np.concatenate(pieces, axis=0)
 
     return keras.tree.map_structure(gather, outputs)

@@ -1,0 +1,37 @@
+"""MultiWorkerMirroredStrategy on JAX: 2 processes x 2 CPU devices, loopback."""
+
+import numpy as np
+import pytest
+
+import keras_distribute as kd
+import workers_jax as workers
+from conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(
+    BACKEND != "jax", reason="jax.distributed tests: JAX backend")
+TIMEOUT = 300
+
+
+def test_multi_worker_fit_matches_one_device():
+    from keras_distribute.launch import _free_port
+
+    results = kd.launch(workers.multi_worker_fit, num_processes=2,
+                        args=(_free_port(),), timeout=TIMEOUT)
+    x, y = workers.make_data()
+    model = workers.make_model(workers.initial_weights())
+    history = model.fit(x, y, batch_size=workers.BATCH, epochs=3,
+                        shuffle=False, verbose=0, validation_split=0.2)
+    predictions = model.predict(x, batch_size=workers.BATCH, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=workers.BATCH, verbose=0)
+    assert [r["local_ids"] for r in results] == [[0, 1], [2, 3]]
+    for result in results:
+        assert result["replicas"] == 4
+        assert result["sum_ids"] == 6.0
+        assert result["gather"] == [0, 1, 2, 3]
+        for key in ("loss", "accuracy", "val_loss"):
+            np.testing.assert_allclose(result["history"][key],
+                                       history.history[key], rtol=1e-5)
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(result["evaluate"], evaluation, rtol=1e-5)
+        np.testing.assert_allclose(result["predict"], predictions, atol=1e-5)

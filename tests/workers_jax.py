@@ -1,0 +1,84 @@
+"""Bodies of the multi-process JAX tests (2 processes x 2 CPU devices).
+
+Nothing here imports JAX at module level: each worker sets its device count
+first, then starts `jax.distributed` through the strategy.
+"""
+
+import os
+
+import numpy as np
+
+BATCH = 32
+
+
+def _jax_process(devices_per_process=2):
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices_per_process}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def make_data(n=203, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(n,))
+    return x, y
+
+
+def initial_weights():
+    rng = np.random.default_rng(1)
+    return [rng.normal(scale=0.3, size=s).astype("float32")
+            for s in [(16, 32), (32,), (32, 3), (3,)]]
+
+
+def make_model(weights=None):
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def multi_worker_fit(port):
+    """MultiWorkerMirroredStrategy on 2 processes x 2 devices: fit & co."""
+    _jax_process()
+    rank = int(os.environ["RANK"])
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(name)
+    import keras_distribute as kd
+
+    resolver = kd.cluster_resolver.SimpleClusterResolver(
+        [f"127.0.0.1:{port}", f"127.0.0.1:{port}"], process_id=rank)
+    strategy = kd.MultiWorkerMirroredStrategy(
+        resolver, kd.CommunicationOptions(timeout_seconds=60))
+    x, y = make_data()
+    with strategy.scope():
+        model = make_model(initial_weights())
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False,
+                        verbose=0, validation_split=0.2)
+    ids = strategy.run(
+        lambda: kd.get_replica_context().replica_id_in_sync_group)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "local_ids": [int(v) for v in strategy.experimental_local_results(ids)],
+        "sum_ids": float(strategy.reduce("sum", values, axis=None)),
+        "gather": np.asarray(strategy.gather(
+            strategy.experimental_distribute_values_from_function(
+                lambda ctx: np.full((1,), ctx.replica_id_in_sync_group)),
+            axis=0)).tolist(),
+        "history": history.history,
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
+        "predict": model.predict(x, batch_size=BATCH, verbose=0),
+    }
