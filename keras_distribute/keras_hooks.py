@@ -28,6 +28,8 @@ them, on first use (the first strategy created, never at import), and
 import functools
 import threading
 
+import keras
+
 from keras_distribute import context
 
 _TRAINER_METHODS = (
@@ -140,7 +142,7 @@ def _install_jax_data_hook() -> None:
     _patch(jax_trainer, "_distribute_data", _distribute_data)
 
 
-def _install_tf_loss_hook() -> None:
+def _install_tf_hooks() -> None:
     from keras.src.losses import loss as loss_module
 
     from keras_distribute.backend import tensorflow as tf_backend
@@ -164,6 +166,59 @@ def _install_tf_loss_hook() -> None:
     _patch(loss_module.Loss, "__call__", __call__)
     _patch(loss_module, "unscale_loss_for_distribution",
            unscale_loss_for_distribution)
+    _install_tf_multi_worker_fixes()
+
+
+def _install_tf_multi_worker_fixes() -> None:
+    """Keras 3 `fit` under tf.distribute.MultiWorkerMirroredStrategy.
+
+    Upstream (keras#20585) it fails twice: the symbolic build reduces the
+    first batch with a cross-worker MEAN (integer labels and unequal shapes
+    break it), and `reduce_per_replica` reduces scalar metric results along
+    axis 0. Only kd's multi-worker strategies take the fixed paths.
+    """
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    from keras_distribute.backend import tensorflow as tf_backend
+
+    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+
+    @functools.wraps(original_build)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if iterator is None or not tf_backend.is_multi_worker(strategy):
+            return original_build(self, iterator, data_batch)
+        for _, _, batches in iterator:
+            batch = next(batches)
+            # Any one local replica's slice has the shapes and dtypes needed.
+            data_batch = keras.tree.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues) else v,
+                batch)
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    original_reduce = tf_trainer.reduce_per_replica
+
+    @functools.wraps(original_reduce)
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not tf_backend.is_multi_worker(
+                strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def reduce(value):
+            # Metric results are already global; average scalars across
+            # workers with axis=None (axis=0 does not exist for them).
+            axis = None if len(getattr(value, "shape", ())) == 0 else 0
+            return strategy.reduce("MEAN", value, axis=axis)
+
+        return keras.tree.map_structure(reduce, values)
+
+    _patch(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+           _maybe_symbolic_build)
+    _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 
 
 def _torch_engine(model):
@@ -212,8 +267,6 @@ def _install_torch_hooks() -> None:
 
 def install() -> None:
     """Installs the hooks once; later calls do nothing."""
-    import keras
-
     with _lock:
         if _originals:
             return
@@ -221,7 +274,7 @@ def install() -> None:
         if keras.backend.backend() == "jax":
             _install_jax_data_hook()
         elif keras.backend.backend() == "tensorflow":
-            _install_tf_loss_hook()
+            _install_tf_hooks()
         elif keras.backend.backend() == "torch":
             _install_torch_hooks()
 

@@ -35,6 +35,12 @@ _even_fits = weakref.WeakSet()
 _KEY_BASE_STRIDE = 1_000_000
 
 
+def is_multi_worker(strategy: Any) -> bool:
+    """Whether `strategy` is the tf.distribute engine of a kd multi-worker."""
+    return strategy in _our_tf_strategies and isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
 def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
     """How much to rescale a replica's loss so that uneven batches weigh right.
 
@@ -102,22 +108,56 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
     return candidates[device.index]
 
 
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> "TfEngine":
+    """A `tf.distribute.MultiWorkerMirroredStrategy` over `resolver`'s job."""
+    _refuse_sharded(layout_map)
+    spec = resolver.cluster_spec()
+    addresses = [a for job in ("chief", "worker") for a in spec.get(job, [])]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(
+            "TensorFlow runs one server per worker, so every worker needs its "
+            f"own 'host:port'. Received: {addresses}. Describe the job with "
+            "TF_CONFIG or kd.cluster_resolver.SimpleClusterResolver(addresses)"
+            " (torchrun and SLURM give only the coordinator's address).")
+    tf_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type=resolver.task_type,
+        task_id=resolver.task_id, rpc_layer="grpc")
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=timeout_s)
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf_resolver, communication_options=options)
+    except RuntimeError as error:
+        raise RuntimeError(
+            "tf.distribute's multi-worker collectives must be set up before "
+            "TensorFlow runs anything. Create kd.MultiWorkerMirroredStrategy "
+            "at the start of the program, before any tensor is made."
+        ) from error
+    return TfEngine(None, tf_strategy=strategy, resolver=resolver)
+
+
+def _refuse_sharded(layout_map: Any) -> None:
+    if layout_map is None:
+        return
+    sharded = {
+        key: layout.axes for key, layout in layout_map.items()
+        if any(axis is not None for axis in layout.axes)
+    }
+    if sharded:
+        raise NotImplementedError(
+            "Sharded variable layouts are not supported on the "
+            "'tensorflow' Keras backend: keras.distribution has no "
+            "TensorFlow implementation and tf.distribute.MirroredStrategy "
+            "replicates variables. Received sharded layouts for "
+            f"{sorted(sharded)}. Use the JAX backend for model "
+            "parallelism, or a layout_map whose axes are all None.")
+
+
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TfEngine":
     """Builds the engine of a strategy over `devices`."""
+    _refuse_sharded(layout_map)
     if layout_map is not None:
-        sharded = {
-            key: layout.axes for key, layout in layout_map.items()
-            if any(axis is not None for axis in layout.axes)
-        }
-        if sharded:
-            raise NotImplementedError(
-                "Sharded variable layouts are not supported on the "
-                "'tensorflow' Keras backend: keras.distribution has no "
-                "TensorFlow implementation and tf.distribute.MirroredStrategy "
-                "replicates variables. Received sharded layouts for "
-                f"{sorted(sharded)}. Use the JAX backend for model "
-                "parallelism, or a layout_map whose axes are all None."
-            )
         devices = [resolve_device(parse_device_name(str(d)))
                    for d in layout_map.device_mesh.devices.flatten()]
     return TfEngine(devices)
@@ -138,33 +178,52 @@ def _tf_options(options) -> Optional[tf.distribute.InputOptions]:
     )
 
 
+def _new_mirrored_strategy(devices: Sequence[Any]):
+    # Every strategy in a process needs its own collective group keys,
+    # else a second strategy over another device count aborts its
+    # collectives ("joining a group with size 2, but that group has size
+    # 4"). TensorFlow's own test combinations move the key base the same
+    # way; it is restored so that plain tf.distribute strategies created
+    # later keep the keys they would have had.
+    global _strategies_created
+    _strategies_created += 1
+    cls = tf.distribute.MirroredStrategy
+    saved_base = cls._collective_key_base
+    cls._collective_key_base = _KEY_BASE_STRIDE * _strategies_created
+    try:
+        return cls(devices=[d.name for d in devices])
+    finally:
+        cls._collective_key_base = saved_base
+
+
 class TfEngine:
     """The per-strategy TensorFlow engine (see `interface.ReplicaEngine`)."""
 
-    def __init__(self, devices: Sequence[Any]):
-        self.devices = tuple(devices)
-        self.num_replicas = len(self.devices)
-        self.local_replica_ids = tuple(range(self.num_replicas))
-        self.num_input_pipelines, self.input_pipeline_id = 1, 0
-        # Every strategy in a process needs its own collective group keys,
-        # else a second strategy over another device count aborts its
-        # collectives ("joining a group with size 2, but that group has size
-        # 4"). TensorFlow's own test combinations move the key base the same
-        # way; it is restored so that plain tf.distribute strategies created
-        # later keep the keys they would have had.
-        global _strategies_created
-        _strategies_created += 1
-        cls = tf.distribute.MirroredStrategy
-        saved_base = cls._collective_key_base
-        cls._collective_key_base = _KEY_BASE_STRIDE * _strategies_created
-        try:
-            self.tf_strategy = cls(devices=[d.name for d in self.devices])
-        finally:
-            cls._collective_key_base = saved_base
+    def __init__(self, devices: Optional[Sequence[Any]], *,
+                 tf_strategy: Any = None, resolver: Any = None):
+        if tf_strategy is None:
+            self.tf_strategy = _new_mirrored_strategy(devices)
+        else:
+            self.tf_strategy = tf_strategy
         _our_tf_strategies.add(self.tf_strategy)
+        self.multi_worker = resolver is not None
+        worker_devices = self.tf_strategy.extended.worker_devices
+        self.devices = tuple(devices) if devices is not None else tuple(
+            tf.config.LogicalDevice(name=d, device_type=parse_device_name(
+                d).device_type.upper()) for d in worker_devices)
+        self.num_replicas = self.tf_strategy.num_replicas_in_sync
+        first = (resolver.process_id * len(worker_devices)
+                 if resolver is not None else 0)
+        self.local_replica_ids = tuple(
+            range(first, first + len(worker_devices)))
+        self.num_input_pipelines = (
+            resolver.num_processes if resolver is not None else 1)
+        self.input_pipeline_id = resolver.process_id if resolver else 0
         self.device_mesh = DeviceMesh(
             shape=(self.num_replicas,), axis_names=["batch"],
-            devices=[device_name(d) for d in self.devices],
+            devices=[f"cpu:{i}" for i in range(self.num_replicas)]
+            if resolver is not None else
+            [device_name(d) for d in self.devices],
         )
         # keras.distribution has no TensorFlow implementation.
         self.distribution = None
@@ -279,10 +338,18 @@ class TfEngine:
             with context._enter(strategy, ctx):
                 return fn(*call_args, **call_kwargs)
 
-        return self.tf_strategy.run(
+        result = self.tf_strategy.run(
             replica_fn, args=self._to_native(args),
             kwargs=self._to_native(kwargs),
         )
+        if self.multi_worker and len(self.local_replica_ids) == 1:
+            # One device per worker: tf.distribute returns the worker's
+            # tensor itself; it is still that replica's own value.
+            result = keras.tree.map_structure(
+                lambda v: v if v is None or isinstance(
+                    v, tf_values.DistributedValues) else tf_values.PerReplica(
+                        (v,)), result)
+        return result
 
     # -------------------------------------------------- cross-replica ops
     def reduce(self, op: ReduceOp, values: Sequence[Any],

@@ -1,0 +1,33 @@
+"""MultiWorkerMirroredStrategy on TensorFlow: 2 worker processes, loopback."""
+
+import numpy as np
+import pytest
+
+import keras_distribute as kd
+import workers_tf as workers
+from conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="tf.distribute multi-worker: TF backend")
+TIMEOUT = 300
+
+
+def test_multi_worker_fit_matches_one_process():
+    from keras_distribute.launch import _free_port
+
+    ports = [_free_port(), _free_port()]
+    results = kd.launch(workers.multi_worker_fit, num_processes=2,
+                        args=(ports,), timeout=TIMEOUT)
+    x, y = workers.make_data()
+    model = workers.make_model(workers.initial_weights())
+    history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False,
+                        verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=20, verbose=0)
+    for result in results:
+        assert result["replicas"] == 2
+        assert result["sum_ids"] == 1.0
+        np.testing.assert_allclose(result["history"]["loss"],
+                                   history.history["loss"], rtol=1e-5)
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(result["evaluate"], evaluation, rtol=1e-5)

@@ -1,0 +1,64 @@
+"""Bodies of the multi-worker TensorFlow tests (2 worker processes)."""
+
+import os
+
+import numpy as np
+
+
+def make_data(n=100, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(n,))
+    return x, y
+
+
+def initial_weights():
+    rng = np.random.default_rng(1)
+    return [rng.normal(scale=0.3, size=s).astype("float32")
+            for s in [(16, 32), (32,), (32, 3), (3,)]]
+
+
+def make_model(weights=None):
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def multi_worker_fit(ports):
+    """tf.distribute MWMS under kd: fit, evaluate, run/reduce."""
+    rank = int(os.environ["RANK"])
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(name)
+    import keras_distribute as kd
+
+    resolver = kd.cluster_resolver.SimpleClusterResolver(
+        [f"127.0.0.1:{port}" for port in ports], process_id=rank)
+    strategy = kd.MultiWorkerMirroredStrategy(
+        resolver, kd.CommunicationOptions(timeout_seconds=60))
+    x, y = make_data()
+    with strategy.scope():
+        model = make_model(initial_weights())
+    history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False,
+                        verbose=0)
+    ids = strategy.run(
+        lambda: kd.get_replica_context().replica_id_in_sync_group)
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "task": (resolver.task_type, resolver.task_id),
+        "sum_ids": float(strategy.reduce("sum", ids, axis=None)),
+        "history": history.history,
+        "weights": model.get_weights(),
+        "evaluate": model.evaluate(x, y, batch_size=20, verbose=0),
+    }
