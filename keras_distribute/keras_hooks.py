@@ -107,7 +107,6 @@ def _wrap_trainer_method(name: str, original):
 
 
 def _install_model_hooks() -> None:
-    import keras
     from keras.src.trainers import trainer as base_trainer
 
     original_init = base_trainer.Trainer.__init__

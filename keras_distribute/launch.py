@@ -39,9 +39,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def process_env(rank: int, world_size: int, port: int) -> dict:
-    """The torchrun-style environment of process `rank` on this host."""
-    return {
+def _free_ports(count: int) -> List[int]:
+    ports = set()
+    while len(ports) < count:
+        ports.add(_free_port())
+    return sorted(ports)
+
+
+def process_env(rank: int, world_size: int, port: int,
+                job_ports: Sequence[int] = ()) -> dict:
+    """The environment of process `rank` of a job on this host.
+
+    The torchrun variables (for `kd.MirroredStrategy` on torch), plus Keras'
+    `KERAS_DISTRIBUTION_*` with one address per process, which every
+    backend's `kd.MultiWorkerMirroredStrategy` reads (TensorFlow needs a
+    server port per worker).
+    """
+    env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -50,6 +64,14 @@ def process_env(rank: int, world_size: int, port: int) -> dict:
         "LOCAL_WORLD_SIZE": str(world_size),
         "GROUP_RANK": "0",
     }
+    if job_ports:
+        env.update({
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(
+                f"127.0.0.1:{p}" for p in job_ports),
+            "KERAS_DISTRIBUTION_NUM_PROCESSES": str(world_size),
+            "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
+        })
+    return env
 
 
 def _check_main_guard() -> None:
@@ -70,8 +92,8 @@ def _check_main_guard() -> None:
 
 
 def _worker(payload: bytes, rank: int, world_size: int, port: int,
-            results) -> None:
-    os.environ.update(process_env(rank, world_size, port))
+            job_ports, results) -> None:
+    os.environ.update(process_env(rank, world_size, port, job_ports))
     try:
         import cloudpickle
 
@@ -151,10 +173,11 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
     payload = cloudpickle.dumps((fn, tuple(args)))
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port, job_ports = _free_port(), _free_ports(num_processes)
     processes = [
         context.Process(target=_worker,
-                        args=(payload, rank, num_processes, port, results))
+                        args=(payload, rank, num_processes, port, job_ports,
+                              results))
         for rank in range(num_processes)
     ]
     for process in processes:
@@ -264,10 +287,11 @@ def run_script(script: str, script_args: Sequence[str], num_processes: int,
     Returns:
         0 if every process succeeded, else the first failure's exit code.
     """
-    port = _free_port()
+    port, job_ports = _free_port(), _free_ports(num_processes)
     processes = []
     for rank in range(num_processes):
-        env = dict(os.environ, **process_env(rank, num_processes, port))
+        env = dict(os.environ, **process_env(rank, num_processes, port,
+                                             job_ports))
         processes.append(subprocess.Popen(
             [sys.executable, script, *script_args], env=env))
     deadline = time.monotonic() + timeout

@@ -48,18 +48,16 @@ def make_model(weights=None):
     return model
 
 
-def multi_worker_fit(port):
-    """MultiWorkerMirroredStrategy on 2 processes x 2 devices: fit & co."""
+def multi_worker_fit():
+    """MultiWorkerMirroredStrategy on 2 processes x 2 devices: fit & co.
+
+    The cluster comes from the environment kd.launch sets.
+    """
     _jax_process()
-    rank = int(os.environ["RANK"])
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(name)
     import keras_distribute as kd
 
-    resolver = kd.cluster_resolver.SimpleClusterResolver(
-        [f"127.0.0.1:{port}", f"127.0.0.1:{port}"], process_id=rank)
     strategy = kd.MultiWorkerMirroredStrategy(
-        resolver, kd.CommunicationOptions(timeout_seconds=60))
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
     x, y = make_data()
     with strategy.scope():
         model = make_model(initial_weights())

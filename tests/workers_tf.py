@@ -36,22 +36,24 @@ def make_model(weights=None):
     return model
 
 
-def multi_worker_fit(ports):
-    """tf.distribute MWMS under kd: fit, evaluate, run/reduce."""
-    rank = int(os.environ["RANK"])
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(name)
+def multi_worker_fit(directory):
+    """tf.distribute MWMS under kd: fit, evaluate, run/reduce, callbacks.
+
+    The cluster comes from the environment kd.launch sets.
+    """
+    import keras
+
     import keras_distribute as kd
 
-    resolver = kd.cluster_resolver.SimpleClusterResolver(
-        [f"127.0.0.1:{port}" for port in ports], process_id=rank)
     strategy = kd.MultiWorkerMirroredStrategy(
-        resolver, kd.CommunicationOptions(timeout_seconds=60))
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    resolver = strategy.cluster_resolver
     x, y = make_data()
     with strategy.scope():
         model = make_model(initial_weights())
-    history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False,
-                        verbose=0)
+    history = model.fit(
+        x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.CSVLogger(os.path.join(directory, "log.csv"))])
     ids = strategy.run(
         lambda: kd.get_replica_context().replica_id_in_sync_group)
     return {

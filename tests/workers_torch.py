@@ -286,7 +286,10 @@ def multi_worker_from_tf_config(port):
     import keras_distribute as kd
 
     rank = int(os.environ["RANK"])
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                 "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+                 "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                 "KERAS_DISTRIBUTION_PROCESS_ID"):
         os.environ.pop(name)
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
@@ -311,6 +314,7 @@ def multi_worker_peer_never_joins(port):
 
     import keras_distribute as kd
 
+    os.environ.pop("KERAS_DISTRIBUTION_JOB_ADDRESSES")
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]},
         "task": {"type": "worker", "index": 0}})

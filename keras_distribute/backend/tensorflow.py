@@ -17,6 +17,7 @@ from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute import context
+from keras_distribute import worker_callbacks
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.devices import parse_device_name
 from keras_distribute.reduce_op import ReduceOp
@@ -207,6 +208,7 @@ class TfEngine:
             self.tf_strategy = tf_strategy
         _our_tf_strategies.add(self.tf_strategy)
         self.multi_worker = resolver is not None
+        self.is_chief = resolver.is_chief if resolver is not None else True
         worker_devices = self.tf_strategy.extended.worker_devices
         self.devices = tuple(devices) if devices is not None else tuple(
             tf.config.LogicalDevice(name=d, device_type=parse_device_name(
@@ -275,8 +277,12 @@ class TfEngine:
             args, kwargs, self.num_replicas)
         if even:
             _even_fits.add(self.tf_strategy)
+        callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
         try:
-            return method(model, *args, **kwargs)
+            with worker_callbacks.chief_only_writes(
+                    callbacks if method.__name__ == "fit" else None,
+                    self.is_chief):
+                return method(model, *args, **kwargs)
         finally:
             _even_fits.discard(self.tf_strategy)
 
