@@ -225,7 +225,17 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
             f"{_signal_name(code)}; process {rank} then failed:\n{trace}",
             cause)
     return LaunchError(
-        f"Process {rank} of {len(processes)} failed:\n{trace}", rank)
+        f"Process {rank} of {len(processes)} failed{_gone(processes, values)}"
+        f":\n{trace}", rank)
+
+
+def _gone(processes, values) -> str:
+    """Names processes that left early (returned) while others still ran."""
+    early = [r for r in values if processes[r].exitcode is not None]
+    if not early:
+        return ""
+    return (f" after process(es) {sorted(early)} had already finished and "
+            "left the group")
 
 
 def _check_dead(processes, values, exited_at) -> None:
@@ -239,8 +249,9 @@ def _check_dead(processes, values, exited_at) -> None:
             raise LaunchError(
                 f"Process {rank} of {len(processes)} died with exit code "
                 f"{process.exitcode} before returning"
-                f"{_signal_name(process.exitcode)}. The other processes "
-                "were ended.", rank)
+                f"{_signal_name(process.exitcode)}"
+                f"{_gone(processes, values)}. The other processes were "
+                "ended.", rank)
 
 
 def _signal_name(exitcode: int) -> str:

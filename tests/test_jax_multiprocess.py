@@ -33,3 +33,14 @@ def test_multi_worker_fit_matches_one_device():
             np.testing.assert_allclose(a, b, atol=1e-5)
         np.testing.assert_allclose(result["evaluate"], evaluation, rtol=1e-5)
         np.testing.assert_allclose(result["predict"], predictions, atol=1e-5)
+
+
+def test_a_lost_worker_fails_the_survivor_within_the_timeout():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=r"Process 0 of 2 (died|failed)"
+                       r".*process\(es\) \[1\] had already finished") as info:
+        kd.launch(workers.peer_leaves_early, num_processes=2, timeout=TIMEOUT)
+    assert info.value.rank == 0
+    assert time.monotonic() - start < 120

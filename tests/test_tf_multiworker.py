@@ -31,3 +31,14 @@ def test_multi_worker_fit_matches_one_process(tmp_path):
     assert [r["task"] for r in results] == [("worker", 0), ("worker", 1)]
     rows = (tmp_path / "log.csv").read_text().strip().splitlines()
     assert len(rows) == 3  # header + 2 epochs, written by the chief only
+
+
+def test_a_lost_worker_fails_the_survivor_within_the_timeout():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=r"Process 0 of 2 (died|failed)"
+                       r".*process\(es\) \[1\] had already finished") as info:
+        kd.launch(workers.peer_leaves_early, num_processes=2, timeout=TIMEOUT)
+    assert info.value.rank == 0
+    assert time.monotonic() - start < 120

@@ -248,3 +248,12 @@ def test_only_the_chief_writes_and_early_stopping_agrees(tmp_path):
     saved = sorted(p.name for p in tmp_path.glob("ckpt_*.weights.h5"))
     assert len(saved) == epochs0
     assert not (tmp_path / "backup").exists()  # the chief cleaned it up
+
+
+def test_a_lost_worker_fails_the_survivor_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=r"Process 0 of 2 (died|failed)"
+                       r".*process\(es\) \[1\] had already finished") as info:
+        kd.launch(workers.peer_leaves_early, num_processes=2, timeout=TIMEOUT)
+    assert info.value.rank == 0
+    assert time.monotonic() - start < 120

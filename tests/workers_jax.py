@@ -80,3 +80,19 @@ def multi_worker_fit():
         "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
         "predict": model.predict(x, batch_size=BATCH, verbose=0),
     }
+
+
+def peer_leaves_early():
+    """Process 1 returns at once; process 0 must fail within the timeout."""
+    _jax_process()
+    import keras_distribute as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=10))
+    if os.environ["RANK"] == "1":
+        return "left"
+    x, y = make_data(n=3200)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=32, epochs=50, verbose=0)
+    return "trained alone"

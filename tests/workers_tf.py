@@ -64,3 +64,18 @@ def multi_worker_fit(directory):
         "weights": model.get_weights(),
         "evaluate": model.evaluate(x, y, batch_size=20, verbose=0),
     }
+
+
+def peer_leaves_early():
+    """Worker 1 returns at once; worker 0 must fail within the timeout."""
+    import keras_distribute as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=10))
+    if os.environ["RANK"] == "1":
+        return "left"
+    x, y = make_data(n=3200)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=32, epochs=50, verbose=0)
+    return "trained alone"

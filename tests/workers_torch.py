@@ -350,3 +350,19 @@ def fit_with_file_callbacks(directory):
     history = model.fit(x, y, batch_size=32, epochs=20, verbose=0,
                         callbacks=callbacks)
     return len(history.history["loss"]), model.get_weights()
+
+
+def peer_leaves_early():
+    """Rank 1 returns at once; rank 0 must fail within the timeout."""
+    _setup()
+    os.environ["KERAS_DISTRIBUTE_TIMEOUT"] = "10"
+    import keras_distribute as kd
+
+    strategy = kd.MirroredStrategy()
+    if os.environ["RANK"] == "1":
+        return "left"
+    x, y = make_data(n=3200)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=32, epochs=50, verbose=0)
+    return "trained alone"

@@ -166,6 +166,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                 process_id=resolver.process_id,
                 initialization_timeout=timeout_s,
                 heartbeat_timeout_seconds=max(timeout_s, 10),
+                shutdown_timeout_seconds=max(timeout_s, 10),
             )
         except RuntimeError as error:
             if "before any JAX" in str(error) or "backend" in str(error):
