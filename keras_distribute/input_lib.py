@@ -251,11 +251,38 @@ def split_batch(element: Any, num_replicas: int, per_replica: int) -> list:
     return slices
 
 
+def shard_policy(dataset: Any) -> AutoShardPolicy:
+    """The `AutoShardPolicy` a `tf.data` dataset's options ask for (else AUTO)."""
+    if hasattr(dataset, "options") and hasattr(dataset, "element_spec"):
+        policy = dataset.options().experimental_distribute.auto_shard_policy
+        return AutoShardPolicy(int(policy))
+    return AutoShardPolicy.AUTO
+
+
+def _files_of_this_worker(dataset: Any, num_workers: int, index: int) -> Any:
+    """tf.data's own FILE sharding: this worker reads only its files."""
+    from tensorflow.python.data.experimental.ops import distribute
+
+    return distribute._AutoShardDataset(dataset, num_workers, index)
+
+
 class DistributedDataset:
     """A dataset whose elements are split across the replicas.
 
     Made by `strategy.experimental_distribute_dataset`; iterate it and pass
     each element to `strategy.run`.
+
+    With several workers (input pipelines) the dataset's `AutoShardPolicy`
+    (`tf.data.Options().experimental_distribute.auto_shard_policy`) decides
+    what each worker reads:
+
+    - `AUTO`, `DATA`: every worker reads the dataset; each global batch is
+      split across all replicas of all workers, so a step equals one device
+      on that batch.
+    - `FILE` (`tf.data` reading files): each worker reads only its files
+      and splits its own batches across its replicas.
+    - `OFF`: every worker reads the whole dataset and splits each batch
+      across its own replicas.
 
     Args:
         strategy: The strategy whose replicas receive the data.
@@ -271,16 +298,28 @@ class DistributedDataset:
         self._options = options or InputOptions()
 
     def __iter__(self) -> Iterator[Any]:
-        num_replicas = self._strategy.num_replicas_in_sync
+        engine = self._strategy._engine
+        dataset, local_ids = self._dataset, engine.local_replica_ids
+        per_worker = False
+        if engine.num_input_pipelines > 1:
+            policy = shard_policy(dataset)
+            if policy is AutoShardPolicy.FILE:
+                dataset = _files_of_this_worker(
+                    dataset, engine.num_input_pipelines,
+                    engine.input_pipeline_id)
+            per_worker = policy in (AutoShardPolicy.FILE, AutoShardPolicy.OFF)
+        # A worker's own batches go to its replicas only.
+        num_replicas = len(local_ids) if per_worker else (
+            self._strategy.num_replicas_in_sync)
+        positions = range(len(local_ids)) if per_worker else local_ids
         per_replica = None
-        for element in iterate_source(self._dataset):
+        for element in iterate_source(dataset):
             batch = _batch_size(element)
             if per_replica is None or batch > per_replica * num_replicas:
                 per_replica = math.ceil(batch / num_replicas)
             slices = split_batch(element, num_replicas, per_replica)
-            engine = self._strategy._engine
             yield engine.put_per_replica(
-                [slices[i] for i in engine.local_replica_ids],
+                [slices[i] for i in positions],
                 on_device=self._options.fetch_to_device,
             )
 

@@ -160,7 +160,11 @@ def _install_tf_hooks() -> None:
     @functools.wraps(original_unscale)
     def unscale_loss_for_distribution(value):
         factor = getattr(last_factor, "value", None)
-        return original_unscale(value if factor is None else value / factor)
+        if factor is None:
+            return original_unscale(value)
+        # A replica with an empty slice has loss 0 and factor 0.
+        return original_unscale(keras.ops.divide_no_nan(
+            value, keras.ops.cast(factor, value.dtype)))
 
     _patch(loss_module.Loss, "__call__", __call__)
     _patch(loss_module, "unscale_loss_for_distribution",

@@ -263,3 +263,17 @@ def test_synchronized_batchnorm_matches_single_device_with_empty_replicas(
         model = make()
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     assert_same_weights(reference, model)
+
+
+def test_last_batch_smaller_than_replica_count(strategy):
+    x, y = make_data(n=34)  # the last batch has 2 rows: some replicas get none
+    reference = make_model()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                             verbose=0).history
+    with strategy.scope():
+        model = make_model()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                        verbose=0).history
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    assert_same_weights(reference, model)

@@ -257,3 +257,19 @@ def test_a_lost_worker_fails_the_survivor_within_the_timeout():
         kd.launch(workers.peer_leaves_early, num_processes=2, timeout=TIMEOUT)
     assert info.value.rank == 0
     assert time.monotonic() - start < 120
+
+
+def test_auto_shard_policies_decide_what_each_worker_reads(tmp_path):
+    (tmp_path / "part0.txt").write_text("0\n1\n2\n3\n")
+    (tmp_path / "part1.txt").write_text("10\n11\n12\n13\n")
+    rank0, rank1 = kd.launch(workers.auto_shard_policies, num_processes=2,
+                             args=(str(tmp_path),), timeout=TIMEOUT)
+    # FILE: each worker reads its own file, in its own batches of 2.
+    assert rank0["FILE"] == [[0, 1], [2, 3]]
+    assert rank1["FILE"] == [[10, 11], [12, 13]]
+    # DATA / AUTO: every global batch of 2 is split across both workers.
+    for policy in ("DATA", "AUTO"):
+        assert rank0[policy] == [[0], [2], [10], [12]]
+        assert rank1[policy] == [[1], [3], [11], [13]]
+    # OFF: every worker reads everything.
+    assert rank0["OFF"] == rank1["OFF"] == [[0, 1], [2, 3], [10, 11], [12, 13]]

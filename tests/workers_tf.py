@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 
-def make_data(n=100, seed=0):
+def make_data(n=101, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 16)).astype("float32")
     y = rng.integers(0, 3, size=(n,))

@@ -366,3 +366,27 @@ def peer_leaves_early():
         model = make_model(initial_weights())
     model.fit(x, y, batch_size=32, epochs=50, verbose=0)
     return "trained alone"
+
+
+def auto_shard_policies(directory):
+    """What each worker reads under FILE, DATA, AUTO and OFF."""
+    _setup()
+    import tensorflow as tf
+
+    import keras_distribute as kd
+
+    strategy = kd.MirroredStrategy()
+    files = [os.path.join(directory, f"part{i}.txt") for i in range(2)]
+    seen = {}
+    for policy in ("FILE", "DATA", "AUTO", "OFF"):
+        dataset = tf.data.TextLineDataset(files).map(
+            lambda line: tf.strings.to_number(line, tf.int32)).batch(2)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = getattr(
+            tf.data.experimental.AutoShardPolicy, policy)
+        dataset = dataset.with_options(options)
+        seen[policy] = [
+            [int(v) for v in np.asarray(
+                strategy.experimental_local_results(x)[0])]
+            for x in strategy.experimental_distribute_dataset(dataset)]
+    return seen
