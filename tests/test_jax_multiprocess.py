@@ -44,3 +44,15 @@ def test_a_lost_worker_fails_the_survivor_within_the_timeout():
         kd.launch(workers.peer_leaves_early, num_processes=2, timeout=TIMEOUT)
     assert info.value.rank == 0
     assert time.monotonic() - start < 120
+
+
+def test_a_worker_that_never_joins_fails_within_the_timeout():
+    import time
+
+    # JAX's coordination service aborts the waiting process (SIGABRT, which
+    # no Python code can catch) once `initialization_timeout` has passed.
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match="Process 0 of 1 died with exit "
+                       "code -6.*SIGABRT"):
+        kd.launch(workers.peer_never_joins, num_processes=1, timeout=TIMEOUT)
+    assert time.monotonic() - start < 60

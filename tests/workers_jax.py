@@ -96,3 +96,21 @@ def peer_leaves_early():
         model = make_model(initial_weights())
     model.fit(x, y, batch_size=32, epochs=50, verbose=0)
     return "trained alone"
+
+
+def peer_never_joins():
+    """Only process 0 of a 2-process job starts: a clear timeout."""
+    import time
+
+    _jax_process()
+    import keras_distribute as kd
+
+    resolver = kd.cluster_resolver.SimpleClusterResolver(
+        [os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"], "127.0.0.1:1"], 0)
+    start = time.monotonic()
+    try:
+        kd.MultiWorkerMirroredStrategy(
+            resolver, kd.CommunicationOptions(timeout_seconds=5))
+    except TimeoutError as error:
+        return str(error), time.monotonic() - start
+    return "joined", time.monotonic() - start
