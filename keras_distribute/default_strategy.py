@@ -7,6 +7,8 @@ for a strategy also runs without one, as with `tf.distribute`.
 import contextlib
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 from keras_distribute import context
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.strategy import Strategy
@@ -65,6 +67,10 @@ class _InPlaceEngine:
 
     def variable_local_results(self, variable: Any):
         return None
+
+    def variable_layout(self, variable: Any) -> tuple:
+        size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+        return (None,) * len(variable.shape), size
 
     def owns_variable(self, variable: Any) -> bool:
         return True

@@ -68,6 +68,42 @@ class Strategy:
         names = [get_backend().device_name(d) for d in self._engine.devices]
         return f"<{type(self).__name__} devices={names}>"
 
+    def describe_layout(self, model: Any, print_fn: Callable = print) -> str:
+        """Prints how each variable of `model` is laid out over the devices.
+
+        Args:
+            model: A built Keras model (or layer).
+            print_fn: Where the table goes. Defaults to `print`.
+
+        Returns:
+            The table: each variable's path, shape, layout (one mesh axis or
+            `None` per dimension) and bytes per device, then the total.
+
+        Example:
+
+        ```python
+        strategy.describe_layout(model)
+        # sequential/dense/kernel  (16, 32)  (None, 'model')  1.0 KiB
+        ```
+        """
+        rows = []
+        total = 0
+        for variable in model.weights:
+            axes, nbytes = self._engine.variable_layout(variable)
+            total += nbytes
+            rows.append((variable.path, str(tuple(variable.shape)),
+                         str(tuple(axes)), _bytes(nbytes)))
+        header = ("variable", "shape", "layout", "bytes/device")
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in [header] + rows]
+        lines.append(f"total per device: {_bytes(total)} over "
+                     f"{self.num_replicas_in_sync} replica(s), mesh "
+                     f"{getattr(self.device_mesh, 'shape', None)}")
+        text = "\n".join(lines)
+        print_fn(text)
+        return text
+
     # ----------------------------------------------------------------- scope
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
@@ -424,6 +460,14 @@ class Strategy:
 
     def _default_replica_context(self):
         raise NotImplementedError
+
+
+def _bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else (
+                f"{count:.1f} {unit}")
+        count /= 1024
 
 
 class StrategyExtended:

@@ -134,3 +134,63 @@ def test_multi_worker_strategy_after_the_backend_started_is_a_clear_error():
 def test_communication_options_type_is_checked():
     with pytest.raises(ValueError, match="kd.CommunicationOptions"):
         kd.MultiWorkerMirroredStrategy(communication_options={"timeout": 1})
+
+
+def _mesh_4x2():
+    from keras.distribution import DeviceMesh
+
+    return DeviceMesh((4, 2), ["batch", "model"],
+                      [f"cpu:{i}" for i in range(8)])
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="sharded layouts: JAX")
+def test_layout_map_validation_errors():
+    import keras
+    from keras.distribution import LayoutMap
+
+    unknown_axis = LayoutMap(_mesh_4x2())
+    with pytest.raises(ValueError, match="Invalid axis names"):
+        unknown_axis[".*kernel"] = (None, "tensor")  # Keras checks this one
+
+    indivisible = LayoutMap(_mesh_4x2())
+    indivisible["dense_odd/kernel"] = (None, "model")
+    with pytest.raises(ValueError, match="size 5, which does not divide"):
+        with kd.MirroredStrategy(layout_map=indivisible).scope():
+            keras.layers.Dense(5, name="dense_odd").build((None, 4))
+
+    # The DESIGN trap: "d1/kernel" is not the variable path
+    # "sequential/d1/kernel", so Keras would silently replicate.
+    unmatched = LayoutMap(_mesh_4x2())
+    unmatched["d1/kernel"] = (None, "model")
+    strategy = kd.MirroredStrategy(layout_map=unmatched)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(8, name="d1")])
+        with pytest.raises(ValueError, match="matches none of the variables"):
+            model.compile(optimizer="sgd", loss="mse")
+
+
+@pytest.mark.needs_strategy
+def test_describe_layout_lists_every_variable():
+    import keras
+
+    if BACKEND == "jax":
+        from keras.distribution import LayoutMap
+
+        layout_map = LayoutMap(_mesh_4x2())
+        layout_map[".*d1/kernel"] = (None, "model")
+        strategy = kd.MirroredStrategy(layout_map=layout_map)
+        expected = "(None, 'model')"
+        kernel_bytes = "64 B"  # 4 x 8 float32 split over 2 model devices
+    else:
+        strategy = kd.MirroredStrategy()
+        expected = "(None, None)"
+        kernel_bytes = "128 B"
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(8, name="d1")])
+    lines = []
+    text = strategy.describe_layout(model, print_fn=lines.append)
+    kernel = next(line for line in text.splitlines() if "d1/kernel" in line)
+    assert "(4, 8)" in kernel and expected in kernel and kernel_bytes in kernel
+    assert "total per device" in text and lines == [text]

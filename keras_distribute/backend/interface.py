@@ -54,6 +54,9 @@ class ReplicaEngine(Protocol):
     def variable_local_results(self, variable: Any) -> Optional[tuple]:
         """The per-replica copies of a strategy variable, else `None`."""
 
+    def variable_layout(self, variable: Any) -> tuple:
+        """`(axes per dimension, bytes per device)` of a variable."""
+
     def owns_variable(self, variable: Any) -> bool:
         """Whether `variable` was created under this engine's layout."""
 

@@ -127,15 +127,72 @@ class _StrategyLayouts:
 
     def get_variable_layout(self, variable):
         layout = super().get_variable_layout(variable)
-        if layout is not None and len(layout.axes) != len(variable.shape):
-            raise ValueError(
-                f"The layout for variable '{variable.path}' has rank "
-                f"{len(layout.axes)} but the variable has shape "
-                f"{tuple(variable.shape)} (rank {len(variable.shape)}). "
-                f"Received: layout axes={tuple(layout.axes)}. Give one "
-                "mesh axis name (or None) per variable dimension."
-            )
+        if layout is not None:
+            check_layout_fits(layout, variable.path, variable.shape)
         return layout
+
+
+def _axis_size(mesh, axis) -> int:
+    names = axis if isinstance(axis, (tuple, list)) else (axis,)
+    size = 1
+    for name in names:
+        size *= mesh.shape[mesh.axis_names.index(name)]
+    return size
+
+
+def check_layout_fits(layout, path: str, shape) -> None:
+    """Raises `ValueError` unless `layout` can lay out a `shape` tensor."""
+    if len(layout.axes) != len(shape):
+        raise ValueError(
+            f"The layout for variable '{path}' has rank "
+            f"{len(layout.axes)} but the variable has shape "
+            f"{tuple(shape)} (rank {len(shape)}). "
+            f"Received: layout axes={tuple(layout.axes)}. Give one "
+            "mesh axis name (or None) per variable dimension.")
+    mesh = layout.device_mesh
+    for dim, (size, axis) in enumerate(zip(shape, layout.axes)):
+        if axis is None or mesh is None:
+            continue
+        parts = _axis_size(mesh, axis)
+        if size % parts:
+            raise ValueError(
+                f"Dimension {dim} of variable '{path}' (shape "
+                f"{tuple(shape)}) has size {size}, which does not divide "
+                f"into the {parts} devices of mesh axis {axis!r}. Received: "
+                f"layout axes={tuple(layout.axes)}. Shard another dimension, "
+                "or pick sizes divisible by the axis.")
+
+
+def check_keys_match(layout_map, model) -> None:
+    """Raises `ValueError` for a layout key that matches none of `model`'s
+    variables (Keras would silently replicate what it meant to shard)."""
+    import re
+
+    paths = [v.path for v in model.weights]
+    for key in layout_map:
+        if not any(key == p or re.fullmatch(key, p) for p in paths):
+            raise ValueError(
+                f"The layout_map key {key!r} matches none of the variables of "
+                f"model '{model.name}', so nothing would be sharded by it. "
+                "Keys are regular expressions matched against the whole "
+                f"`variable.path`, e.g. {paths[:3]}. Received: key={key!r}. "
+                "Write the full path, or a pattern such as '.*dense.*kernel'.")
+
+
+def check_layout_map(layout_map) -> None:
+    """Raises `ValueError` for a layout naming an axis the mesh lacks."""
+    mesh = layout_map.device_mesh
+    for key, layout in layout_map.items():
+        for axis in layout.axes:
+            names = axis if isinstance(axis, (tuple, list)) else (axis,)
+            unknown = [n for n in names if n is not None and n not in
+                       mesh.axis_names]
+            if unknown:
+                raise ValueError(
+                    f"The layout for {key!r} names mesh axis {unknown[0]!r}, "
+                    f"but the mesh has axes {list(mesh.axis_names)}. "
+                    f"Received: layout axes={tuple(layout.axes)}. Use the "
+                    "mesh's axis names (or None).")
 
 
 class _StrategyDataParallel(_StrategyLayouts, DataParallel):
@@ -211,10 +268,12 @@ class JaxEngine:
             )
             self.distribution = _StrategyDataParallel(self.device_mesh)
         else:
+            check_layout_map(layout_map)
             self.device_mesh = layout_map.device_mesh
             self.distribution = _StrategyModelParallel(
                 layout_map, self.device_mesh.axis_names[0]
             )
+        self.layout_map = layout_map
         self.batch_axis = self.device_mesh.axis_names[0]
         self.num_replicas = self.device_mesh.shape[0]
         self.rank, self.world_size = jax.process_index(), jax.process_count()
@@ -259,6 +318,14 @@ class JaxEngine:
             and set(sharding.device_set) == set(self.mesh.devices.flat)
         )
 
+    def variable_layout(self, variable: Any) -> tuple:
+        value = variable.value
+        spec = getattr(value.sharding, "spec", None)
+        axes = tuple(spec) + (None,) * (len(variable.shape) - len(spec)) if (
+            spec is not None) else (None,) * len(variable.shape)
+        shard = value.addressable_shards[0].data
+        return axes, int(shard.size * shard.dtype.itemsize)
+
     def adopt_variables(self, variables: Sequence[Any]) -> None:
         for variable in variables:
             if variable._value is None or self.owns_variable(variable):
@@ -279,6 +346,8 @@ class JaxEngine:
         # Keras' JAX trainer detaches variable values during `fit`; if the
         # call dies before re-attaching them, put the last values back so
         # the model stays usable (the next `fit` would otherwise fail).
+        if self.layout_map is not None and model.built:
+            check_keys_match(self.layout_map, model)
         variables = list(model.variables)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and hasattr(optimizer, "variables"):

@@ -12,6 +12,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
@@ -234,6 +235,10 @@ class TfEngine:
         return self.tf_strategy.scope()
 
     # ------------------------------------------------------------ variables
+    def variable_layout(self, variable: Any) -> tuple:
+        size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+        return (None,) * len(variable.shape), size
+
     def owns_variable(self, variable: Any) -> bool:
         value = getattr(variable, "_value", variable)
         return isinstance(value, tf_values.DistributedValues) and (

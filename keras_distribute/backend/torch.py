@@ -201,6 +201,10 @@ class TorchEngine:
                 if variable is not None and variable._value is not None:
                     dist.broadcast(variable.value.data, src=0)
 
+    def variable_layout(self, variable: Any) -> tuple:
+        size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+        return (None,) * len(variable.shape), size
+
     def owns_variable(self, variable: Any) -> bool:
         return getattr(variable, "_kd_engine", None) is self
 
