@@ -41,6 +41,8 @@ from keras_distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.simulate import simulate_cpu_devices
 from keras_distribute.strategy import Strategy
+from keras_distribute.tpu_strategy import DeviceAssignment
+from keras_distribute.tpu_strategy import TPUStrategy
 from keras_distribute.strategy import StrategyExtended
 from keras_distribute.values import DistributedValues
 from keras_distribute.values import Mirrored
@@ -51,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoShardPolicy",
     "CommunicationOptions",
+    "DeviceAssignment",
     "DistributedDataset",
     "DistributedValues",
     "InputContext",
@@ -65,6 +68,7 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "TPUStrategy",
     "ValueContext",
     "cluster_resolver",
     "compute_average_loss",

@@ -135,3 +135,16 @@ def test_unsupported_backend_error_names_backend(monkeypatch):
     monkeypatch.setattr(backend, "backend_name", lambda: "openvino")
     with pytest.raises(NotImplementedError, match="'openvino' Keras backend"):
         kd.MirroredStrategy()
+
+
+def test_tpu_strategy_without_tpus_names_what_works():
+    from conftest import BACKEND
+
+    if BACKEND == "torch":
+        with pytest.raises(NotImplementedError, match="'torch' Keras backend"):
+            kd.TPUStrategy()
+    else:
+        with pytest.raises(RuntimeError, match="found no TPU|needs TPUs"):
+            kd.TPUStrategy()
+    with pytest.raises((ValueError, NotImplementedError)):
+        kd.TPUStrategy(device_assignment="2x4")

@@ -250,6 +250,45 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     return make_engine(list(jax.devices()), layout_map)
 
 
+def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
+                    layout_map: Any = None) -> "JaxEngine":
+    """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
+    from keras.distribution import LayoutMap
+
+    if assignment is not None and assignment.devices is not None:
+        devices = [d if isinstance(d, jax.Device) else resolve_device(d)
+                   for d in assignment.devices]
+    elif jax.default_backend() == "tpu":
+        devices = list(jax.devices())
+    else:
+        raise RuntimeError(
+            "kd.TPUStrategy found no TPU (JAX's default backend is "
+            f"'{jax.default_backend()}'). Run on a TPU VM, or simulate a "
+            "slice by naming devices: kd.TPUStrategy(device_assignment="
+            "kd.DeviceAssignment(num_replicas=4, computation_shape=2, "
+            "devices=jax.devices())).")
+    if assignment is None:
+        num_replicas, logical = len(devices), 1
+    else:
+        num_replicas, logical = (assignment.num_replicas,
+                                 assignment.num_logical_devices)
+    if layout_map is None:
+        mesh = DeviceMesh(
+            shape=(num_replicas, logical), axis_names=["batch", "model"],
+            devices=np.array([device_name(d) for d in devices]).reshape(
+                num_replicas, logical))
+        layout_map = LayoutMap(mesh)
+    elif tuple(layout_map.device_mesh.shape) != (num_replicas, logical):
+        raise ValueError(
+            f"The layout_map's mesh has shape {layout_map.device_mesh.shape}"
+            f" but the device assignment is {num_replicas} replicas x "
+            f"{logical} logical devices. Build the LayoutMap on a "
+            f"DeviceMesh of shape ({num_replicas}, {logical}).")
+    engine = JaxEngine(devices, layout_map)
+    engine.num_logical_devices = logical
+    return engine
+
+
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
     """Builds the engine of a strategy over `devices`."""
     return JaxEngine(devices, layout_map)
@@ -366,6 +405,39 @@ class JaxEngine:
                 if variable._value is None:
                     variable._value = value
             raise
+
+    def constrain(self, tensor: Any, parts: Sequence[int],
+                  in_replica: bool) -> Any:
+        """Lays `tensor` out over each replica's logical devices."""
+        cut = [dim for dim, count in enumerate(parts) if count > 1]
+        if in_replica:
+            # Inside `run`: the replica axis is manual, the model axis not.
+            if len(cut) > 1:
+                raise ValueError(
+                    "Inside `strategy.run` a tensor can be split along one "
+                    "dimension only on JAX. Received: partition_dimensions="
+                    f"{list(parts)}. Split one dimension, or call it in a "
+                    "fit/evaluate step.")
+            spec = [None] * len(parts)
+            for dim in cut:
+                spec[dim] = "model"
+            return jax.lax.with_sharding_constraint(
+                tensor, PartitionSpec(*spec))
+        # A global step (fit, jit): dimension 0 is also the replica axis.
+        names = [f"model_{i}" for i in range(len(cut))]
+        rows = self.mesh.devices.shape[0]
+        counts = tuple(parts[d] for d in cut)
+        rest = self.mesh.devices.size // (rows * int(np.prod(counts)))
+        mesh = jax.sharding.Mesh(
+            self.mesh.devices.reshape((rows,) + counts + (rest,)),
+            (self.batch_axis, *names, "model_rest"))
+        spec = [None] * len(parts)
+        for dim, name in zip(cut, names):
+            spec[dim] = name
+        spec[0] = self.batch_axis if spec[0] is None else (
+            self.batch_axis, spec[0])
+        return jax.lax.with_sharding_constraint(
+            tensor, NamedSharding(mesh, PartitionSpec(*spec)))
 
     # ---------------------------------------------------- several processes
     def split_rows(self, batch: int, rank: Optional[int] = None):
@@ -536,6 +608,9 @@ class JaxEngine:
             jax.shard_map(
                 per_replica, mesh=self.mesh, in_specs=in_specs,
                 out_specs=PartitionSpec(axis), check_vma=False,
+                # Only the replica axis is manual: a model axis stays with
+                # XLA, so layouts and logical-device constraints apply.
+                axis_names=frozenset({axis}),
             )
         )
         if len(self._run_cache) >= _RUN_CACHE_SIZE:

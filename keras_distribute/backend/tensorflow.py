@@ -139,6 +139,25 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     return TfEngine(None, tf_strategy=strategy, resolver=resolver)
 
 
+def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
+                    layout_map: Any = None) -> "TfEngine":
+    """`tf.distribute.TPUStrategy` when this host has TPUs."""
+    _refuse_sharded(layout_map)
+    if not tf.config.list_logical_devices("TPU") and tpu_cluster_resolver is None:
+        raise RuntimeError(
+            "kd.TPUStrategy on the 'tensorflow' backend needs TPUs (none "
+            "found). On a TPU VM pass tpu_cluster_resolver="
+            "tf.distribute.cluster_resolver.TPUClusterResolver(); to "
+            "simulate a slice on CPU use the JAX backend with "
+            "kd.DeviceAssignment(..., devices=jax.devices()).")
+    resolver = tpu_cluster_resolver or (
+        tf.distribute.cluster_resolver.TPUClusterResolver())
+    strategy = tf.distribute.TPUStrategy(resolver)
+    engine = TfEngine(None, tf_strategy=strategy)
+    engine.num_logical_devices = 1
+    return engine
+
+
 def _refuse_sharded(layout_map: Any) -> None:
     if layout_map is None:
         return

@@ -1,0 +1,180 @@
+"""TPUStrategy on 8 simulated CPU devices, model parallelism, logical devices."""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_distribute as kd
+from conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="TPUStrategy: JAX")
+
+
+def assignment(num_replicas=4, computation_shape=2):
+    import jax
+
+    return kd.DeviceAssignment(num_replicas, computation_shape,
+                               devices=jax.devices())
+
+
+def test_without_tpus_a_clear_error():
+    with pytest.raises(RuntimeError, match="found no TPU.*devices=jax.devices"):
+        kd.TPUStrategy()
+
+
+def test_device_assignment_becomes_a_replica_by_model_mesh():
+    strategy = kd.TPUStrategy(device_assignment=assignment())
+    assert strategy.num_replicas_in_sync == 4
+    assert strategy.num_logical_devices == 2
+    assert strategy.device_mesh.shape == (4, 2)
+    assert strategy.device_mesh.axis_names == ["batch", "model"]
+    built = kd.DeviceAssignment.build(computation_shape=[1, 1, 1, 2],
+                                      num_replicas=4)
+    assert built.num_logical_devices == 2
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 2), "positive int"),
+    ((4, [2, 0]), "positive int"),
+    ((4, 3), "need 12 devices"),
+])
+def test_device_assignment_errors(args, match):
+    import jax
+
+    with pytest.raises(ValueError, match=match):
+        kd.DeviceAssignment(*args, devices=jax.devices())
+
+
+def transformer_block(seed=3):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 16))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8,
+                                                name="attention")
+    x = keras.layers.LayerNormalization(name="norm1")(
+        inputs + attention(inputs, inputs))
+    hidden = keras.layers.Dense(32, activation="tanh", name="ffn_in")(x)
+    x = keras.layers.LayerNormalization(name="norm2")(
+        x + keras.layers.Dense(16, name="ffn_out")(hidden))
+    outputs = keras.layers.Dense(3, name="head")(
+        keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def test_transformer_block_sharded_over_model_axis_matches_one_device():
+    from keras.distribution import DeviceMesh, LayoutMap
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(64,))
+    reference = transformer_block()
+    reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+
+    import jax
+
+    mesh = DeviceMesh((4, 2), ["batch", "model"], jax.devices())
+    layout_map = LayoutMap(mesh)
+    layout_map[".*attention/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map[".*attention/attention_output/kernel"] = ("model", None, None)
+    layout_map[".*ffn_in/kernel"] = (None, "model")
+    layout_map[".*ffn_out/kernel"] = ("model", None)
+    strategy = kd.TPUStrategy(device_assignment=assignment(),
+                              layout_map=layout_map)
+    with strategy.scope():
+        model = transformer_block()
+    kernel = model.get_layer("ffn_in").kernel.value
+    assert {s.data.shape for s in kernel.addressable_shards} == {(16, 16)}
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    text = strategy.describe_layout(model, print_fn=lambda _: None)
+    assert "(None, 'model')" in text
+
+
+def test_split_image_batch_over_eight_logical_devices():
+    import jax
+
+    # The seed's example: one replica of 8 cores, images cut 2 x 4.
+    strategy = kd.TPUStrategy(device_assignment=assignment(1, 8))
+    images = np.arange(2 * 4 * 8 * 3, dtype="float32").reshape(2, 4, 8, 3)
+    with strategy.scope():
+        split = jax.jit(lambda t: strategy.experimental_split_to_logical_devices(
+            t, [1, 2, 4, 1]))(images)
+        replicated = jax.jit(
+            strategy.experimental_replicate_to_logical_devices)(images)
+        assigned = jax.jit(lambda t: strategy.experimental_assign_to_logical_device(
+            t, 3))(images)
+    assert {s.data.shape for s in split.addressable_shards} == {(2, 2, 2, 3)}
+    assert len(split.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(split), images)
+    assert {s.data.shape for s in replicated.addressable_shards} == {
+        (2, 4, 8, 3)}
+    np.testing.assert_array_equal(np.asarray(assigned), images)
+
+
+def test_split_inside_run_and_fit():
+    strategy = kd.TPUStrategy(device_assignment=assignment())
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2, 4), float(ctx.replica_id_in_sync_group)))
+
+    def fn(v):
+        v = strategy.experimental_split_to_logical_devices(v, [1, 2])
+        return kd.get_replica_context().all_reduce("sum", v.sum())
+
+    results = strategy.experimental_local_results(strategy.run(fn, args=(
+        values,)))
+    assert [float(r) for r in results] == [8.0 * 6] * 4
+
+    class SplitFeatures(keras.layers.Layer):
+        def call(self, x):
+            strategy = kd.get_strategy()
+            if not isinstance(strategy, kd.TPUStrategy):
+                return x
+            return strategy.experimental_split_to_logical_devices(x, [1, 2])
+
+    def make():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((8,)), SplitFeatures(),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(32, 8)), rng.normal(size=(32, 2))
+    reference = make()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = make()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_split_along_two_dimensions_inside_run_is_refused_clearly():
+    strategy = kd.TPUStrategy(device_assignment=assignment(2, 4))
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.ones((2, 4)))
+    with pytest.raises(ValueError, match="one dimension only"):
+        strategy.run(lambda v: strategy.experimental_split_to_logical_devices(
+            v, [2, 2]), args=(values,))
+
+
+def test_logical_device_errors():
+    strategy = kd.TPUStrategy(device_assignment=assignment())
+    tensor = np.ones((4, 6))
+    with pytest.raises(ValueError, match="one entry per dimension"):
+        strategy.experimental_split_to_logical_devices(tensor, [2])
+    with pytest.raises(ValueError, match="must equal the 2 logical devices"):
+        strategy.experimental_split_to_logical_devices(tensor, [2, 2])
+    with pytest.raises(ValueError, match="size 5.* does not divide"):
+        strategy.experimental_split_to_logical_devices(np.ones((4, 5)), [1, 2])
+    with pytest.raises(ValueError, match=r"logical_device_id.*\[0, 2\)"):
+        strategy.experimental_assign_to_logical_device(tensor, 2)
+    from keras.distribution import DeviceMesh, LayoutMap
+
+    wrong = LayoutMap(DeviceMesh((8,), ["batch"], [f"cpu:{i}" for i in range(8)]))
+    with pytest.raises(ValueError, match="mesh has shape"):
+        kd.TPUStrategy(device_assignment=assignment(), layout_map=wrong)
