@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from worker_common import initial_weights, make_data, make_model  # noqa: F401
+
 BATCH = 32
 
 
@@ -15,37 +17,6 @@ def _jax_process(devices_per_process=2):
     os.environ["XLA_FLAGS"] = (
         f"--xla_force_host_platform_device_count={devices_per_process}")
     os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def make_data(n=203, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 16)).astype("float32")
-    y = rng.integers(0, 3, size=(n,))
-    return x, y
-
-
-def initial_weights():
-    rng = np.random.default_rng(1)
-    return [rng.normal(scale=0.3, size=s).astype("float32")
-            for s in [(16, 32), (32,), (32, 3), (3,)]]
-
-
-def make_model(weights=None):
-    import keras
-
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(32, activation="tanh"),
-        keras.layers.Dense(3),
-    ])
-    if weights is not None:
-        model.set_weights(weights)
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
 
 
 def multi_worker_fit():

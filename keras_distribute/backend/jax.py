@@ -8,8 +8,6 @@ per-replica inputs of unequal shape (a short last batch) run one thread per
 replica instead, with collectives that meet at a barrier.
 """
 
-import contextlib
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -19,20 +17,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 import keras
-from keras.distribution import DataParallel
 from keras.distribution import DeviceMesh
-from keras.distribution import ModelParallel
-from keras.distribution import TensorLayout
 
 from keras_distribute import context
+from keras_distribute.backend import jax_collectives
+from keras_distribute.backend.jax_collectives import as_array
+from keras_distribute.backend.jax_collectives import unwrap
+from keras_distribute.backend.jax_layouts import StrategyDataParallel
+from keras_distribute.backend.jax_layouts import StrategyModelParallel
+from keras_distribute.backend.jax_layouts import check_keys_match
+from keras_distribute.backend.jax_layouts import check_layout_map
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
 
 name = "jax"
 _PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
-# A replica that never reaches a collective must not hang the others.
-_COLLECTIVE_TIMEOUT_S = 300.0
 _RUN_CACHE_SIZE = 64
 
 
@@ -94,199 +94,21 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
     return candidates[device.index]
 
 
-class _StrategyLayouts:
-    """What a strategy's `keras.distribution` adds to Keras' own.
-
-    A batch that does not divide by the replica count (a short last batch)
-    is laid out replicated: every device computes the whole short batch,
-    which gives exactly the single-device result with no padding to mask.
-    A `layout_map` entry whose rank differs from its variable's is an error.
-    """
-
-    _kd_strategy_distribution = True
-
-    def _init_layout_cache(self, batch_shards: int):
-        self._batch_shards = batch_shards
-        self._data_layouts = {}
-        # Several processes: set by the engine for each batch it splits.
-        self.batch_given_whole = None
-
-    def get_data_layout(self, data_shape):
-        rank = len(data_shape)
-        if self.batch_given_whole is not None:
-            divisible = rank > 0 and not self.batch_given_whole
-        else:
-            divisible = rank > 0 and data_shape[0] % self._batch_shards == 0
-        key = (rank, divisible)
-        if key not in self._data_layouts:
-            axes = [None] * rank
-            if divisible:
-                axes[0] = self.batch_dim_name
-            self._data_layouts[key] = TensorLayout(axes, self.device_mesh)
-        return self._data_layouts[key]
-
-    def get_variable_layout(self, variable):
-        layout = super().get_variable_layout(variable)
-        if layout is not None:
-            check_layout_fits(layout, variable.path, variable.shape)
-        return layout
-
-
-def _axis_size(mesh, axis) -> int:
-    names = axis if isinstance(axis, (tuple, list)) else (axis,)
-    size = 1
-    for name in names:
-        size *= mesh.shape[mesh.axis_names.index(name)]
-    return size
-
-
-def check_layout_fits(layout, path: str, shape) -> None:
-    """Raises `ValueError` unless `layout` can lay out a `shape` tensor."""
-    if len(layout.axes) != len(shape):
-        raise ValueError(
-            f"The layout for variable '{path}' has rank "
-            f"{len(layout.axes)} but the variable has shape "
-            f"{tuple(shape)} (rank {len(shape)}). "
-            f"Received: layout axes={tuple(layout.axes)}. Give one "
-            "mesh axis name (or None) per variable dimension.")
-    mesh = layout.device_mesh
-    for dim, (size, axis) in enumerate(zip(shape, layout.axes)):
-        if axis is None or mesh is None:
-            continue
-        parts = _axis_size(mesh, axis)
-        if size % parts:
-            raise ValueError(
-                f"Dimension {dim} of variable '{path}' (shape "
-                f"{tuple(shape)}) has size {size}, which does not divide "
-                f"into the {parts} devices of mesh axis {axis!r}. Received: "
-                f"layout axes={tuple(layout.axes)}. Shard another dimension, "
-                "or pick sizes divisible by the axis.")
-
-
-def check_keys_match(layout_map, model) -> None:
-    """Raises `ValueError` for a layout key that matches none of `model`'s
-    variables (Keras would silently replicate what it meant to shard)."""
-    import re
-
-    paths = [v.path for v in model.weights]
-    for key in layout_map:
-        if not any(key == p or re.fullmatch(key, p) for p in paths):
-            raise ValueError(
-                f"The layout_map key {key!r} matches none of the variables of "
-                f"model '{model.name}', so nothing would be sharded by it. "
-                "Keys are regular expressions matched against the whole "
-                f"`variable.path`, e.g. {paths[:3]}. Received: key={key!r}. "
-                "Write the full path, or a pattern such as '.*dense.*kernel'.")
-
-
-def check_layout_map(layout_map) -> None:
-    """Raises `ValueError` for a layout naming an axis the mesh lacks."""
-    mesh = layout_map.device_mesh
-    for key, layout in layout_map.items():
-        for axis in layout.axes:
-            names = axis if isinstance(axis, (tuple, list)) else (axis,)
-            unknown = [n for n in names if n is not None and n not in
-                       mesh.axis_names]
-            if unknown:
-                raise ValueError(
-                    f"The layout for {key!r} names mesh axis {unknown[0]!r}, "
-                    f"but the mesh has axes {list(mesh.axis_names)}. "
-                    f"Received: layout axes={tuple(layout.axes)}. Use the "
-                    "mesh's axis names (or None).")
-
-
-class _StrategyDataParallel(_StrategyLayouts, DataParallel):
-    def __init__(self, device_mesh):
-        super().__init__(device_mesh=device_mesh)
-        self._init_layout_cache(device_mesh.shape[0])
-
-
-class _StrategyModelParallel(_StrategyLayouts, ModelParallel):
-    def __init__(self, layout_map, batch_dim_name):
-        super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name)
-        axis = layout_map.device_mesh.axis_names.index(batch_dim_name)
-        self._init_layout_cache(layout_map.device_mesh.shape[axis])
-
-
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                              layout_map: Any = None) -> "JaxEngine":
-    """Joins the `jax.distributed` job `resolver` describes; all devices."""
-    timeout_s = int(timeout_s or 60)
-    if not jax.distributed.is_initialized():
-        # SIGTERM must still end a process (JAX's preemption service would
-        # swallow it); a dead peer is then noticed within the timeout.
-        jax.config.update("jax_enable_preemption_service", False)
-        try:
-            jax.distributed.initialize(
-                coordinator_address=resolver.coordinator_address,
-                num_processes=resolver.num_processes,
-                process_id=resolver.process_id,
-                initialization_timeout=timeout_s,
-                heartbeat_timeout_seconds=max(timeout_s, 10),
-                shutdown_timeout_seconds=max(timeout_s, 10),
-            )
-        except RuntimeError as error:
-            if "before any JAX" in str(error) or "backend" in str(error):
-                raise RuntimeError(
-                    "jax.distributed must start before JAX runs anything. "
-                    "Create kd.MultiWorkerMirroredStrategy at the start of "
-                    "the program, before any array is made.") from error
-            raise TimeoutError(
-                f"Not every worker joined within {timeout_s} s: process "
-                f"{resolver.process_id} of {resolver.num_processes} waited "
-                f"for the coordinator {resolver.coordinator_address}. Check "
-                "that every worker started with the same cluster description."
-                f" Cause: {error}") from error
-        # As keras.distribution.initialize does: one global seed, so that
-        # every process initialises variables to the same values.
-        from keras.src.backend.jax import distribution_lib as keras_jax_lib
+    """Joins the `jax.distributed` job `resolver` describes (`jax_jobs`)."""
+    from keras_distribute.backend import jax_jobs
 
-        keras_jax_lib.initialize_rng()
-    elif jax.process_count() != resolver.num_processes:
-        raise ValueError(
-            f"jax.distributed runs {jax.process_count()} processes but the "
-            f"cluster resolver describes {resolver.num_processes}. "
-            f"Received: {resolver!r}.")
-    return make_engine(list(jax.devices()), layout_map)
+    return jax_jobs.make_multi_worker_engine(resolver, timeout_s, layout_map)
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
                     layout_map: Any = None) -> "JaxEngine":
-    """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
-    from keras.distribution import LayoutMap
+    """A `(replicas, logical devices)` engine for TPUStrategy (`jax_jobs`)."""
+    from keras_distribute.backend import jax_jobs
 
-    if assignment is not None and assignment.devices is not None:
-        devices = [d if isinstance(d, jax.Device) else resolve_device(d)
-                   for d in assignment.devices]
-    elif jax.default_backend() == "tpu":
-        devices = list(jax.devices())
-    else:
-        raise RuntimeError(
-            "kd.TPUStrategy found no TPU (JAX's default backend is "
-            f"'{jax.default_backend()}'). Run on a TPU VM, or simulate a "
-            "slice by naming devices: kd.TPUStrategy(device_assignment="
-            "kd.DeviceAssignment(num_replicas=4, computation_shape=2, "
-            "devices=jax.devices())).")
-    if assignment is None:
-        num_replicas, logical = len(devices), 1
-    else:
-        num_replicas, logical = (assignment.num_replicas,
-                                 assignment.num_logical_devices)
-    if layout_map is None:
-        mesh = DeviceMesh(
-            shape=(num_replicas, logical), axis_names=["batch", "model"],
-            devices=np.array([device_name(d) for d in devices]).reshape(
-                num_replicas, logical))
-        layout_map = LayoutMap(mesh)
-    elif tuple(layout_map.device_mesh.shape) != (num_replicas, logical):
-        raise ValueError(
-            f"The layout_map's mesh has shape {layout_map.device_mesh.shape}"
-            f" but the device assignment is {num_replicas} replicas x "
-            f"{logical} logical devices. Build the LayoutMap on a "
-            f"DeviceMesh of shape ({num_replicas}, {logical}).")
-    engine = JaxEngine(devices, layout_map)
-    engine.num_logical_devices = logical
-    return engine
+    return jax_jobs.make_tpu_engine(tpu_cluster_resolver, assignment,
+                                    layout_map)
 
 
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
@@ -305,11 +127,11 @@ class JaxEngine:
                 axis_names=["batch"],
                 devices=[device_name(d) for d in self.devices],
             )
-            self.distribution = _StrategyDataParallel(self.device_mesh)
+            self.distribution = StrategyDataParallel(self.device_mesh)
         else:
             check_layout_map(layout_map)
             self.device_mesh = layout_map.device_mesh
-            self.distribution = _StrategyModelParallel(
+            self.distribution = StrategyModelParallel(
                 layout_map, self.device_mesh.axis_names[0]
             )
         self.layout_map = layout_map
@@ -396,7 +218,9 @@ class JaxEngine:
             if self.multi_process:
                 from keras_distribute import process_data
 
-                with _process_local_predictions(model):
+                from keras_distribute.backend import jax_jobs
+
+                with jax_jobs.process_local_predictions(model):
                     return process_data.call_sharded(self, method, model,
                                                      args, kwargs)
             return method(model, *args, **kwargs)
@@ -495,7 +319,7 @@ class JaxEngine:
             if not on_device:
                 return PerReplica([np.asarray(leaf) for leaf in leaves])
             return PerReplica([
-                jax.device_put(_as_array(leaf), device)
+                jax.device_put(as_array(leaf), device)
                 for leaf, device in zip(leaves, self.local_replica_devices)
             ])
 
@@ -513,14 +337,14 @@ class JaxEngine:
 
     def _stack(self, values: Sequence[Any]) -> jax.Array:
         """One global array `(num_replicas, *shape)` from per-replica parts."""
-        first = _as_array(values[0])
+        first = as_array(values[0])
         shape = (self.num_replicas,) + tuple(np.shape(first))
         sharding = NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
         pieces = []
         for device in sharding.addressable_devices_indices_map(shape):
             position = self._local_position[self._replica_of_device[device]]
             pieces.append(
-                jax.device_put(_as_array(values[position])[None], device)
+                jax.device_put(as_array(values[position])[None], device)
             )
         return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
@@ -554,7 +378,8 @@ class JaxEngine:
                 "cannot run across several JAX processes: SPMD needs equal "
                 "shapes. Batch the dataset with `drop_remainder=True`, or "
                 "pad the last batch.")
-        return self._run_threads(strategy, fn, leaves, kinds, treedef)
+        return jax_collectives.run_in_threads(self, strategy, fn, leaves,
+                                              kinds, treedef)
 
     def _run_spmd(self, strategy, fn, leaves, kinds, treedef):
         statics = tuple(
@@ -564,7 +389,7 @@ class JaxEngine:
         compiled = self._compiled_run(strategy, fn, treedef, kinds, statics)
         dynamic = [
             self._stack(leaf.values) if kind == "split" else self._replicate(
-                _as_array(leaf))
+                as_array(leaf))
             for leaf, kind in zip(leaves, kinds) if kind != "static"
         ]
         outputs = compiled(*dynamic)
@@ -581,7 +406,7 @@ class JaxEngine:
         if cached is not None:
             return cached[0]
         axis = self.batch_axis
-        collectives = _SpmdCollectives(axis)
+        collectives = jax_collectives.SpmdCollectives(axis)
 
         def per_replica(*dynamic):
             dynamic = iter(dynamic)
@@ -597,7 +422,7 @@ class JaxEngine:
             with context._enter(strategy, ctx):
                 result = fn(*call_args, **call_kwargs)
             return jax.tree_util.tree_map(
-                lambda out: jnp.asarray(_unwrap(out))[None], result
+                lambda out: jnp.asarray(unwrap(out))[None], result
             )
 
         in_specs = tuple(
@@ -619,57 +444,10 @@ class JaxEngine:
         self._run_cache[key] = (compiled, statics)
         return compiled
 
-    def _run_threads(self, strategy, fn, leaves, kinds, treedef):
-        n = self.num_replicas
-        rendezvous = _Rendezvous(n)
-        results, errors = [None] * n, [None] * n
-
-        def replica_main(replica):
-            device = self.replica_devices[replica]
-            try:
-                full = [
-                    leaf.values[replica] if kind == "split" else leaf
-                    for leaf, kind in zip(leaves, kinds)
-                ]
-                full = [
-                    jax.device_put(_as_array(v), device)
-                    if kind != "static" and v is not None else v
-                    for v, kind in zip(full, kinds)
-                ]
-                call_args, call_kwargs = jax.tree_util.tree_unflatten(
-                    treedef, full
-                )
-                ctx = context.ReplicaContext(
-                    strategy, replica,
-                    _ThreadCollectives(rendezvous, replica, device),
-                )
-                with jax.default_device(device), self.scope(), (
-                        context._enter(strategy, ctx)):
-                    results[replica] = fn(*call_args, **call_kwargs)
-            except BaseException as error:  # re-raised in the caller
-                errors[replica] = error
-                rendezvous.abort()
-
-        threads = [
-            threading.Thread(target=replica_main, args=(i,), daemon=True)
-            for i in range(n)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        real = [e for e in errors if e is not None and not isinstance(
-            e, threading.BrokenBarrierError)]
-        if real or any(errors):
-            raise (real or [e for e in errors if e is not None])[0]
-        return keras.tree.map_structure(
-            lambda *parts: PerReplica(list(parts)), *results
-        )
-
     # -------------------------------------------------- cross-replica ops
     def reduce(self, op: ReduceOp, values: Sequence[Any],
                axis: Optional[int]) -> Any:
-        values = [_as_array(v) for v in values]
+        values = [as_array(v) for v in values]
         if axis is None:
             shapes = {tuple(np.shape(v)) for v in values}
             if len(shapes) > 1:
@@ -701,7 +479,7 @@ class JaxEngine:
         return replicated
 
     def gather(self, values: Sequence[Any], axis: int) -> Any:
-        values = [_as_array(v) for v in values]
+        values = [as_array(v) for v in values]
         rank = np.ndim(values[0])
         if rank == 0:
             raise ValueError(
@@ -723,49 +501,6 @@ class JaxEngine:
         return jnp.asarray(np.moveaxis(self.gather_rows(moved), 0, axis))
 
 
-def _process_rows(array: Any) -> Any:
-    """This process's rows of a global array sharded along axis 0."""
-    if not isinstance(array, jax.Array) or array.is_fully_addressable:
-        return array
-    if array.is_fully_replicated:
-        return array.addressable_data(0)
-    rows = {}
-    for shard in array.addressable_shards:
-        rows.setdefault(shard.index[0].start or 0, shard.data)
-    # The shards live on different devices: meet on the host.
-    return np.concatenate([np.asarray(rows[start]) for start in sorted(rows)],
-                          axis=0)
-
-
-@contextlib.contextmanager
-def _process_local_predictions(model):
-    """Makes Keras' predict function return process-local rows.
-
-    Keras' JAX `predict` turns every batch's output into numpy, which a
-    global array spanning several processes refuses; each process takes its
-    own rows instead, and `process_data` puts them back together.
-    """
-    original = model.make_predict_function
-
-    def make_predict_function(force=False):
-        original(force)
-        inner = model.predict_function
-        if not getattr(inner, "_kd_process_rows", False):
-            def predict_function(state, iterator):
-                outputs, state = inner(state, iterator)
-                return jax.tree_util.tree_map(_process_rows, outputs), state
-
-            predict_function._kd_process_rows = True
-            model.predict_function = predict_function
-        return model.predict_function
-
-    object.__setattr__(model, "make_predict_function", make_predict_function)
-    try:
-        yield
-    finally:
-        model.__dict__.pop("make_predict_function", None)
-
-
 @jax.jit
 def _sum0(stacked):
     return jnp.sum(stacked, axis=0)
@@ -774,20 +509,6 @@ def _sum0(stacked):
 @jax.jit
 def _mean0(stacked):
     return jnp.mean(stacked, axis=0)
-
-
-def _as_array(value: Any) -> Any:
-    if isinstance(value, (jax.Array, np.ndarray)):
-        return value
-    if isinstance(value, keras.Variable):
-        return value.value
-    if hasattr(value, "numpy") and not isinstance(value, np.generic):
-        return np.asarray(value.numpy())
-    return np.asarray(value)
-
-
-def _unwrap(value: Any) -> Any:
-    return value.value if isinstance(value, keras.Variable) else value
 
 
 def _leaf_kind(leaf: Any) -> str:
@@ -811,74 +532,3 @@ def _static_key(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return (type(value), value)
     return ("id", id(value))
-
-
-class _SpmdCollectives:
-    """Collectives inside `shard_map`: XLA all-reduce / all-gather."""
-
-    def __init__(self, axis: str):
-        self._axis = axis
-
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        reduce = jax.lax.psum if op is ReduceOp.SUM else jax.lax.pmean
-        return jax.tree_util.tree_map(
-            lambda v: reduce(jnp.asarray(_unwrap(v)), self._axis), value
-        )
-
-    def all_gather(self, value: Any, axis: int) -> Any:
-        return jax.tree_util.tree_map(
-            lambda v: jax.lax.all_gather(
-                jnp.asarray(_unwrap(v)), self._axis, axis=axis, tiled=True
-            ),
-            value,
-        )
-
-
-class _Rendezvous:
-    """Lets replica threads swap values; a failed replica breaks it."""
-
-    def __init__(self, n: int):
-        self._barrier = threading.Barrier(n, timeout=_COLLECTIVE_TIMEOUT_S)
-        self._slots = [None] * n
-
-    def exchange(self, replica: int, value: Any) -> list:
-        self._slots[replica] = value
-        self._barrier.wait()
-        values = list(self._slots)
-        self._barrier.wait()  # nobody overwrites a slot before all read
-        return values
-
-    def abort(self) -> None:
-        self._barrier.abort()
-
-
-class _ThreadCollectives:
-    """Collectives between replica threads (per-replica shapes differ)."""
-
-    def __init__(self, rendezvous: _Rendezvous, replica: int, device: Any):
-        self._rendezvous = rendezvous
-        self._replica = replica
-        self._device = device
-
-    def _local(self, values: list) -> list:
-        return [jax.device_put(_as_array(_unwrap(v)), self._device)
-                for v in values]
-
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        everyone = self._rendezvous.exchange(self._replica, value)
-
-        def combine(*parts):
-            parts = self._local(list(parts))
-            total = parts[0]
-            for part in parts[1:]:
-                total = total + part
-            return total / len(parts) if op is ReduceOp.MEAN else total
-
-        return keras.tree.map_structure(combine, *everyone)
-
-    def all_gather(self, value: Any, axis: int) -> Any:
-        everyone = self._rendezvous.exchange(self._replica, value)
-        return keras.tree.map_structure(
-            lambda *parts: jnp.concatenate(self._local(list(parts)), axis=axis),
-            *everyone,
-        )

@@ -1,0 +1,140 @@
+"""JAX engines for jobs beyond one process's devices: multi-worker and TPU.
+
+Also makes Keras' JAX `predict` work when arrays span several processes.
+"""
+
+import contextlib
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from keras.distribution import DeviceMesh
+
+from keras_distribute.backend import jax as jax_backend
+
+
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> "jax_backend.JaxEngine":
+    """Joins the `jax.distributed` job `resolver` describes; all devices."""
+    timeout_s = int(timeout_s or 60)
+    if not jax.distributed.is_initialized():
+        # SIGTERM must still end a process (JAX's preemption service would
+        # swallow it); a dead peer is then noticed within the timeout.
+        jax.config.update("jax_enable_preemption_service", False)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=resolver.coordinator_address,
+                num_processes=resolver.num_processes,
+                process_id=resolver.process_id,
+                initialization_timeout=timeout_s,
+                heartbeat_timeout_seconds=max(timeout_s, 10),
+                shutdown_timeout_seconds=max(timeout_s, 10),
+            )
+        except RuntimeError as error:
+            if "before any JAX" in str(error) or "backend" in str(error):
+                raise RuntimeError(
+                    "jax.distributed must start before JAX runs anything. "
+                    "Create kd.MultiWorkerMirroredStrategy at the start of "
+                    "the program, before any array is made.") from error
+            raise TimeoutError(
+                f"Not every worker joined within {timeout_s} s: process "
+                f"{resolver.process_id} of {resolver.num_processes} waited "
+                f"for the coordinator {resolver.coordinator_address}. Check "
+                "that every worker started with the same cluster description."
+                f" Cause: {error}") from error
+        # As keras.distribution.initialize does: one global seed, so that
+        # every process initialises variables to the same values.
+        from keras.src.backend.jax import distribution_lib as keras_jax_lib
+
+        keras_jax_lib.initialize_rng()
+    elif jax.process_count() != resolver.num_processes:
+        raise ValueError(
+            f"jax.distributed runs {jax.process_count()} processes but the "
+            f"cluster resolver describes {resolver.num_processes}. "
+            f"Received: {resolver!r}.")
+    return jax_backend.make_engine(list(jax.devices()), layout_map)
+
+
+def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
+                    layout_map: Any = None) -> "jax_backend.JaxEngine":
+    """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
+    from keras.distribution import LayoutMap
+
+    if assignment is not None and assignment.devices is not None:
+        devices = [d if isinstance(d, jax.Device)
+                   else jax_backend.resolve_device(d)
+                   for d in assignment.devices]
+    elif jax.default_backend() == "tpu":
+        devices = list(jax.devices())
+    else:
+        raise RuntimeError(
+            "kd.TPUStrategy found no TPU (JAX's default backend is "
+            f"'{jax.default_backend()}'). Run on a TPU VM, or simulate a "
+            "slice by naming devices: kd.TPUStrategy(device_assignment="
+            "kd.DeviceAssignment(num_replicas=4, computation_shape=2, "
+            "devices=jax.devices())).")
+    if assignment is None:
+        num_replicas, logical = len(devices), 1
+    else:
+        num_replicas, logical = (assignment.num_replicas,
+                                 assignment.num_logical_devices)
+    if layout_map is None:
+        mesh = DeviceMesh(
+            shape=(num_replicas, logical), axis_names=["batch", "model"],
+            devices=np.array([jax_backend.device_name(d) for d in devices]
+                             ).reshape(num_replicas, logical))
+        layout_map = LayoutMap(mesh)
+    elif tuple(layout_map.device_mesh.shape) != (num_replicas, logical):
+        raise ValueError(
+            f"The layout_map's mesh has shape {layout_map.device_mesh.shape}"
+            f" but the device assignment is {num_replicas} replicas x "
+            f"{logical} logical devices. Build the LayoutMap on a "
+            f"DeviceMesh of shape ({num_replicas}, {logical}).")
+    engine = jax_backend.JaxEngine(devices, layout_map)
+    engine.num_logical_devices = logical
+    return engine
+
+
+def process_rows(array: Any) -> Any:
+    """This process's rows of a global array sharded along axis 0."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return array
+    if array.is_fully_replicated:
+        return array.addressable_data(0)
+    rows = {}
+    for shard in array.addressable_shards:
+        rows.setdefault(shard.index[0].start or 0, shard.data)
+    # The shards live on different devices: meet on the host.
+    return np.concatenate([np.asarray(rows[start]) for start in sorted(rows)],
+                          axis=0)
+
+
+@contextlib.contextmanager
+def process_local_predictions(model):
+    """Makes Keras' predict function return process-local rows.
+
+    Keras' JAX `predict` turns every batch's output into numpy, which a
+    global array spanning several processes refuses; each process takes its
+    own rows instead, and `process_data` puts them back together.
+    """
+    original = model.make_predict_function
+
+    def make_predict_function(force=False):
+        original(force)
+        inner = model.predict_function
+        if not getattr(inner, "_kd_process_rows", False):
+            def predict_function(state, iterator):
+                outputs, state = inner(state, iterator)
+                return jax.tree_util.tree_map(process_rows, outputs), state
+
+            predict_function._kd_process_rows = True
+            model.predict_function = predict_function
+        return model.predict_function
+
+    object.__setattr__(model, "make_predict_function", make_predict_function)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("make_predict_function", None)
+
+

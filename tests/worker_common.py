@@ -1,0 +1,39 @@
+"""Data and model shared by the multi-process test workers.
+
+No framework is imported at module level: a worker sets up its devices
+first, then these helpers import Keras.
+"""
+
+import numpy as np
+
+
+def make_data(n=203, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(n,))
+    return x, y
+
+
+def initial_weights():
+    """Fixed starting weights, so every process and the reference agree."""
+    rng = np.random.default_rng(1)
+    return [rng.normal(scale=0.3, size=s).astype("float32")
+            for s in [(16, 32), (32,), (32, 3), (3,)]]
+
+
+def make_model(weights=None):
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(32, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    if weights is not None:
+        model.set_weights(weights)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
