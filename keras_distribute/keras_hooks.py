@@ -144,7 +144,7 @@ def _install_jax_data_hook() -> None:
 def _install_tf_hooks() -> None:
     from keras.src.losses import loss as loss_module
 
-    from keras_distribute.backend import tensorflow as tf_backend
+    from keras_distribute.backend import tf_fit
 
     original_call = loss_module.Loss.__call__
     original_unscale = loss_module.unscale_loss_for_distribution
@@ -153,7 +153,7 @@ def _install_tf_hooks() -> None:
     @functools.wraps(original_call)
     def __call__(self, y_true, y_pred, sample_weight=None):
         value = original_call(self, y_true, y_pred, sample_weight)
-        factor = tf_backend.uneven_batch_loss_factor(self, y_pred)
+        factor = tf_fit.uneven_batch_loss_factor(self, y_pred)
         last_factor.value = factor
         return value if factor is None else value * factor
 

@@ -7,8 +7,6 @@ counterparts. `run` returns `tf.distribute`'s own per-replica values, so it
 works inside and outside `tf.function` alike.
 """
 
-import warnings
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import keras
@@ -19,6 +17,7 @@ from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute import context
 from keras_distribute import worker_callbacks
+from keras_distribute.backend import tf_fit
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.devices import parse_device_name
 from keras_distribute.reduce_op import ReduceOp
@@ -29,43 +28,14 @@ _TF_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "tpu": "TPU"}
 
 # `isinstance(value, kd.PerReplica)` holds for tf.distribute's own values.
 PerReplica.register(tf_values.PerReplica)
-_our_tf_strategies = weakref.WeakSet()
 _strategies_created = 0
-# Strategies inside a `fit` whose every training batch splits evenly: their
-# replicas skip the all-reduce that weighs uneven batches.
-_even_fits = weakref.WeakSet()
 _KEY_BASE_STRIDE = 1_000_000
 
 
 def is_multi_worker(strategy: Any) -> bool:
     """Whether `strategy` is the tf.distribute engine of a kd multi-worker."""
-    return strategy in _our_tf_strategies and isinstance(
+    return strategy in tf_fit.our_tf_strategies and isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy)
-
-
-def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
-    """How much to rescale a replica's loss so that uneven batches weigh right.
-
-    Keras scales each replica's mean loss by `1 / num_replicas`, which is
-    exact only when every replica holds as many examples. The right scale is
-    `local_batch / global_batch`; this returns the ratio of the two scales
-    (`num_replicas * local / global`), or `None` outside a replica step of a
-    kd strategy or for a loss that is not averaged over the batch.
-    """
-    if getattr(loss, "reduction", None) != "sum_over_batch_size":
-        return None
-    if not tf.distribute.has_strategy() or (
-        tf.distribute.get_strategy() not in _our_tf_strategies
-    ) or tf.distribute.get_strategy() in _even_fits:
-        return None
-    tf_context = tf.distribute.get_replica_context()
-    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if tf_context is None or num_replicas == 1:
-        return None
-    first = keras.tree.flatten(y_pred)[0]
-    local = tf.cast(tf.shape(first)[0], "float32")
-    total = tf_context.all_reduce("SUM", local)
-    return tf.math.divide_no_nan(num_replicas * local, total)
 
 
 def default_devices() -> list:
@@ -226,7 +196,7 @@ class TfEngine:
             self.tf_strategy = _new_mirrored_strategy(devices)
         else:
             self.tf_strategy = tf_strategy
-        _our_tf_strategies.add(self.tf_strategy)
+        tf_fit.our_tf_strategies.add(self.tf_strategy)
         self.multi_worker = resolver is not None
         self.is_chief = resolver.is_chief if resolver is not None else True
         worker_devices = self.tf_strategy.extended.worker_devices
@@ -295,12 +265,12 @@ class TfEngine:
             size = keras.tree.flatten(x)[0].shape[0]
             return model.predict(x, batch_size=size, verbose=0)
         if method.__name__ == "fit":
-            _warn_if_replicas_get_empty_batches(model, args, kwargs,
+            tf_fit.warn_if_replicas_get_empty_batches(model, args, kwargs,
                                                 self.num_replicas)
-        even = method.__name__ == "fit" and _batches_split_evenly(
+        even = method.__name__ == "fit" and tf_fit.batches_split_evenly(
             args, kwargs, self.num_replicas)
         if even:
-            _even_fits.add(self.tf_strategy)
+            tf_fit.even_fits.add(self.tf_strategy)
         callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
         try:
             with worker_callbacks.chief_only_writes(
@@ -308,7 +278,7 @@ class TfEngine:
                     self.is_chief):
                 return method(model, *args, **kwargs)
         finally:
-            _even_fits.discard(self.tf_strategy)
+            tf_fit.even_fits.discard(self.tf_strategy)
 
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:
@@ -408,56 +378,6 @@ class TfEngine:
         _check_axis(axis, rank)
         per_replica = tf_values.PerReplica(tuple(_to_tensor(v) for v in values))
         return self.tf_strategy.gather(per_replica, axis=axis)
-
-
-def _fit_sizes(args: tuple, kwargs: dict):
-    """`(num_samples, batch_size)` of `fit` on arrays, else `None`."""
-    x = args[0] if args else kwargs.get("x")
-    leaves = keras.tree.flatten(x) if x is not None else []
-    if not leaves or not all(hasattr(leaf, "shape") and not isinstance(
-            leaf, tf.data.Dataset) for leaf in leaves):
-        return None
-    if kwargs.get("steps_per_epoch") is not None or len(args) > 3:
-        return None
-    num_samples = leaves[0].shape[0]
-    batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
-    split = kwargs.get("validation_split") or 0.0
-    if split and kwargs.get("validation_data") is None:
-        num_samples = int(num_samples * (1.0 - split))
-    return num_samples, batch_size
-
-
-def _warn_if_replicas_get_empty_batches(model, args, kwargs,
-                                        num_replicas: int) -> None:
-    sizes = _fit_sizes(args, kwargs)
-    if sizes is None:
-        return
-    last = sizes[0] % sizes[1]
-    unsynced = [layer.name for layer in model._flatten_layers()
-                if isinstance(layer, keras.layers.BatchNormalization)
-                and not layer.synchronized]
-    if 0 < last < num_replicas and unsynced:
-        warnings.warn(
-            f"The last batch of each epoch has {last} example(s) for "
-            f"{num_replicas} replicas, so some replicas get an empty batch, "
-            "on which BatchNormalization(synchronized=False) computes NaN "
-            f"statistics (layers: {unsynced}). Use "
-            "BatchNormalization(synchronized=True), which also matches the "
-            "single-device statistics, or a batch size that leaves at least "
-            f"{num_replicas} examples in the last batch.", stacklevel=4)
-
-
-def _batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
-    """Whether every training batch of `fit(x=arrays, ...)` splits evenly.
-
-    Conservative: `False` for datasets, generators and `steps_per_epoch`.
-    """
-    sizes = _fit_sizes(args, kwargs)
-    if sizes is None:
-        return False
-    num_samples, batch_size = sizes
-    return (batch_size % num_replicas == 0
-            and (num_samples % batch_size) % num_replicas == 0)
 
 
 def _check_axis(axis: int, rank: int) -> None:

@@ -8,10 +8,8 @@ are all-reduced before they are read; each process trains on its slice of
 every global batch. In a plain single process there is one replica.
 """
 
-import contextlib
 import datetime
 import logging
-import warnings
 import os
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -260,79 +258,15 @@ class TorchEngine:
     # ------------------------------------------------------------ training
     def train_step(self, model: Any, data: Any) -> Any:
         """Keras' torch train step, forwarding through the held DDP."""
-        from keras.src import tree
-        from keras.src.trainers.data_adapters import data_adapter_utils
+        from keras_distribute.backend import torch_training
 
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        wrapper = self.ddp(model)
-        if model._call_has_training_arg:
-            y_pred = wrapper(x, training=True)
-        else:
-            y_pred = wrapper(x)
-        model.zero_grad()
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                   sample_weight=sample_weight, training=True)
-        local = next(i for i in tree.flatten(x) if i is not None).shape[0]
-        model._loss_tracker.update_state(loss, sample_weight=local)
-        if model.optimizer is not None:
-            loss = model.optimizer.scale_loss(loss)
-        if not self.even_batches:
-            # DDP averages over processes; weigh each by its share of the
-            # global batch so that an uneven split gives the global mean.
-            total = self._all_reduce_sum(
-                torch.tensor(float(local), device=self.device))
-            loss = loss * (self.world_size * local / total)
-        if model.trainable_weights:
-            loss.backward()
-            weights = model.trainable_weights[:]
-            with torch.no_grad():
-                model.optimizer.apply([v.value.grad for v in weights], weights)
-        else:
-            warnings.warn("The model does not have any trainable weights.")
-        self._in_train_step = True
-        try:
-            return model.compute_metrics(x, y, y_pred,
-                                         sample_weight=sample_weight)
-        finally:
-            self._in_train_step = False
+        return torch_training.train_step(self, model, data)
 
-    @contextlib.contextmanager
     def global_metric_states(self, variables: Sequence[Any]):
-        """Temporarily gives metric variables their all-process values.
+        """Metric variables with their all-process values, for a read."""
+        from keras_distribute.backend import torch_training
 
-        Variables aggregated by `"sum"` are summed over processes, `"mean"`
-        averaged, `"only_first_replica"` taken from rank 0; one flat
-        all-reduce serves them all. Local values are restored on exit, so
-        accumulation goes on locally.
-        """
-        variables = [v for v in variables
-                     if getattr(v, "aggregation", "none") != "none"]
-        if not variables or (
-            self._in_train_step and not self.sync_metrics_each_step
-        ):
-            yield
-            return
-        local = [v.value.detach().clone() for v in variables]
-        flat = torch.cat([
-            (t.double() if v.aggregation != "only_first_replica" or
-             self.rank == 0 else torch.zeros_like(t, dtype=torch.float64)
-             ).reshape(-1)
-            for v, t in zip(variables, local)]).to(self.device)
-        self._all_reduce_sum(flat)
-        offset = 0
-        with torch.no_grad():
-            for variable, value in zip(variables, local):
-                part = flat[offset:offset + value.numel()].reshape(value.shape)
-                offset += value.numel()
-                if variable.aggregation == "mean":
-                    part = part / self.world_size
-                variable.value.copy_(part.to(value.dtype))
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for variable, value in zip(variables, local):
-                    variable.value.copy_(value)
+        return torch_training.global_metric_states(self, variables)
 
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:

@@ -1,0 +1,96 @@
+"""What `fit` under tf.distribute needs beyond Keras: uneven batches.
+
+Keras scales each replica's mean loss by `1 / num_replicas`, exact only when
+every replica holds as many examples. `uneven_batch_loss_factor` gives the
+correction (`local / global` weighting) that `keras_hooks` applies; it is
+skipped, with its per-step all-reduce, when every batch of a `fit` on arrays
+splits evenly. A last batch smaller than the replica count leaves replicas
+empty, which unsynchronized BatchNormalization turns into NaN: kd warns.
+"""
+
+import warnings
+import weakref
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+# kd's tf.distribute strategies, and those inside a `fit` whose every
+# training batch splits evenly (their replicas skip the all-reduce).
+our_tf_strategies = weakref.WeakSet()
+even_fits = weakref.WeakSet()
+
+
+def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
+    """How much to rescale a replica's loss so that uneven batches weigh right.
+
+    Keras scales each replica's mean loss by `1 / num_replicas`, which is
+    exact only when every replica holds as many examples. The right scale is
+    `local_batch / global_batch`; this returns the ratio of the two scales
+    (`num_replicas * local / global`), or `None` outside a replica step of a
+    kd strategy or for a loss that is not averaged over the batch.
+    """
+    if getattr(loss, "reduction", None) != "sum_over_batch_size":
+        return None
+    if not tf.distribute.has_strategy() or (
+        tf.distribute.get_strategy() not in our_tf_strategies
+    ) or tf.distribute.get_strategy() in even_fits:
+        return None
+    tf_context = tf.distribute.get_replica_context()
+    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if tf_context is None or num_replicas == 1:
+        return None
+    first = keras.tree.flatten(y_pred)[0]
+    local = tf.cast(tf.shape(first)[0], "float32")
+    total = tf_context.all_reduce("SUM", local)
+    return tf.math.divide_no_nan(num_replicas * local, total)
+
+
+def fit_sizes(args: tuple, kwargs: dict):
+    """`(num_samples, batch_size)` of `fit` on arrays, else `None`."""
+    x = args[0] if args else kwargs.get("x")
+    leaves = keras.tree.flatten(x) if x is not None else []
+    if not leaves or not all(hasattr(leaf, "shape") and not isinstance(
+            leaf, tf.data.Dataset) for leaf in leaves):
+        return None
+    if kwargs.get("steps_per_epoch") is not None or len(args) > 3:
+        return None
+    num_samples = leaves[0].shape[0]
+    batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
+    split = kwargs.get("validation_split") or 0.0
+    if split and kwargs.get("validation_data") is None:
+        num_samples = int(num_samples * (1.0 - split))
+    return num_samples, batch_size
+
+
+def warn_if_replicas_get_empty_batches(model, args, kwargs,
+                                        num_replicas: int) -> None:
+    sizes = fit_sizes(args, kwargs)
+    if sizes is None:
+        return
+    last = sizes[0] % sizes[1]
+    unsynced = [layer.name for layer in model._flatten_layers()
+                if isinstance(layer, keras.layers.BatchNormalization)
+                and not layer.synchronized]
+    if 0 < last < num_replicas and unsynced:
+        warnings.warn(
+            f"The last batch of each epoch has {last} example(s) for "
+            f"{num_replicas} replicas, so some replicas get an empty batch, "
+            "on which BatchNormalization(synchronized=False) computes NaN "
+            f"statistics (layers: {unsynced}). Use "
+            "BatchNormalization(synchronized=True), which also matches the "
+            "single-device statistics, or a batch size that leaves at least "
+            f"{num_replicas} examples in the last batch.", stacklevel=4)
+
+
+def batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
+    """Whether every training batch of `fit(x=arrays, ...)` splits evenly.
+
+    Conservative: `False` for datasets, generators and `steps_per_epoch`.
+    """
+    sizes = fit_sizes(args, kwargs)
+    if sizes is None:
+        return False
+    num_samples, batch_size = sizes
+    return (batch_size % num_replicas == 0
+            and (num_samples % batch_size) % num_replicas == 0)
