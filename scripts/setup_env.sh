@@ -13,6 +13,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # A CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
   .venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[jax,tensorflow,torch,test,examples]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[jax,tensorflow,torch,test,examples,docs]"
   echo "$want" > "$stamp"
 fi

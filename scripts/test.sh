@@ -10,4 +10,8 @@ for backend in ${KD_BACKENDS:-jax tensorflow torch}; do
   echo "=== KERAS_BACKEND=$backend ==="
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
 done
+echo "=== docs: mkdocs build --strict ==="
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d "$site" && echo "docs built" || status=1
+rm -rf "$site"
 exit $status
