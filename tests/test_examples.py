@@ -1,0 +1,47 @@
+"""Every example runs (briefly) under the active backend, and has --help."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BACKEND
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT = 300
+
+RUNS = [
+    ("demo_digits.py", ["--epochs", "1"], "Test accuracy"),
+    ("distributed_training_with_keras.py", ["--epochs", "1"], "Eval accuracy"),
+    ("custom_training_loop.py", ["--epochs", "1"], "epoch 1: mean loss"),
+    ("multi_worker.py", ["--epochs", "1"], "identical on every worker: True"),
+    ("model_parallel.py", ["--epochs", "1"], "final accuracy"),
+]
+
+
+def run_example(name, args):
+    env = dict(os.environ, KERAS_BACKEND=BACKEND)
+    env.pop("XLA_FLAGS", None)  # each example sets its own device count
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], env=env,
+        capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("name, args, expected", RUNS,
+                         ids=[r[0] for r in RUNS])
+def test_example_runs(name, args, expected):
+    if name == "model_parallel.py" and BACKEND != "jax":
+        pytest.skip(f"model parallelism needs the JAX backend, not {BACKEND}")
+    done = run_example(name, args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert expected in done.stdout
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_example_has_help(name):
+    if BACKEND != "jax":
+        pytest.skip("--help is backend-independent: checked once, on jax")
+    done = run_example(name, ["--help"])
+    assert done.returncode == 0 and "usage:" in done.stdout
