@@ -1,0 +1,214 @@
+"""Writes the notebooks of this folder from the cells below (no outputs).
+
+Edit the cells here, then run `python notebooks/make_notebooks.py`; the test
+suite executes every notebook top to bottom (tests/test_notebooks.py).
+"""
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+QUICKSTART = [
+    new_markdown_cell(
+        "# Quickstart: `kd.MirroredStrategy`\n\n"
+        "Train a classifier on scikit-learn's digits over 8 simulated CPU "
+        "devices, and check that 8 replicas on a global batch learn exactly "
+        "what one device learns on the same batch."),
+    new_code_cell(
+        "import os\n"
+        "os.environ['KERAS_BACKEND'] = 'jax'\n"
+        "# 8 simulated devices; must be set before JAX is imported.\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
+        "import keras\n"
+        "import numpy as np\n"
+        "import keras_distribute as kd\n"
+        "from sklearn.datasets import load_digits\n"
+        "digits = load_digits()\n"
+        "x = (digits.data / 16).astype('float32')\n"
+        "y = digits.target\n"
+        "x.shape"),
+    new_markdown_cell(
+        "Create the strategy, then build and compile the model **inside** "
+        "its scope: every variable is laid out over the 8 devices."),
+    new_code_cell(
+        "strategy = kd.MirroredStrategy()\n"
+        "print(strategy, strategy.num_replicas_in_sync)\n"
+        "\n"
+        "def make_model():\n"
+        "    keras.utils.set_random_seed(0)\n"
+        "    model = keras.Sequential([\n"
+        "        keras.Input((64,)),\n"
+        "        keras.layers.Dense(64, activation='tanh'),\n"
+        "        keras.layers.Dense(10)])\n"
+        "    model.compile(optimizer=keras.optimizers.SGD(0.1),\n"
+        "                  loss=keras.losses.SparseCategoricalCrossentropy("
+        "from_logits=True),\n"
+        "                  metrics=['accuracy'])\n"
+        "    return model\n"
+        "\n"
+        "with strategy.scope():\n"
+        "    model = make_model()\n"
+        "strategy.describe_layout(model)"),
+    new_markdown_cell(
+        "`batch_size` is the **global** batch: each step splits it 8 ways "
+        "and combines the gradients. The last batch (1797 % 64 = 5 rows) "
+        "does not divide by 8, and still works."),
+    new_code_cell(
+        "history = model.fit(x, y, batch_size=64, epochs=5, shuffle=False, "
+        "verbose=2)"),
+    new_markdown_cell("The same model on one device, for comparison:"),
+    new_code_cell(
+        "reference = make_model()\n"
+        "reference_history = reference.fit(x, y, batch_size=64, epochs=5, "
+        "shuffle=False, verbose=0)\n"
+        "difference = max(np.abs(a - b).max() for a, b in "
+        "zip(model.get_weights(), reference.get_weights()))\n"
+        "print(f'largest weight difference: {difference:.2e}')\n"
+        "assert difference < 1e-5"),
+    new_code_cell(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot(reference_history.history['loss'], 'o-', label='1 device')\n"
+        "plt.plot(history.history['loss'], 'x--', label='8 replicas')\n"
+        "plt.xlabel('epoch'); plt.ylabel('loss'); plt.legend()\n"
+        "plt.title('The curves coincide: same updates, split 8 ways')\n"
+        "plt.show()"),
+    new_markdown_cell(
+        "The model remembers its strategy: `evaluate` and `predict` "
+        "distribute outside the scope too, and `predict` returns rows in "
+        "input order."),
+    new_code_cell(
+        "print(model.evaluate(x, y, batch_size=64, verbose=0))\n"
+        "predictions = model.predict(x, batch_size=64, verbose=0)\n"
+        "predictions.shape"),
+]
+
+CUSTOM_LOOP = [
+    new_markdown_cell(
+        "# Custom training loops: `run`, `reduce`, replica contexts\n\n"
+        "The tf.distribute way on JAX: each replica runs the step on its "
+        "slice; losses are scaled by the **global** batch size and gradients "
+        "summed across replicas."),
+    new_code_cell(
+        "import os\n"
+        "os.environ['KERAS_BACKEND'] = 'jax'\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'\n"
+        "import jax\n"
+        "import keras\n"
+        "import numpy as np\n"
+        "import keras_distribute as kd\n"
+        "strategy = kd.MirroredStrategy()\n"
+        "strategy.num_replicas_in_sync"),
+    new_markdown_cell("`run` calls a function once per replica:"),
+    new_code_cell(
+        "ids = strategy.run(lambda: "
+        "kd.get_replica_context().replica_id_in_sync_group)\n"
+        "print(ids)\n"
+        "print('sum of ids:', strategy.reduce('sum', ids, axis=None))"),
+    new_markdown_cell(
+        "A distributed dataset splits each global batch across replicas:"),
+    new_code_cell(
+        "batches = [np.arange(8.0) + 8 * i for i in range(2)]\n"
+        "for x in strategy.experimental_distribute_dataset(batches):\n"
+        "    print(strategy.experimental_local_results(x))"),
+    new_markdown_cell("A complete training loop:"),
+    new_code_cell(
+        "from sklearn.datasets import load_digits\n"
+        "digits = load_digits()\n"
+        "x_all = (digits.data / 16).astype('float32')[:1792]\n"
+        "y_all = digits.target[:1792]\n"
+        "GLOBAL_BATCH = 64\n"
+        "data = [(x_all[i:i + GLOBAL_BATCH], y_all[i:i + GLOBAL_BATCH])\n"
+        "        for i in range(0, len(x_all), GLOBAL_BATCH)]\n"
+        "with strategy.scope():\n"
+        "    model = keras.Sequential([keras.Input((64,)), "
+        "keras.layers.Dense(64, activation='tanh'), keras.layers.Dense(10)])\n"
+        "    optimizer = keras.optimizers.SGD(0.1)\n"
+        "    optimizer.build(model.trainable_variables)\n"
+        "loss_fn = keras.losses.SparseCategoricalCrossentropy("
+        "from_logits=True, reduction=None)\n"
+        "\n"
+        "def train_step(trainable, non_trainable, opt_vars, x, y):\n"
+        "    def loss_of(trainable):\n"
+        "        logits, _ = model.stateless_call(trainable, non_trainable, x)\n"
+        "        return kd.compute_average_loss(loss_fn(y, logits), "
+        "global_batch_size=GLOBAL_BATCH)\n"
+        "    loss, grads = jax.value_and_grad(loss_of)(trainable)\n"
+        "    grads = kd.get_replica_context().all_reduce('sum', grads)\n"
+        "    trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, "
+        "trainable)\n"
+        "    return loss, trainable, opt_vars\n"
+        "\n"
+        "trainable = [v.value for v in model.trainable_variables]\n"
+        "non_trainable = [v.value for v in model.non_trainable_variables]\n"
+        "opt_vars = [v.value for v in optimizer.variables]\n"
+        "for epoch in range(3):\n"
+        "    total = 0.0\n"
+        "    for xb, yb in strategy.experimental_distribute_dataset(data):\n"
+        "        loss, trainable, opt_vars = strategy.run(\n"
+        "            train_step, args=(trainable, non_trainable, opt_vars, xb, "
+        "yb))\n"
+        "        total += float(strategy.reduce('sum', loss, axis=None))\n"
+        "        trainable = [v.values[0] for v in trainable]\n"
+        "        opt_vars = [v.values[0] for v in opt_vars]\n"
+        "    print(f'epoch {epoch + 1}: loss {total / len(data):.4f}')"),
+]
+
+MULTI_WORKER = [
+    new_markdown_cell(
+        "# Multi-worker training from a notebook\n\n"
+        "`kd.notebook_launcher` runs a function defined in a cell in N "
+        "processes that form a group. On PyTorch one process is one "
+        "replica; every process trains on its share of each global batch "
+        "and ends with the same weights."),
+    new_code_cell(
+        "import os\n"
+        "os.environ['KERAS_BACKEND'] = 'torch'\n"
+        "import numpy as np\n"
+        "import keras_distribute as kd"),
+    new_code_cell(
+        "def train(epochs):\n"
+        "    import torch\n"
+        "    torch.set_num_threads(1)\n"
+        "    import keras\n"
+        "    from sklearn.datasets import load_digits\n"
+        "    strategy = kd.MultiWorkerMirroredStrategy()\n"
+        "    digits = load_digits()\n"
+        "    x = (digits.data / 16).astype('float32')\n"
+        "    with strategy.scope():\n"
+        "        model = keras.Sequential([keras.Input((64,)), "
+        "keras.layers.Dense(32, activation='relu'), keras.layers.Dense(10)])\n"
+        "        model.compile(optimizer='adam', metrics=['accuracy'], loss="
+        "keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+        "    history = model.fit(x, digits.target, batch_size=128, "
+        "epochs=epochs, verbose=0)\n"
+        "    return (strategy.cluster_resolver.process_id, "
+        "strategy.num_replicas_in_sync,\n"
+        "            history.history['accuracy'], model.get_weights())"),
+    new_code_cell(
+        "results = kd.notebook_launcher(train, num_processes=2, args=(3,))\n"
+        "for process_id, replicas, accuracy, _ in results:\n"
+        "    print(f'process {process_id}: {replicas} replicas, accuracy per "
+        "epoch {np.round(accuracy, 3)}')"),
+    new_code_cell(
+        "same = all(np.array_equal(a, b) for a, b in "
+        "zip(results[0][3], results[1][3]))\n"
+        "print('identical weights on both processes:', same)\n"
+        "assert same"),
+]
+
+
+def main():
+    for name, cells in [("01_quickstart", QUICKSTART),
+                        ("02_custom_training_loop", CUSTOM_LOOP),
+                        ("03_multi_worker_locally", MULTI_WORKER)]:
+        notebook = new_notebook(cells=cells, metadata={
+            "kernelspec": {"name": "python3", "display_name": "Python 3",
+                           "language": "python"}})
+        nbformat.write(notebook, HERE / f"{name}.ipynb")
+
+
+if __name__ == "__main__":
+    main()
