@@ -176,8 +176,10 @@ class InputContext:
 def _to_numpy(leaf: Any) -> Any:
     if leaf is None or isinstance(leaf, (str, bytes)):
         return leaf
+    if hasattr(leaf, "detach") and hasattr(leaf, "cpu"):
+        leaf = leaf.detach().cpu()  # a torch.Tensor, maybe on a GPU
     if hasattr(leaf, "numpy") and not isinstance(leaf, np.ndarray):
-        leaf = leaf.numpy()  # tf.Tensor, torch.Tensor on CPU
+        leaf = leaf.numpy()  # tf.Tensor, torch.Tensor
     return np.asarray(leaf)
 
 
