@@ -17,6 +17,7 @@ model.fit(x, y, batch_size=256, epochs=3)   # 256 = global batch size
 ```
 """
 
+from keras_distribute import checkpoint
 from keras_distribute import cluster_resolver
 from keras_distribute import default_strategy as _default_strategy  # noqa: F401
 from keras_distribute.context import ReplicaContext
@@ -70,6 +71,7 @@ __all__ = [
     "StrategyExtended",
     "TPUStrategy",
     "ValueContext",
+    "checkpoint",
     "cluster_resolver",
     "compute_average_loss",
     "get_replica_context",

@@ -1,0 +1,218 @@
+"""The sharded checkpoint format: a directory, a JSON index, HDF5 shards.
+
+```
+<path>/
+  index.json            every variable: global shape, dtype, logical layout,
+                        and which file / dataset / global slice holds each
+                        unique piece, with its sha256; format version, step
+  shards-00000.h5       the pieces written by process 0 (h5py, no pickle)
+```
+
+Writes go to `<path>.tmp-...` and are committed by `os.replace`; a previous
+checkpoint at `<path>` is moved aside first and removed only after the new
+one is in place, so a failure never loses what was saved. A directory
+without `index.json` is not a checkpoint. Loading never executes code.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+FORMAT = "keras_distribute.checkpoint"
+FORMAT_VERSION = 1
+INDEX = "index.json"
+
+Slice = Tuple[Tuple[int, int], ...]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unfinished, corrupt or does not fit."""
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def _storable(array: np.ndarray) -> np.ndarray:
+    """HDF5 lacks bfloat16 & co: store their bits as unsigned integers."""
+    if array.dtype.kind in "biufc" and array.dtype.name in np.sctypeDict:
+        return array
+    return array.view(f"u{array.dtype.itemsize}")
+
+
+def _dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # bfloat16, float8_*: shipped with JAX and Keras
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def write(path: str, entries: Dict[str, Tuple[tuple, str, Any, list]],
+          metadata: Dict[str, Any], process_id: int = 0) -> None:
+    """Writes and commits a checkpoint at `path`.
+
+    Args:
+        path: The checkpoint directory to create (or replace).
+        entries: `key -> (global shape, dtype name, layout axes, pieces,
+            variable path)`, where `pieces` lists `(global slice, numpy
+            array)` unique to this process.
+        metadata: Extra JSON-able fields for the index (step, mesh shape).
+        process_id: This process's id; names its shard file.
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(temporary)
+    try:
+        index = _write_shards(temporary, entries, process_id)
+        index.update(metadata, format=FORMAT, format_version=FORMAT_VERSION)
+        with open(os.path.join(temporary, INDEX), "w") as f:
+            json.dump(index, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _commit(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def _write_shards(directory: str, entries, process_id: int) -> dict:
+    import h5py
+
+    name = f"shards-{process_id:05d}.h5"
+    variables = {}
+    with h5py.File(os.path.join(directory, name), "w") as h5:
+        for number, (key, (shape, dtype, layout, pieces, var_path)) in (
+                enumerate(sorted(entries.items()))):
+            records = []
+            for part, (region, array) in enumerate(pieces):
+                dataset = f"v{number}/p{part}"
+                h5.create_dataset(dataset, data=_storable(array))
+                records.append({
+                    "file": name, "dataset": dataset,
+                    "slice": [list(r) for r in region],
+                    "sha256": _sha256(array),
+                })
+            variables[key] = {"shape": list(shape), "dtype": dtype,
+                              "layout": layout, "path": var_path,
+                              "pieces": records}
+        h5.flush()
+    return {"variables": variables}
+
+
+def _commit(temporary: str, path: str) -> None:
+    """Puts `temporary` at `path`; an old `path` is removed only after."""
+    old = None
+    if os.path.exists(path):
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+    os.replace(temporary, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_index(path: str) -> dict:
+    """Reads and checks the index of the committed checkpoint at `path`.
+
+    Raises:
+        CheckpointError: if `path` is not a committed checkpoint, its index
+            is unreadable, or its format version is newer than this library.
+    """
+    index_path = os.path.join(path, INDEX)
+    if not os.path.isfile(index_path):
+        raise CheckpointError(
+            f"{path!r} is not a committed keras_distribute checkpoint (no "
+            f"{INDEX}): it may not exist, or a save did not finish. Use "
+            "kd.checkpoint.latest_checkpoint(directory) to find the last "
+            "complete one.")
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"The index {index_path!r} is corrupt ({error}). Restore an "
+            "earlier checkpoint.") from None
+    if index.get("format") != FORMAT or not isinstance(
+            index.get("variables"), dict):
+        raise CheckpointError(
+            f"{index_path!r} is not a keras_distribute checkpoint index. "
+            f"Received format={index.get('format')!r}.")
+    if index.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path!r} has format version {index['format_version']}, newer "
+            f"than this keras_distribute reads ({FORMAT_VERSION}). Upgrade "
+            "keras_distribute.")
+    return index
+
+
+def _overlap(a: Slice, b: Slice) -> Optional[Slice]:
+    region = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1)
+                   in zip(a, b))
+    return region if all(lo < hi for lo, hi in region) or not region else None
+
+
+def read_regions(path: str, record: dict,
+                 regions: Iterable[Slice]) -> List[np.ndarray]:
+    """Reads the global `regions` of one variable, verifying every piece.
+
+    Each stored piece is read once, checked against its sha256, copied into
+    the regions it overlaps and dropped: no more than one stored piece and
+    the requested regions are in memory at a time.
+
+    Raises:
+        CheckpointError: on a missing, truncated or corrupted shard file.
+    """
+
+    regions = [tuple(tuple(r) for r in region) for region in regions]
+    dtype = _dtype(record["dtype"])
+    out = [np.empty([hi - lo for lo, hi in region], dtype) for region in regions]
+    filled = [0] * len(regions)
+    for piece in record["pieces"]:
+        stored = tuple(tuple(r) for r in piece["slice"])
+        wanted = [(i, _overlap(stored, region))
+                  for i, region in enumerate(regions)]
+        wanted = [(i, o) for i, o in wanted if o is not None]
+        if not wanted:
+            continue
+        data = _read_piece(path, piece, dtype)
+        for i, overlap in wanted:
+            source = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _)
+                           in zip(overlap, stored))
+            target = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _)
+                           in zip(overlap, regions[i]))
+            out[i][target] = data[source]
+            filled[i] += int(np.prod([hi - lo for lo, hi in overlap]))
+    for i, region in enumerate(regions):
+        if filled[i] != int(np.prod([hi - lo for lo, hi in region])):
+            raise CheckpointError(
+                f"The checkpoint at {path!r} does not cover region {region} "
+                "of a variable: its pieces are incomplete.")
+    return out
+
+
+def _read_piece(path: str, piece: dict, dtype: np.dtype) -> np.ndarray:
+    import h5py
+
+    file_path = os.path.join(path, piece["file"])
+    try:
+        with h5py.File(file_path, "r") as h5:
+            data = h5[piece["dataset"]][()]
+    except (OSError, KeyError) as error:
+        raise CheckpointError(
+            f"The shard file {file_path!r} is missing, truncated or corrupt "
+            f"({error}). Restore an earlier checkpoint.") from None
+    data = data.view(dtype) if data.dtype != dtype else data
+    if _sha256(data) != piece["sha256"]:
+        raise CheckpointError(
+            f"The data of {piece['dataset']!r} in {file_path!r} does not "
+            "match its checksum: the file is corrupt. Restore an earlier "
+            "checkpoint.")
+    return data
