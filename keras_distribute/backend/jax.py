@@ -23,6 +23,8 @@ from keras_distribute import context
 from keras_distribute.backend import jax_collectives
 from keras_distribute.backend.jax_collectives import as_array
 from keras_distribute.backend.jax_collectives import unwrap
+from keras_distribute.backend.jax_checkpoint import checkpoint_assign  # noqa: F401
+from keras_distribute.backend.jax_checkpoint import checkpoint_pieces  # noqa: F401
 from keras_distribute.backend.jax_layouts import StrategyDataParallel
 from keras_distribute.backend.jax_layouts import StrategyModelParallel
 from keras_distribute.backend.jax_layouts import check_keys_match
@@ -532,35 +534,3 @@ def _static_key(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return (type(value), value)
     return ("id", id(value))
-
-
-def _bounds(index: tuple, shape: tuple) -> tuple:
-    return tuple((s.start or 0, n if s.stop is None else s.stop)
-                 for s, n in zip(index, shape))
-
-
-def checkpoint_pieces(variable: Any) -> list:
-    """The unique pieces of a variable this process writes (one per shard)."""
-    value = variable.value
-    pieces = []
-    for shard in value.addressable_shards:
-        if shard.replica_id == 0:  # each distinct piece once
-            pieces.append((_bounds(shard.index, value.shape),
-                           np.asarray(shard.data)))
-    return pieces
-
-
-def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
-    """Restores a variable by reading only each local device's slice."""
-    value = variable.value
-    sharding = value.sharding
-    shape = tuple(value.shape)
-    devices = sharding.addressable_devices_indices_map(shape)
-    regions = {device: _bounds(index, shape)
-               for device, index in devices.items()}
-    unique = sorted(set(regions.values()))
-    arrays = dict(zip(unique, read_regions(unique)))
-    pieces = [jax.device_put(arrays[regions[device]].astype(value.dtype),
-                             device) for device in devices]
-    variable.assign(jax.make_array_from_single_device_arrays(
-        shape, sharding, pieces))
