@@ -89,7 +89,14 @@ def _adopt_strays(model, strategy) -> None:
     if optimizer is not None and hasattr(optimizer, "variables"):
         variables += list(optimizer.variables)
     variables += list(getattr(model, "metrics_variables", []))
+    # Strays appear only when something is built or compile swaps objects:
+    # when the same variables were adopted already, skip the per-variable
+    # ownership checks (keeps `*_on_batch` loops cheap).
+    seen = (strategy, tuple(map(id, variables)))
+    if model.__dict__.get("_kd_adopted") == seen:
+        return
     strategy._engine.adopt_variables(variables)
+    object.__setattr__(model, "_kd_adopted", seen)
 
 
 def _wrap_trainer_method(name: str, original):

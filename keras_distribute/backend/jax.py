@@ -8,6 +8,7 @@ per-replica inputs of unequal shape (a short last batch) run one thread per
 replica instead, with collectives that meet at a barrier.
 """
 
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -147,6 +148,8 @@ class JaxEngine:
             # Each process is handed its own rows (process_data.py).
             self.distribution.auto_shard_dataset = False
         self.mesh = self.device_mesh.backend_mesh
+        self._device_set = frozenset(self.mesh.devices.flat)
+        self._keys_checked = weakref.WeakSet()  # models whose keys matched
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._replica_of_device = {}
         batch_index = self.device_mesh.axis_names.index(self.batch_axis)
@@ -178,7 +181,7 @@ class JaxEngine:
         sharding = getattr(value, "sharding", None)
         return isinstance(sharding, NamedSharding) and (
             sharding.mesh.devices.shape == self.mesh.devices.shape
-            and set(sharding.device_set) == set(self.mesh.devices.flat)
+            and sharding.device_set == self._device_set
         )
 
     def variable_layout(self, variable: Any) -> tuple:
@@ -209,8 +212,10 @@ class JaxEngine:
         # Keras' JAX trainer detaches variable values during `fit`; if the
         # call dies before re-attaching them, put the last values back so
         # the model stays usable (the next `fit` would otherwise fail).
-        if self.layout_map is not None and model.built:
+        if self.layout_map is not None and model.built and (
+                model not in self._keys_checked):
             check_keys_match(self.layout_map, model)
+            self._keys_checked.add(model)
         variables = list(model.variables)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and hasattr(optimizer, "variables"):
@@ -351,9 +356,8 @@ class JaxEngine:
         return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
     def _replicate(self, value: Any) -> Any:
-        if isinstance(value, jax.Array) and value.sharding.device_set != set(
-            self.mesh.devices.flat
-        ):
+        if isinstance(value, jax.Array) and (
+                value.sharding.device_set != self._device_set):
             return jax.device_put(value, self._replicated)
         return value
 
