@@ -8,7 +8,7 @@ backend module.
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Any, List, Optional, Sequence
 
 _KNOWN_TYPES = ("cpu", "gpu", "tpu", "cuda", "mps")
 _FIELD = re.compile(r"^(job|replica|task|device):(.*)$", re.IGNORECASE)
@@ -97,3 +97,36 @@ def parse_device_name(name: str) -> DeviceSpec:
     if device_part is None:
         raise _bad_name(name, "it names no device")
     return DeviceSpec(*_parse_type_and_index(name, device_part), task=task)
+
+
+def choose_local(spec: DeviceSpec, candidates: Sequence[Any], *,
+                 local_task: int, available: List[str],
+                 how_to_add: str) -> Any:
+    """Picks device `spec.index` among this process's devices of its type.
+
+    Args:
+        spec: The parsed device name.
+        candidates: This process's devices of `spec.device_type`, in order.
+        local_task: This process's task (process) index.
+        available: Names of every local device, for the error message.
+        how_to_add: How to get more devices on this backend.
+
+    Returns:
+        The chosen backend device.
+
+    Raises:
+        ValueError: if `spec` names another task or a device that is not
+            there.
+    """
+    if spec.task not in (None, local_task):
+        raise ValueError(
+            f"The device {spec} of task {spec.task} is not local to this "
+            f"process (task {local_task}). MirroredStrategy uses local "
+            "devices only; use kd.MultiWorkerMirroredStrategy for several "
+            "processes.")
+    if spec.index >= len(candidates):
+        raise ValueError(
+            f"Unknown device {str(spec).upper()!r}: this process has "
+            f"{len(candidates)} {spec.device_type.upper()} device(s). "
+            f"Available devices: {available}. {how_to_add}")
+    return candidates[spec.index]

@@ -31,6 +31,7 @@ from keras_distribute.backend.jax_layouts import StrategyModelParallel
 from keras_distribute.backend.jax_layouts import check_keys_match
 from keras_distribute.backend.jax_layouts import check_layout_map
 from keras_distribute.devices import DeviceSpec
+from keras_distribute.devices import choose_local
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
 
@@ -74,27 +75,16 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
             f"`jax.Device`. Received: device={device!r} of type "
             f"{type(device).__name__}."
         )
-    if device.task not in (None, jax.process_index()):
-        raise ValueError(
-            f"The device {device} of task {device.task} is not local to this "
-            f"process (task {jax.process_index()}). MirroredStrategy uses "
-            "local devices only; use kd.MultiWorkerMirroredStrategy for "
-            "several processes."
-        )
     platform = _PLATFORMS.get(device.device_type)
     try:
         candidates = jax.local_devices(backend=platform) if platform else []
     except RuntimeError:
         candidates = []
-    if device.index >= len(candidates):
-        raise ValueError(
-            f"Unknown device {str(device).upper()!r}: this process has "
-            f"{len(candidates)} {device.device_type.upper()} device(s). "
-            f"Available devices: {_available_names()}. On CPU, simulate "
-            "more devices with XLA_FLAGS=--xla_force_host_platform_device_"
-            "count=N (set before importing JAX)."
-        )
-    return candidates[device.index]
+    return choose_local(
+        device, candidates, local_task=jax.process_index(),
+        available=_available_names(),
+        how_to_add="On CPU, simulate more devices with XLA_FLAGS=--xla_force_"
+        "host_platform_device_count=N (set before importing JAX).")
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],

@@ -19,6 +19,7 @@ from keras_distribute import context
 from keras_distribute import worker_callbacks
 from keras_distribute.backend import tf_fit
 from keras_distribute.devices import DeviceSpec
+from keras_distribute.devices import choose_local
 from keras_distribute.devices import parse_device_name
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
@@ -60,24 +61,14 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
             f"`tf.config.LogicalDevice`. Received: device={device!r} of type "
             f"{type(device).__name__}."
         )
-    if device.task not in (None, 0):
-        raise ValueError(
-            f"The device {device} of task {device.task} is not local to this "
-            "process. MirroredStrategy uses local devices only; use "
-            "kd.MultiWorkerMirroredStrategy for several processes."
-        )
     tf_type = _TF_TYPES.get(device.device_type)
     candidates = tf.config.list_logical_devices(tf_type) if tf_type else []
-    if device.index >= len(candidates):
-        available = [device_name(d) for d in default_devices()]
-        raise ValueError(
-            f"Unknown device {str(device).upper()!r}: this process has "
-            f"{len(candidates)} logical {device.device_type.upper()} "
-            f"device(s). Available devices: {available}. On CPU, split the "
-            "CPU into N logical devices with kd.simulate_cpu_devices(N) "
-            "before TensorFlow initialises its devices."
-        )
-    return candidates[device.index]
+    return choose_local(
+        device, candidates, local_task=0,
+        available=[device_name(d) for d in default_devices()],
+        how_to_add="On CPU, split the CPU into N logical devices with "
+        "kd.simulate_cpu_devices(N) before TensorFlow initialises its "
+        "devices.")
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
