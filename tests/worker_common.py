@@ -37,3 +37,32 @@ def make_model(weights=None):
         metrics=["accuracy"],
     )
     return model
+
+
+def train_unless_rank_one(strategy):
+    """Rank 1 leaves at once; rank 0 trains and must fail within the timeout."""
+    import os
+
+    if os.environ["RANK"] == "1":
+        return "left"
+    x, y = make_data(n=3200)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=32, epochs=50, verbose=0)
+    return "trained alone"
+
+
+def assert_survivor_fails_within(launch, worker, timeout, limit_s=120):
+    """Launches `worker` on 2 processes; process 0 must fail, naming 1."""
+    import time
+
+    import pytest
+
+    import keras_distribute as kd
+
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=r"Process 0 of 2 (died|failed)"
+                       r".*process\(es\) \[1\] had already finished") as info:
+        launch(worker, num_processes=2, timeout=timeout)
+    assert info.value.rank == 0
+    assert time.monotonic() - start < limit_s
