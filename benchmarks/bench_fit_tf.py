@@ -9,22 +9,13 @@ Usage:
     python benchmarks/bench_fit_tf.py [--devices 4] [--steps 60] [--trials 5]
 """
 
-import argparse
 import json
 import os
 import sys
 
+from _args import fit_benchmark_args
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=256)
-    return parser.parse_args()
-
-
-ARGS = parse_args()
+ARGS = fit_benchmark_args(__doc__.splitlines()[0], devices=4)
 os.environ["KERAS_BACKEND"] = "tensorflow"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

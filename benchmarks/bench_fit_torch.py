@@ -54,7 +54,13 @@ def kd_times(args):
     return timer.per_step[1:]  # the first epoch compiles and warms up
 
 
-def native_times(args):
+def _torch_loop_times(args, distributed: bool):
+    """The hand-written torch loop on this process's per-rank batches.
+
+    With `distributed`, the model is wrapped in DistributedDataParallel and
+    rank r takes rows [r * local, (r + 1) * local) of each global batch;
+    without, one process trains on the same per-rank batch size alone.
+    """
     import time
 
     import torch
@@ -64,28 +70,37 @@ def native_times(args):
     from keras_distribute.backend.torch import ensure_process_group
     from _common import make_model
 
-    ensure_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = 0, 2
+    if distributed:
+        ensure_process_group()
+        rank, world = dist.get_rank(), dist.get_world_size()
     x, y = _data(args)
     model = make_model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    forward = torch.nn.parallel.DistributedDataParallel(model) if (
+        distributed) else model
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
     local = args.batch_size // world
+    stride = args.batch_size if distributed else local
     per_step = []
     for _ in range(args.epochs):
         start = time.perf_counter()
         for step in range(args.steps):
-            lo = step * args.batch_size + rank * local
+            lo = step * stride + rank * local
             xb = torch.from_numpy(x[lo:lo + local])
             yb = torch.from_numpy(y[lo:lo + local])
             optimizer.zero_grad()
-            loss = loss_fn(ddp(xb), yb)
+            loss = loss_fn(forward(xb), yb)
             loss.backward()
             optimizer.step()
         loss.item()
         per_step.append((time.perf_counter() - start) / args.steps)
     return per_step[1:]
+
+
+def native_times(args):
+    """Hand-written DDP loop on 2 processes."""
+    return _torch_loop_times(args, distributed=True)
 
 
 def keras_single_times(args):
@@ -106,32 +121,7 @@ def keras_single_times(args):
 
 def torch_single_times(args):
     """Control: the hand-written loop in one process, without DDP."""
-    import time
-
-    import torch
-
-    torch.set_num_threads(1)
-    from _common import make_model
-
-    x, y = _data(args)
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    local = args.batch_size // 2
-    per_step = []
-    for _ in range(args.epochs):
-        start = time.perf_counter()
-        for step in range(args.steps):
-            lo = step * local
-            xb = torch.from_numpy(x[lo:lo + local])
-            yb = torch.from_numpy(y[lo:lo + local])
-            optimizer.zero_grad()
-            loss = loss_fn(model(xb), yb)
-            loss.backward()
-            optimizer.step()
-        loss.item()
-        per_step.append((time.perf_counter() - start) / args.steps)
-    return per_step[1:]
+    return _torch_loop_times(args, distributed=False)
 
 
 def main():
