@@ -46,7 +46,6 @@ from keras_distribute.tpu_strategy import DeviceAssignment
 from keras_distribute.tpu_strategy import TPUStrategy
 from keras_distribute.strategy import StrategyExtended
 from keras_distribute.values import DistributedValues
-from keras_distribute.values import Mirrored
 from keras_distribute.values import PerReplica
 
 __version__ = "0.1.0"
@@ -61,7 +60,6 @@ __all__ = [
     "InputOptions",
     "InputReplicationMode",
     "LaunchError",
-    "Mirrored",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "PerReplica",

@@ -36,12 +36,3 @@ class PerReplica(DistributedValues):
     Returned by `strategy.run`, yielded by distributed datasets and made by
     `strategy.experimental_distribute_values_from_function`.
     """
-
-
-class Mirrored(DistributedValues):
-    """A value that is the same on every replica (e.g. an all-reduce)."""
-
-
-def is_distributed(value: Any) -> bool:
-    """Returns `True` if `value` is a `DistributedValues`."""
-    return isinstance(value, DistributedValues)
