@@ -78,6 +78,9 @@ class _InPlaceEngine:
     def adopt_variables(self, variables) -> None:
         pass
 
+    def barrier(self, name: str) -> None:
+        pass
+
     def call_trainer(self, method, model, args, kwargs):
         return method(model, *args, **kwargs)
 

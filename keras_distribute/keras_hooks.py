@@ -23,6 +23,9 @@ them, on first use (the first strategy created, never at import), and
    of an epoch and reuses it; a short last batch then fails with
    `IndivisibleError`. The hook asks the strategy's distribution for every
    batch instead (a short batch is laid out replicated).
+6. Checkpoints (installed on the first deferred restore only): after a
+   layer's build, before `fit` & co. start and before an optimizer's first
+   slot is made, restores waiting for those variables are applied.
 """
 
 import functools
@@ -275,10 +278,53 @@ def _install_torch_hooks() -> None:
     _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
 
 
+_checkpoint_hooks_installed = False
+
+
+def install_checkpoint_hooks() -> None:
+    """6. Deferred checkpoint restores: once a layer, a model (before
+    `fit` & co.) or an optimizer has created its variables, restores that
+    waited for them are applied (`ShardedCheckpoint.read` before build).
+    The check is a count: an object is restored once it holds as many
+    variables as the checkpoint saved for it.
+    Installed on the first deferred restore; `uninstall()` removes it.
+    """
+    global _checkpoint_hooks_installed
+    from keras.src.layers import layer as keras_layer
+    from keras.src.optimizers import base_optimizer
+    from keras.src.trainers import trainer as base_trainer
+
+    from keras_distribute.checkpoint import sharded_checkpoint
+
+    with _lock:
+        if _checkpoint_hooks_installed:
+            return
+        _checkpoint_hooks_installed = True
+        apply = sharded_checkpoint.apply_deferred_restores
+        waiting = sharded_checkpoint._waiting
+
+        def after(original):
+            @functools.wraps(original)
+            def method(self, *args, **kwargs):
+                result = original(self, *args, **kwargs)
+                if waiting:
+                    apply()
+                return result
+            return method
+
+        _patch(keras_layer.Layer, "_post_build",
+               after(keras_layer.Layer._post_build))
+        _patch(base_trainer.Trainer, "_symbolic_build",
+               after(base_trainer.Trainer._symbolic_build))
+        for name in ("add_variable", "add_variable_from_reference"):
+            _patch(base_optimizer.BaseOptimizer, name,
+                   after(getattr(base_optimizer.BaseOptimizer, name)))
+
+
 def install() -> None:
     """Installs the hooks once; later calls do nothing."""
     with _lock:
-        if _originals:
+        if any(name == "__init__" for _, name, _, _ in _originals):
             return
         _install_model_hooks()
         if keras.backend.backend() == "jax":
@@ -291,7 +337,9 @@ def install() -> None:
 
 def uninstall() -> None:
     """Removes every hook, restoring Keras exactly as it was."""
+    global _checkpoint_hooks_installed
     with _lock:
+        _checkpoint_hooks_installed = False
         while _originals:
             owner, name, original, had_own = _originals.pop()
             if had_own:

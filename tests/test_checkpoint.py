@@ -202,9 +202,3 @@ def test_checkpoint_written_on_jax_restores_on_another_backend(tmp_path, other):
     done = subprocess.run([sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=300)
     assert "EQUAL" in done.stdout, done.stderr[-2000:]
-
-
-def test_several_processes_are_refused_for_now(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(NotImplementedError, match="chief only"):
-        ckpt.ShardedCheckpoint(v=keras.Variable(1.0)).write(str(tmp_path / "c"))

@@ -63,6 +63,9 @@ class ReplicaEngine(Protocol):
     def adopt_variables(self, variables: Sequence[Any]) -> None:
         """Lays out stray variables (e.g. of an optimizer built elsewhere)."""
 
+    def barrier(self, name: str) -> None:
+        """Returns once every process of the job called it (no-op alone)."""
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         """Calls a Keras `fit`/`evaluate`/... method under the engine."""

@@ -197,6 +197,12 @@ class JaxEngine:
             return None
         return self._per_replica_shards(variable.value)
 
+    def barrier(self, name: str) -> None:
+        if self.multi_process:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         # Keras' JAX trainer detaches variable values during `fit`; if the

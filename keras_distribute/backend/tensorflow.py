@@ -247,6 +247,11 @@ class TfEngine:
             return tuple(self.tf_strategy.experimental_local_results(value))
         return None
 
+    def barrier(self, name: str) -> None:
+        if self.multi_worker:  # a one-element all-reduce over every worker
+            self.tf_strategy.run(lambda: tf.distribute.get_replica_context(
+            ).all_reduce("SUM", tf.constant(1.0)))
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         if method.__name__ == "predict_on_batch":

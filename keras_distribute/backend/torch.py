@@ -217,6 +217,10 @@ class TorchEngine:
             return (variable.value,)
         return None
 
+    def barrier(self, name: str) -> None:
+        if self.in_group:
+            dist.barrier()
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         if not self.in_group:

@@ -1,9 +1,17 @@
 """Sharded checkpoints: a JSON index plus HDF5 shards, reshardable, portable."""
 
+from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import LoadStatus
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
+from keras_distribute.checkpoint.sharded_checkpoint import export_weights
 from keras_distribute.checkpoint.sharded_checkpoint import latest_checkpoint
+from keras_distribute.checkpoint.sharded_checkpoint import list_variables
+from keras_distribute.checkpoint.sharded_checkpoint import load_variable
+from keras_distribute.checkpoint.sharded_checkpoint import read_metadata
 
-__all__ = ["CheckpointError", "LoadStatus", "ShardedCheckpoint",
-           "latest_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointOptions",
+           "LoadStatus", "ShardedCheckpoint", "export_weights",
+           "latest_checkpoint", "list_variables", "load_variable",
+           "read_metadata"]

@@ -8,17 +8,19 @@
   shards-00000.h5       the pieces written by process 0 (h5py, no pickle)
 ```
 
-Writes go to `<path>.tmp-...` and are committed by `os.replace`; a previous
-checkpoint at `<path>` is moved aside first and removed only after the new
-one is in place, so a failure never loses what was saved. A directory
-without `index.json` is not a checkpoint. Loading never executes code.
+Every process writes its own `shards-<process>.h5` and `part-<process>.json`
+into `<path>.tmp`; the chief merges the parts into `index.json` and commits
+by `os.replace`. A previous checkpoint at `<path>` is moved aside first and
+removed only after the new one is in place, so a failure never loses what
+was saved. A directory without `index.json` is not a checkpoint. Loading
+never executes code.
 """
 
 import hashlib
 import json
 import os
 import shutil
-import uuid
+import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -54,34 +56,143 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
-def write(path: str, entries: Dict[str, Tuple[tuple, str, Any, list]],
-          metadata: Dict[str, Any], process_id: int = 0) -> None:
-    """Writes and commits a checkpoint at `path`.
+def temporary_path(path: str) -> str:
+    """Where every process writes a save of `path` before the commit.
+
+    The same name in every process (they share it); the chief clears a
+    stale one left by an interrupted save before anyone writes.
+    """
+    return f"{os.path.abspath(path)}.tmp"
+
+
+def prepare(path: str) -> str:
+    """Chief only: clears a stale temporary directory and makes a new one.
+
+    Returns:
+        The temporary directory.
+    """
+    recover(path)
+    temporary = temporary_path(path)
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    return temporary
+
+
+def write_process_shards(temporary: str, entries: Dict[str, tuple],
+                         process_id: int) -> None:
+    """Writes this process's unique pieces and its part of the index.
 
     Args:
-        path: The checkpoint directory to create (or replace).
+        temporary: The save's temporary directory (`prepare` made it).
         entries: `key -> (global shape, dtype name, layout axes, pieces,
             variable path)`, where `pieces` lists `(global slice, numpy
             array)` unique to this process.
-        metadata: Extra JSON-able fields for the index (step, mesh shape).
-        process_id: This process's id; names its shard file.
+        process_id: This process's id; names its files.
+    """
+    part = _write_shards(temporary, entries, process_id)
+    _write_json(os.path.join(temporary, f"part-{process_id:05d}.json"), part)
+
+
+def commit(path: str, process_count: int, metadata: Dict[str, Any],
+           timeout_s: float = 600.0) -> None:
+    """Chief only: merges every process's part and commits `path`.
+
+    Waits (up to `timeout_s`) until every process wrote its part, writes
+    `index.json`, then renames the temporary directory to `path`; a previous
+    checkpoint at `path` is removed only once the new one is in place. On
+    any failure the temporary directory is removed and `path` is untouched.
+
+    Raises:
+        CheckpointError: if a process's part did not arrive in time.
     """
     path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(temporary)
+    temporary = temporary_path(path)
     try:
-        index = _write_shards(temporary, entries, process_id)
-        index.update(metadata, format=FORMAT, format_version=FORMAT_VERSION)
-        with open(os.path.join(temporary, INDEX), "w") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        parts = [os.path.join(temporary, f"part-{i:05d}.json")
+                 for i in range(process_count)]
+        deadline = time.monotonic() + timeout_s
+        while not all(os.path.isfile(p) for p in parts):
+            _raise_reported_failures(temporary, path)
+            if time.monotonic() > deadline:
+                missing = [i for i, p in enumerate(parts)
+                           if not os.path.isfile(p)]
+                raise CheckpointError(
+                    f"Saving {path!r}: processes {missing} did not write "
+                    f"their shards within {timeout_s:.0f} s (a process may "
+                    "have failed, or the directory is not on a file system "
+                    "every process shares). The previous checkpoint is kept.")
+            time.sleep(0.02)
+        variables = {}
+        for part in parts:
+            with open(part) as f:
+                for key, record in json.load(f)["variables"].items():
+                    if key in variables:
+                        variables[key]["pieces"] += record["pieces"]
+                    else:
+                        variables[key] = record
+        index = dict(metadata, variables=variables, format=FORMAT,
+                     format_version=FORMAT_VERSION,
+                     num_processes=process_count)
+        _write_json(os.path.join(temporary, INDEX), index)
+        for part in parts:
+            os.remove(part)
         _commit(temporary, path)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def wait_committed(path: str, timeout_s: float = 600.0) -> None:
+    """Non-chief processes: waits until the chief committed (or gave up)."""
+    temporary = temporary_path(path)
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(temporary) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def report_failure(temporary: str, process_id: int,
+                   error: BaseException) -> None:
+    """Leaves a note for the chief that this process's write failed."""
+    try:
+        with open(os.path.join(temporary, f"failed-{process_id:05d}.txt"),
+                  "w") as f:
+            f.write(f"{type(error).__name__}: {error}")
+    except OSError:
+        pass  # the chief then times out instead
+
+
+def _raise_reported_failures(temporary: str, path: str) -> None:
+    for name in sorted(os.listdir(temporary)):
+        if name.startswith("failed-"):
+            with open(os.path.join(temporary, name)) as f:
+                reason = f.read()
+            raise CheckpointError(
+                f"Saving {path!r} failed in process {int(name[7:12])}: "
+                f"{reason}. The previous checkpoint is kept.")
+
+
+def abandon(path: str) -> None:
+    """Chief only: removes an unfinished save's temporary directory."""
+    shutil.rmtree(temporary_path(path), ignore_errors=True)
+
+
+def write(path: str, entries: Dict[str, tuple],
+          metadata: Dict[str, Any]) -> None:
+    """Writes and commits a checkpoint from one process (see `commit`)."""
+    prepare(path)
+    try:
+        write_process_shards(temporary_path(path), entries, 0)
+    except BaseException:
+        shutil.rmtree(temporary_path(path), ignore_errors=True)
+        raise
+    commit(path, 1, metadata)
+
+
+def _write_json(file_path: str, content: dict) -> None:
+    with open(file_path, "w") as f:
+        json.dump(content, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_shards(directory: str, entries, process_id: int) -> dict:
@@ -105,18 +216,63 @@ def _write_shards(directory: str, entries, process_id: int) -> dict:
                               "layout": layout, "path": var_path,
                               "pieces": records}
         h5.flush()
+    with open(os.path.join(directory, name), "rb+") as f:
+        os.fsync(f.fileno())
     return {"variables": variables}
 
 
 def _commit(temporary: str, path: str) -> None:
-    """Puts `temporary` at `path`; an old `path` is removed only after."""
+    """Puts `temporary` at `path`; an old `path` is removed only after.
+
+    Between the two renames `path` is briefly absent while the old one sits
+    at `<path>.old`; `recover` puts it back if the process died there.
+    """
     old = None
     if os.path.exists(path):
-        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        old = f"{path}.old"
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(temporary, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(path: str) -> None:
+    """Undoes a commit that died between its two renames."""
+    old = f"{os.path.abspath(path)}.old"
+    if os.path.isfile(os.path.join(old, INDEX)) and not os.path.exists(path):
+        os.replace(old, path)
+
+
+def remove(path: str) -> None:
+    """Deletes a checkpoint: first its index (so it is no longer one)."""
+    try:
+        os.remove(os.path.join(path, INDEX))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_unfinished(directory: str) -> List[str]:
+    """Removes the temporary directories of saves that never finished.
+
+    Only call this when no save into `directory` is running.
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in os.listdir(directory):
+        full = os.path.join(directory, name)
+        if name.endswith(".old"):
+            recover(full[:-len(".old")])
+        if (name.endswith(".tmp") or name.endswith(".old")) and os.path.isdir(
+                full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
 
 
 def read_index(path: str) -> dict:
@@ -126,6 +282,7 @@ def read_index(path: str) -> dict:
         CheckpointError: if `path` is not a committed checkpoint, its index
             is unreadable, or its format version is newer than this library.
     """
+    recover(path)
     index_path = os.path.join(path, INDEX)
     if not os.path.isfile(index_path):
         raise CheckpointError(

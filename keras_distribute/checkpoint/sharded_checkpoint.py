@@ -1,13 +1,53 @@
 """`ShardedCheckpoint`: save and restore Keras state, reshardable, portable."""
 
+import concurrent.futures
+import dataclasses
+import functools
 import os
 import re
-from typing import Any, Dict, List, Optional
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint.format import CheckpointError
+
+
+@dataclasses.dataclass
+class CheckpointOptions:
+    """How a save runs (the counterpart of `tf.train.CheckpointOptions`).
+
+    Args:
+        enable_async: Write in the background: the call returns once every
+            value is copied to host memory; `sync()` (or the next save or
+            restore) waits for the write and re-raises its error.
+        experimental_enable_async_checkpoint: `tf.train.CheckpointOptions`'
+            name for `enable_async`, accepted when porting.
+        timeout_seconds: How long the chief waits for the other processes'
+            shards before the save fails (the previous checkpoint is kept).
+
+    Example:
+
+    ```python
+    options = kd.checkpoint.CheckpointOptions(enable_async=True)
+    checkpoint.save("/tmp/ckpt/run", options=options)
+    checkpoint.sync()
+    ```
+    """
+
+    enable_async: bool = False
+    experimental_enable_async_checkpoint: Optional[bool] = None
+    timeout_seconds: float = 600.0
+
+    def __post_init__(self):
+        if self.experimental_enable_async_checkpoint is not None:
+            self.enable_async = bool(self.experimental_enable_async_checkpoint)
+        if not self.timeout_seconds > 0:
+            raise ValueError(
+                "timeout_seconds must be positive. Received: "
+                f"timeout_seconds={self.timeout_seconds}.")
 
 
 class LoadStatus:
@@ -16,15 +56,31 @@ class LoadStatus:
     Args:
         unmatched_in_checkpoint: Checkpoint keys no object variable took.
         unmatched_in_objects: Object variables the checkpoint lacked.
+        checkpoint: The `ShardedCheckpoint` whose deferred restores (objects
+            whose variables do not exist yet) this status reports.
     """
 
     def __init__(self, unmatched_in_checkpoint: List[str],
-                 unmatched_in_objects: List[str]):
+                 unmatched_in_objects: List[str],
+                 checkpoint: Optional["ShardedCheckpoint"] = None):
         self.unmatched_in_checkpoint = unmatched_in_checkpoint
         self.unmatched_in_objects = unmatched_in_objects
+        self._checkpoint = checkpoint
+
+    def _deferred(self) -> List[str]:
+        if self._checkpoint is None:
+            return []
+        self._checkpoint._apply_deferred()
+        return sorted(self._checkpoint._deferred)
 
     def assert_consumed(self) -> "LoadStatus":
         """Raises `AssertionError` unless everything matched both ways."""
+        deferred = self._deferred()
+        if deferred:
+            raise AssertionError(
+                f"The variables of {deferred} do not exist yet, so they are "
+                "not restored yet; they will be when created (build the "
+                "model, call fit, or build the optimizer first).")
         if self.unmatched_in_checkpoint or self.unmatched_in_objects:
             raise AssertionError(
                 "The checkpoint and the objects do not match exactly. In the "
@@ -34,7 +90,7 @@ class LoadStatus:
         return self
 
     def assert_existing_objects_matched(self) -> "LoadStatus":
-        """Raises `AssertionError` if an object variable was not restored."""
+        """Raises `AssertionError` if an existing variable was not restored."""
         if self.unmatched_in_objects:
             raise AssertionError(
                 "These variables were not in the checkpoint: "
@@ -46,15 +102,35 @@ class LoadStatus:
         return self
 
 
+# Checkpoints with restores waiting for their variables to be created.
+_waiting: "weakref.WeakSet[ShardedCheckpoint]" = weakref.WeakSet()
+
+
+def apply_deferred_restores() -> None:
+    """Restores every deferred object whose variables now exist.
+
+    Called by the Keras hooks after a layer or optimizer is built and before
+    `fit` & co. start; a user rarely needs it.
+    """
+    for checkpoint in list(_waiting):
+        checkpoint._apply_deferred()
+
+
 class ShardedCheckpoint:
     """Saves Keras models, optimizers, metrics and variables, sharded.
 
     Each variable is written as its unique pieces (a replicated variable
-    once, a sharded one shard by shard) with its **logical** layout, so a
-    checkpoint written on 8 devices restores onto 1, 2 or 4, onto another
-    mesh, or onto another Keras backend, bit for bit. Restore reads only the
-    slices each device needs. Writes are atomic (temporary directory, then a
-    rename); every piece carries a sha256 checked on read.
+    once, by one process; a sharded one shard by shard, each by the process
+    holding it) with its **logical** layout, so a checkpoint written on 8
+    devices restores onto 1, 2 or 4, onto another mesh, another process
+    count or another Keras backend, bit for bit. Restore reads only the
+    slices each local device needs. Saves are atomic (every process writes
+    into a temporary directory, the chief commits it by a rename) and every
+    piece carries a sha256 checked on read.
+
+    Restoring into an object whose variables do not exist yet (a model not
+    built, an optimizer before its first step) is deferred until they are
+    created, as `tf.train.Checkpoint` does.
 
     Args:
         root: An optional object saved under the name `"root"`.
@@ -85,65 +161,168 @@ class ShardedCheckpoint:
                 raise ValueError(
                     f"Expected Keras models, layers, optimizers, metrics or "
                     f"variables. Received: {name}={type(obj).__name__}.")
+            if "/" in name:
+                raise ValueError(
+                    f"Object names cannot contain '/'. Received: {name!r}.")
         self._objects = objects
         self.save_counter = 0
+        self._pending: Optional[concurrent.futures.Future] = None
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._deferred: Dict[str, str] = {}  # object name -> checkpoint path
+        self._lock = threading.Lock()
 
-    def _variables(self) -> Dict[str, Any]:
-        """`key -> variable`. Keys follow the object structure, as
-        `tf.train.Checkpoint`'s do: the object's name and the variable's
-        position in it (`"model/3"`), not Keras' auto-numbered names
-        (`dense_3`, `adam_1`), which differ between two builds of one model.
+    # ------------------------------------------------------------ variables
+    def _variables_by_object(self) -> Dict[str, Dict[str, Any]]:
+        """`object name -> {key -> variable}`. Keys follow the object
+        structure, as `tf.train.Checkpoint`'s do: the object's name and the
+        variable's position in it (`"model/3"`), not Keras' auto-numbered
+        names (`dense_3`, `adam_1`), which differ between two builds.
         """
         import keras
 
         found, seen = {}, set()
         for name, obj in self._objects.items():
             if isinstance(obj, keras.Variable):
-                found[name] = obj
+                found[name] = {name: obj}
                 continue
+            found[name] = {}
             for position, variable in enumerate(obj.variables):
                 if id(variable) not in seen:
                     seen.add(id(variable))
-                    found[f"{name}/{position}"] = variable
+                    found[name][f"{name}/{position}"] = variable
         return found
 
-    def write(self, path: str) -> str:
+    def _variables(self) -> Dict[str, Any]:
+        return {key: variable
+                for variables in self._variables_by_object().values()
+                for key, variable in variables.items()}
+
+    def _engine(self) -> Any:
+        """The engine of the strategy the objects were created under."""
+        from keras_distribute import context
+        from keras_distribute import keras_hooks
+
+        for obj in self._objects.values():
+            strategy = keras_hooks.model_strategy(obj) if hasattr(
+                obj, "__dict__") else None
+            if strategy is not None:
+                return strategy._engine
+        return context.get_strategy()._engine
+
+    # ---------------------------------------------------------------- write
+    def write(self, path: str, options: Optional[CheckpointOptions] = None,
+              metadata: Optional[Dict[str, Any]] = None) -> str:
         """Writes a checkpoint at `path` (replacing one there, atomically).
+
+        In a multi-process job every process must call it (as with any
+        collective); each writes the pieces it owns, the chief commits.
 
         Args:
             path: The checkpoint directory.
+            options: A `CheckpointOptions` (e.g. asynchronous writing).
+            metadata: JSON-able values stored in the index (e.g. the epoch);
+                `kd.checkpoint.read_metadata(path)` returns them.
 
         Returns:
             `path`.
-        """
-        from keras_distribute.backend import get_backend
-        from keras_distribute import context
 
-        engine = context.get_strategy()._engine
-        if getattr(engine, "num_input_pipelines", 1) > 1 or int(
-                os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise NotImplementedError(
-                "ShardedCheckpoint does not write from several processes yet "
-                "(each would write the same path). For now, save from the "
-                "chief only: `if strategy.cluster_resolver.is_chief: "
-                "model.save_weights(...)`.")
+        Raises:
+            CheckpointError: if another process failed to write its shards;
+                with `enable_async`, raised by the next call instead.
+        """
+        return self._write(path, options, metadata)
+
+    def _write(self, path: str, options: Optional[CheckpointOptions],
+               metadata: Optional[Dict[str, Any]],
+               on_commit: Optional[Callable[[], None]] = None) -> str:
+        """`write`; the chief calls `on_commit()` once `path` is committed."""
+        from keras_distribute.backend import get_backend
+
+        options = options or CheckpointOptions()
+        self.sync()  # one save at a time; re-raises a failed background one
+        path = os.path.abspath(path)
+        engine = self._engine()
+        process_id = engine.input_pipeline_id
+        process_count = engine.num_input_pipelines
+        if process_id == 0:
+            ckpt_format.prepare(path)
+        engine.barrier("keras_distribute.checkpoint.prepare")
+
         backend = get_backend()
-        pieces_of = getattr(backend, "checkpoint_pieces", _whole_value)
+        pieces_of = getattr(backend, "checkpoint_pieces", None)
+        copy = options.enable_async  # training goes on meanwhile
         entries = {}
         for key, variable in self._variables().items():
+            if pieces_of is not None:
+                pieces = pieces_of(variable)
+            else:  # replicated everywhere: process 0 writes it once
+                pieces = _whole_value(variable) if process_id == 0 else []
+            if copy:
+                pieces = [(region, np.array(array, copy=True))
+                          for region, array in pieces]
             entries[key] = (tuple(variable.shape), _dtype_name(variable),
-                             _layout(variable), pieces_of(variable),
-                             variable.path)
-        mesh = getattr(context.get_strategy(), "device_mesh", None)
-        ckpt_format.write(path, entries, {
+                             _layout(variable), pieces, variable.path)
+        mesh = getattr(engine, "device_mesh", None)
+        index_metadata = {
             "save_counter": self.save_counter,
             "backend": backend.name,
             "mesh_shape": list(mesh.shape) if mesh is not None else None,
-        })
+            "metadata": dict(metadata or {}),
+        }
+        finish = functools.partial(
+            _finish_save, path, entries, process_id, process_count,
+            index_metadata, options.timeout_seconds, on_commit)
+        if options.enable_async:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="kd-checkpoint")
+            self._pending = self._executor.submit(finish)
+        else:
+            finish()
         return path
 
+    def save(self, file_prefix: str,
+             options: Optional[CheckpointOptions] = None,
+             metadata: Optional[Dict[str, Any]] = None) -> str:
+        """Writes `<file_prefix>-<n>`, numbered by `save_counter`.
+
+        Args:
+            file_prefix: Directory and name stem, e.g. `"/tmp/ckpt/run"`.
+            options: A `CheckpointOptions` (e.g. asynchronous writing).
+            metadata: JSON-able values stored in the index.
+
+        Returns:
+            The path written (with `enable_async`, being written).
+        """
+        return self._save(file_prefix, options, metadata)
+
+    def _save(self, file_prefix: str, options, metadata,
+              on_commit: Optional[Callable[[], None]] = None) -> str:
+        self.sync()
+        self.save_counter += 1
+        try:
+            return self._write(f"{file_prefix}-{self.save_counter}", options,
+                               metadata, on_commit)
+        except BaseException:
+            self.save_counter -= 1
+            raise
+
+    def sync(self) -> None:
+        """Waits for a background save to finish.
+
+        Raises:
+            The exception the background save raised, if it failed (once).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    # ----------------------------------------------------------------- read
     def read(self, path: str) -> LoadStatus:
         """Restores every variable the checkpoint at `path` holds.
+
+        Objects whose variables do not exist yet are restored when they are
+        created (see `LoadStatus.assert_consumed`).
 
         Args:
             path: A committed checkpoint directory.
@@ -155,12 +334,35 @@ class ShardedCheckpoint:
             CheckpointError: if `path` is not a committed checkpoint, a file
                 is corrupt, or a variable's shape differs from the saved one.
         """
+        import keras
+
+        self.sync()
+        path = os.path.abspath(path)
+        saved = ckpt_format.read_index(path)["variables"]
+        by_object = self._variables_by_object()
+        for name, variables in by_object.items():
+            wanted = _saved_keys_of(saved, name)
+            obj = self._objects[name]
+            if len(variables) < len(wanted) and not isinstance(
+                    obj, keras.Variable):
+                self._deferred[name] = path  # not (fully) created yet
+                _waiting.add(self)
+                _install_deferred_hooks()
+                continue
+            self._deferred.pop(name, None)
+            self._restore(path, saved, variables)
+        restored = {key for name, variables in by_object.items()
+                    if name not in self._deferred for key in variables}
+        deferred_keys = {key for name in self._deferred
+                         for key in _saved_keys_of(saved, name)}
+        return LoadStatus(
+            sorted(set(saved) - restored - deferred_keys),
+            sorted(restored - set(saved)), checkpoint=self)
+
+    def _restore(self, path: str, saved: dict, variables: Dict[str, Any]):
         from keras_distribute.backend import get_backend
 
-        index = ckpt_format.read_index(path)
-        saved = index["variables"]
         assign = getattr(get_backend(), "checkpoint_assign", _assign_whole)
-        variables = self._variables()
         for key, variable in variables.items():
             record = saved.get(key)
             if record is None:
@@ -173,25 +375,19 @@ class ShardedCheckpoint:
                     "model as it was when saved.")
             assign(variable, lambda regions, record=record: (
                 ckpt_format.read_regions(path, record, regions)))
-        return LoadStatus(
-            sorted(set(saved) - set(variables)),
-            sorted(set(variables) - set(saved)))
 
-    def save(self, file_prefix: str) -> str:
-        """Writes `<file_prefix>-<n>`, numbered by `save_counter`.
-
-        Args:
-            file_prefix: Directory and name stem, e.g. `"/tmp/ckpt/run"`.
-
-        Returns:
-            The path written.
-        """
-        self.save_counter += 1
-        try:
-            return self.write(f"{file_prefix}-{self.save_counter}")
-        except BaseException:
-            self.save_counter -= 1
-            raise
+    def _apply_deferred(self) -> None:
+        with self._lock:
+            if not self._deferred:
+                return
+            by_object = self._variables_by_object()
+            for name, path in list(self._deferred.items()):
+                saved = ckpt_format.read_index(path)["variables"]
+                if len(by_object[name]) >= len(_saved_keys_of(saved, name)):
+                    del self._deferred[name]
+                    self._restore(path, saved, by_object[name])
+            if not self._deferred:
+                _waiting.discard(self)
 
     def restore(self, save_path: str) -> LoadStatus:
         """`read`, and take over the checkpoint's `save_counter`.
@@ -207,8 +403,41 @@ class ShardedCheckpoint:
             "save_counter", 0))
         return status
 
-    def sync(self) -> None:
-        """Waits for pending saves (saves are synchronous for now)."""
+
+def _finish_save(path: str, entries: dict, process_id: int,
+                 process_count: int, metadata: dict,
+                 timeout_s: float,
+                 on_commit: Optional[Callable[[], None]]) -> None:
+    """Writes this process's shards; the chief then commits."""
+    temporary = ckpt_format.temporary_path(path)
+    try:
+        ckpt_format.write_process_shards(temporary, entries, process_id)
+    except BaseException as error:
+        ckpt_format.report_failure(temporary, process_id, error)
+        if process_id == 0:
+            ckpt_format.abandon(path)
+        raise
+    if process_id == 0:
+        ckpt_format.commit(path, process_count, metadata, timeout_s)
+        if on_commit is not None:
+            on_commit()
+    else:
+        ckpt_format.wait_committed(path, timeout_s)
+        if not os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
+            raise CheckpointError(
+                f"Saving {path!r} failed on the chief (process 0); see its "
+                "error. The previous checkpoint is kept.")
+
+
+def _saved_keys_of(saved: dict, name: str) -> List[str]:
+    return [key for key in saved
+            if key == name or key.startswith(name + "/")]
+
+
+def _install_deferred_hooks() -> None:
+    from keras_distribute import keras_hooks
+
+    keras_hooks.install_checkpoint_hooks()
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
@@ -221,17 +450,141 @@ def latest_checkpoint(directory: str) -> Optional[str]:
 
     Returns:
         Its path, or `None` when there is none.
+
+    Example:
+
+    ```python
+    path = kd.checkpoint.latest_checkpoint("/tmp/ckpt")
+    if path is not None:
+        checkpoint.restore(path)
+    ```
     """
+    numbered = checkpoints_in(directory)
+    return numbered[-1] if numbered else None
+
+
+def checkpoints_in(directory: str) -> List[str]:
+    """The committed, numbered checkpoints in `directory`, oldest first."""
     if not os.path.isdir(directory):
-        return None
-    best, best_number = None, -1
+        return []
+    found = []
     for name in os.listdir(directory):
         match = re.fullmatch(r".*-(\d+)", name)
         path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
-            if int(match.group(1)) > best_number:
-                best, best_number = path, int(match.group(1))
-    return best
+        if match:
+            ckpt_format.recover(path)
+            if os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
+                found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def read_metadata(path: str) -> Dict[str, Any]:
+    """The `metadata` a checkpoint was written with, and its save counter.
+
+    Args:
+        path: A committed checkpoint directory.
+
+    Returns:
+        A dict: the `metadata` given to `write`/`save`, plus
+        `"save_counter"`, `"backend"` and `"mesh_shape"`.
+
+    Raises:
+        CheckpointError: if `path` is not a committed checkpoint.
+    """
+    index = ckpt_format.read_index(path)
+    return dict(index.get("metadata", {}),
+                save_counter=index.get("save_counter", 0),
+                backend=index.get("backend"), mesh_shape=index.get("mesh_shape"))
+
+
+def list_variables(path: str) -> List[tuple]:
+    """`(key, shape)` of every variable in a checkpoint, like
+    `tf.train.list_variables`.
+
+    Args:
+        path: A committed checkpoint directory.
+
+    Returns:
+        A sorted list of `(key, shape)`.
+
+    Example:
+
+    ```python
+    for key, shape in kd.checkpoint.list_variables(path):
+        print(key, shape)
+    ```
+    """
+    variables = ckpt_format.read_index(path)["variables"]
+    return [(key, tuple(record["shape"]))
+            for key, record in sorted(variables.items())]
+
+
+def load_variable(path: str, key: str) -> np.ndarray:
+    """One variable of a checkpoint as a numpy array, like
+    `tf.train.load_variable`.
+
+    Args:
+        path: A committed checkpoint directory.
+        key: A key `list_variables` returned, e.g. `"model/0"`.
+
+    Returns:
+        The whole variable (assembled from its pieces).
+
+    Raises:
+        KeyError: if the checkpoint has no such key.
+    """
+    variables = ckpt_format.read_index(path)["variables"]
+    if key not in variables:
+        raise KeyError(
+            f"The checkpoint {path!r} has no variable {key!r}. It has: "
+            f"{sorted(variables)[:10]}... (kd.checkpoint.list_variables).")
+    record = variables[key]
+    (value,) = ckpt_format.read_regions(
+        path, record, [tuple((0, n) for n in record["shape"])])
+    return value
+
+
+def export_weights(checkpoint_path: str, model: Any, filepath: str,
+                   object_name: str = "model") -> str:
+    """Writes a checkpoint's model as a Keras `.weights.h5` file.
+
+    The checkpoint is restored into `model` (built like the saved one), and
+    `model.save_weights(filepath)` writes it; in a multi-process job only
+    process 0 writes the file. `model.load_weights(filepath)` reads it
+    back on any backend, without keras_distribute.
+
+    Args:
+        checkpoint_path: A committed checkpoint directory.
+        model: A built Keras model with the saved architecture.
+        filepath: The file to write; must end in `.weights.h5`.
+        object_name: The name the model was saved under.
+
+    Returns:
+        `filepath`.
+
+    Raises:
+        ValueError: if `filepath` does not end in `.weights.h5`.
+        AssertionError: if a model variable is not in the checkpoint.
+
+    Example:
+
+    ```python
+    kd.checkpoint.export_weights(path, model, "/tmp/model.weights.h5")
+    ```
+    """
+    if not str(filepath).endswith(".weights.h5"):
+        raise ValueError(
+            "Keras weight files end in '.weights.h5'. Received: "
+            f"filepath={filepath!r}.")
+    checkpoint = ShardedCheckpoint(**{object_name: model})
+    checkpoint.read(checkpoint_path).assert_existing_objects_matched()
+    if checkpoint._deferred:
+        raise ValueError(
+            "The model is not built, so its weights cannot be exported. "
+            "Build it first (call it on a batch, or model.build(shape)).")
+    if checkpoint._engine().input_pipeline_id == 0:
+        model.save_weights(filepath, overwrite=True)
+    return filepath
 
 
 def _dtype_name(variable: Any) -> str:

@@ -1,0 +1,180 @@
+"""`CheckpointManager`: numbered saves in a directory, the last N kept."""
+
+import os
+from typing import Any, Dict, List, Optional
+
+from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
+from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
+from keras_distribute.checkpoint.sharded_checkpoint import checkpoints_in
+
+
+class CheckpointManager:
+    """Keeps the last `max_to_keep` checkpoints of a `ShardedCheckpoint`.
+
+    The counterpart of `tf.train.CheckpointManager`. Saves go to
+    `<directory>/<checkpoint_name>-<number>`; once a save is committed the
+    oldest ones beyond `max_to_keep` are deleted (by the chief), except
+    that with `keep_every_n_steps` one checkpoint every that many steps is
+    kept for good. A failed save deletes nothing. Saves left unfinished by
+    an earlier, interrupted run are removed when the manager is created.
+
+    Args:
+        checkpoint: The `ShardedCheckpoint` to save and restore.
+        directory: Where the checkpoints go (created if needed).
+        max_to_keep: How many recent checkpoints to keep; `None` keeps all.
+        keep_every_n_steps: Also keep, for good, a checkpoint whose number is
+            at least this many steps after the last one kept that way.
+        checkpoint_name: The name stem of the checkpoint directories.
+
+    Raises:
+        ValueError: for a non-positive `max_to_keep` or `keep_every_n_steps`.
+
+    Example:
+
+    ```python
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=model.optimizer)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, "/tmp/ckpt",
+                                              max_to_keep=3)
+    manager.restore_or_initialize()
+    for step in range(100):
+        ...
+        if step % 10 == 0:
+            manager.save(checkpoint_number=step)
+    ```
+    """
+
+    def __init__(self, checkpoint: ShardedCheckpoint, directory: str,
+                 max_to_keep: Optional[int] = 5,
+                 keep_every_n_steps: Optional[int] = None,
+                 checkpoint_name: str = "ckpt"):
+        if not isinstance(checkpoint, ShardedCheckpoint):
+            raise ValueError(
+                "Expected a kd.checkpoint.ShardedCheckpoint. Received: "
+                f"checkpoint={type(checkpoint).__name__}.")
+        for name, value in (("max_to_keep", max_to_keep),
+                            ("keep_every_n_steps", keep_every_n_steps)):
+            if value is not None and (not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(
+                    f"{name} must be a positive integer or None. Received: "
+                    f"{name}={value!r}.")
+        if not checkpoint_name or "/" in checkpoint_name:
+            raise ValueError(
+                "checkpoint_name must be a plain, non-empty name. Received: "
+                f"checkpoint_name={checkpoint_name!r}.")
+        self.checkpoint = checkpoint
+        self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_every_n_steps = keep_every_n_steps
+        self.checkpoint_name = checkpoint_name
+        self._is_chief = checkpoint._engine().input_pipeline_id == 0
+        if self._is_chief:
+            os.makedirs(self.directory, exist_ok=True)
+            ckpt_format.clean_unfinished(self.directory)
+        existing = [p for p in checkpoints_in(self.directory)
+                    if os.path.basename(p).rsplit("-", 1)[0]
+                    == checkpoint_name]
+        keep = len(existing) if max_to_keep is None else max_to_keep
+        self._checkpoints: List[str] = existing[-keep:] if keep else []
+        older = existing[:len(existing) - len(self._checkpoints)]
+        self._last_kept_for_good = (
+            _number(older[-1]) if older else None)
+
+    @property
+    def checkpoints(self) -> List[str]:
+        """The managed checkpoints, oldest first."""
+        return list(self._checkpoints)
+
+    @property
+    def latest_checkpoint(self) -> Optional[str]:
+        """The newest managed checkpoint, or `None`."""
+        return self._checkpoints[-1] if self._checkpoints else None
+
+    def save(self, checkpoint_number: Optional[int] = None,
+             options: Optional[CheckpointOptions] = None,
+             metadata: Optional[Dict[str, Any]] = None) -> str:
+        """Saves a new checkpoint and deletes the ones no longer kept.
+
+        Args:
+            checkpoint_number: The number in the name (e.g. the step); by
+                default the checkpoint's `save_counter` after the save.
+            options: A `CheckpointOptions` (e.g. asynchronous writing; old
+                checkpoints are then deleted once the new one is committed).
+            metadata: JSON-able values stored in the index.
+
+        Returns:
+            The path of the new checkpoint.
+
+        Raises:
+            ValueError: if `checkpoint_number` is not after the latest one.
+        """
+        latest = self.latest_checkpoint
+        if checkpoint_number is not None and latest is not None and (
+                checkpoint_number <= _number(latest)):
+            raise ValueError(
+                f"checkpoint_number must grow: the latest checkpoint is "
+                f"{latest!r}. Received: checkpoint_number={checkpoint_number}.")
+        self.checkpoint.sync()  # re-raises a failed background save
+        number = (self.checkpoint.save_counter + 1 if checkpoint_number is None
+                  else checkpoint_number)
+        path = os.path.join(self.directory, f"{self.checkpoint_name}-{number}")
+        kept_before = (list(self._checkpoints), self._last_kept_for_good)
+        to_delete = self._track(path)
+        self.checkpoint.save_counter += 1
+        try:
+            # Old checkpoints go only once the new one is committed (in the
+            # background with an asynchronous save); never after a failure.
+            return self.checkpoint._write(path, options, metadata,
+                                          on_commit=self._deleter(to_delete))
+        except BaseException:
+            self.checkpoint.save_counter -= 1
+            self._checkpoints, self._last_kept_for_good = kept_before
+            raise
+
+    def _track(self, path: str) -> List[str]:
+        """Adds `path`; returns the checkpoints that fall out of the list."""
+        self._checkpoints.append(path)
+        if self.max_to_keep is None:
+            return []
+        dropped = self._checkpoints[:-self.max_to_keep]
+        self._checkpoints = self._checkpoints[-self.max_to_keep:]
+        to_delete = []
+        for old in dropped:
+            n = _number(old)
+            if self.keep_every_n_steps is not None and (
+                    self._last_kept_for_good is None
+                    or n - self._last_kept_for_good >= self.keep_every_n_steps):
+                self._last_kept_for_good = n
+                continue
+            to_delete.append(old)
+        return to_delete
+
+    def _deleter(self, paths: List[str]):
+        def delete():
+            if self._is_chief:
+                for path in paths:
+                    ckpt_format.remove(path)
+        return delete
+
+    def sync(self) -> None:
+        """Waits for a background save (see `ShardedCheckpoint.sync`)."""
+        self.checkpoint.sync()
+
+    def restore_or_initialize(self) -> Optional[str]:
+        """Restores the latest checkpoint, if there is one.
+
+        Returns:
+            The path restored, or `None` when the directory held none (the
+            objects keep their initial values).
+        """
+        latest = self.latest_checkpoint
+        if latest is None:
+            return None
+        self.checkpoint.restore(latest)
+        return latest
+
+
+def _number(path: str) -> int:
+    return int(os.path.basename(path).rsplit("-", 1)[1])
