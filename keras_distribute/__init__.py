@@ -50,6 +50,16 @@ from keras_distribute.values import PerReplica
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # `kd.callbacks` subclasses Keras callbacks, so it imports Keras (and
+    # the backend framework): loaded on first use, not with the package.
+    if name == "callbacks":
+        import importlib
+
+        return importlib.import_module("keras_distribute.callbacks")
+    raise AttributeError(f"module 'keras_distribute' has no attribute {name!r}")
+
 __all__ = [
     "AutoShardPolicy",
     "CommunicationOptions",
@@ -69,6 +79,7 @@ __all__ = [
     "StrategyExtended",
     "TPUStrategy",
     "ValueContext",
+    "callbacks",
     "checkpoint",
     "cluster_resolver",
     "compute_average_loss",

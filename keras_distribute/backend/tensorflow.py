@@ -45,6 +45,18 @@ def default_devices() -> list:
         tf.config.list_logical_devices("CPU"))
 
 
+def checkpoint_value(variable: Any) -> np.ndarray:
+    """A variable's value on the host, for the sharded checkpoint.
+
+    Metric variables under tf.distribute are sync-on-read: reading one in
+    cross-replica context aggregates its replicas' parts.
+    """
+    value = getattr(variable, "_value", None)
+    if isinstance(value, tf_values.DistributedValues):
+        return value.read_value().numpy()
+    return keras.ops.convert_to_numpy(variable.value)
+
+
 def device_name(device: Any) -> str:
     """`"cpu:0"`-style name of a `tf.config.LogicalDevice`."""
     spec = parse_device_name(device.name)

@@ -60,6 +60,15 @@ def ensure_process_group() -> bool:
     return True
 
 
+def host_rng_state() -> list:
+    """torch's global CPU RNG state (it orders Keras' shuffled batches)."""
+    return torch.random.get_rng_state().tolist()
+
+
+def set_host_rng_state(state: list) -> None:
+    torch.random.set_rng_state(torch.tensor(state, dtype=torch.uint8))
+
+
 def default_devices() -> list:
     """This process's device: `cuda:LOCAL_RANK`, else the CPU."""
     in_group = ensure_process_group()

@@ -256,7 +256,8 @@ class ShardedCheckpoint:
             if pieces_of is not None:
                 pieces = pieces_of(variable)
             else:  # replicated everywhere: process 0 writes it once
-                pieces = _whole_value(variable) if process_id == 0 else []
+                pieces = _whole_value(variable, backend) if (
+                    process_id == 0) else []
             if copy:
                 pieces = [(region, np.array(array, copy=True))
                           for region, array in pieces]
@@ -306,6 +307,19 @@ class ShardedCheckpoint:
         except BaseException:
             self.save_counter -= 1
             raise
+
+    def _then(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` once the pending save succeeded (now if none is)."""
+        previous = self._pending
+        if previous is None:
+            fn()
+            return
+
+        def after():
+            previous.result()  # a failed save: raise that, skip `fn`
+            fn()
+
+        self._pending = self._executor.submit(after)  # runs after `previous`
 
     def sync(self) -> None:
         """Waits for a background save to finish.
@@ -598,10 +612,12 @@ def _layout(variable: Any) -> list:
     return list(axes) if axes is not None else [None] * len(variable.shape)
 
 
-def _whole_value(variable: Any) -> list:
+def _whole_value(variable: Any, backend: Any) -> list:
     import keras
 
-    value = keras.ops.convert_to_numpy(variable.value)
+    value_of = getattr(backend, "checkpoint_value", None)
+    value = (value_of(variable) if value_of is not None
+             else keras.ops.convert_to_numpy(variable.value))
     return [(tuple((0, n) for n in value.shape), value)]
 
 

@@ -1,0 +1,558 @@
+"""Keras callbacks that save training state as sharded checkpoints.
+
+`kd.callbacks.ShardedCheckpoint` keeps the latest (and, with `monitor`, the
+best) checkpoints of a run; `kd.callbacks.BackupAndRestore` resumes an
+interrupted `fit` at the exact epoch and step, with the optimizer, RNG and
+callback state, so that the resumed run ends with the same weights as an
+uninterrupted one. Both work on every backend and in multi-process jobs
+(every process writes its shards; the chief commits and deletes).
+
+This module imports Keras (and so the backend framework): it is loaded on
+first use of `kd.callbacks`.
+"""
+
+import os
+import random
+import shutil
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import keras
+import numpy as np
+
+from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
+from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
+from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
+from keras_distribute.checkpoint.sharded_checkpoint import read_metadata
+
+# The attributes that make up a Keras callback's progress (EarlyStopping,
+# ReduceLROnPlateau, ModelCheckpoint, ...); restored on resume.
+_CALLBACK_STATE = ("best", "wait", "stopped_epoch", "best_epoch",
+                   "cooldown_counter", "epochs_since_last_save",
+                   "_batches_seen_since_last_saving", "_last_batch_seen",
+                   "_current_epoch")
+
+
+class _MetricVariables:
+    """A model's metric state for `ShardedCheckpoint`, read when saved (on
+    TensorFlow, compiled metrics make their variables in the first step)."""
+
+    def __init__(self, model: Any):
+        self._model = model
+
+    @property
+    def variables(self) -> List[Any]:
+        return list(self._model.metrics_variables)
+
+
+def _check_save_freq(save_freq: Any) -> None:
+    if save_freq != "epoch" and not (
+            isinstance(save_freq, int) and not isinstance(save_freq, bool)
+            and save_freq > 0):
+        raise ValueError(
+            "save_freq must be 'epoch' or a positive number of batches. "
+            f"Received: save_freq={save_freq!r}.")
+
+
+def _json_scalar(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    return _NOT_SCALAR
+
+
+_NOT_SCALAR = object()
+
+
+def _capture_rng() -> Dict[str, Any]:
+    """The host RNG states that decide data order (numpy, random, torch)."""
+    from keras_distribute.backend import get_backend
+
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"numpy": [kind, keys.tolist(), position, has_gauss, gauss],
+             "python": [version, list(internal), gauss_next]}
+    host_state = getattr(get_backend(), "host_rng_state", None)
+    if host_state is not None:
+        state["backend"] = host_state()
+    return state
+
+
+def _restore_rng(state: Dict[str, Any]) -> None:
+    from keras_distribute.backend import get_backend
+
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, np.uint32), position,
+                         has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    set_host_state = getattr(get_backend(), "set_host_rng_state", None)
+    if "backend" in state and set_host_state is not None:
+        set_host_state(state["backend"])
+
+
+def _calling_callback_list(callback: Any) -> Optional[Any]:
+    """The `CallbackList` dispatching to `callback` (found on the stack)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) and any(
+                c is callback for c in owner.callbacks):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class _TrainingStateCallback(keras.callbacks.Callback):
+    """What both callbacks share: the checkpoint of the whole training state
+    (model, optimizer, metric state, RNG, other callbacks' progress), saved
+    with the epoch and step it was taken at."""
+
+    def __init__(self, directory: str, save_freq: Any, async_save: bool):
+        super().__init__()
+        if not directory:
+            raise ValueError(
+                "directory must name a directory for the checkpoints. "
+                f"Received: directory={directory!r}.")
+        _check_save_freq(save_freq)
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.save_freq = save_freq
+        self.async_save = bool(async_save)
+        self._checkpoint: Optional[_Checkpoint] = None
+        self._others: List[Any] = []
+        self._epoch = 0
+        self._steps_in_epoch = 0
+        self._steps_since_save = 0
+        self._rng_at_epoch_begin: Optional[Dict[str, Any]] = None
+
+    # --------------------------------------------------------------- state
+    def _single_process(self) -> bool:
+        return self._checkpoint._engine().num_input_pipelines == 1
+
+    def _make_checkpoint(self) -> _Checkpoint:
+        model = self.model
+        if not model.built:
+            raise ValueError(
+                f"{type(self).__name__} needs a built model before fit() "
+                f"starts. Received: the unbuilt model '{model.name}'. Build "
+                "it first: call it on a batch, or model.build(input_shape).")
+        objects = {"model": model}
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(model.trainable_variables)
+            objects["optimizer"] = optimizer
+        objects["metrics"] = _MetricVariables(model)
+        return _Checkpoint(**objects)
+
+    def _sync_model_state(self) -> None:
+        sync = getattr(self.model, "jax_state_sync", None)
+        if sync is not None:  # JAX fit keeps the state outside the model
+            sync()
+
+    def _callback_states(self) -> Dict[str, Dict[str, Any]]:
+        states = {}
+        for position, callback in enumerate(self._others):
+            state = {}
+            for name in _CALLBACK_STATE:
+                if name in callback.__dict__:
+                    value = _json_scalar(callback.__dict__[name])
+                    if value is not _NOT_SCALAR:
+                        state[name] = value
+            if state:
+                states[f"{position}:{type(callback).__name__}"] = state
+        return states
+
+    def _restore_callback_states(self, states: Dict[str, Any]) -> None:
+        for position, callback in enumerate(self._others):
+            for name, value in states.get(
+                    f"{position}:{type(callback).__name__}", {}).items():
+                setattr(callback, name, value)
+
+    def _metadata(self, epoch: int, step: int,
+                  logs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        return {
+            "epoch": epoch, "step": step, "rng": _capture_rng(),
+            # Mid-epoch, the epoch's data order was drawn at its start.
+            "rng_epoch_begin": self._rng_at_epoch_begin if step else None,
+            "callbacks": self._callback_states(),
+            "logs": {k: v for k, v in ((k, _json_scalar(v)) for k, v in
+                                       (logs or {}).items())
+                     if v is not _NOT_SCALAR},
+        }
+
+    # ------------------------------------------------------------ callbacks
+    def on_train_begin(self, logs=None):
+        self._checkpoint = self._make_checkpoint()
+        callback_list = _calling_callback_list(self)
+        if callback_list is not None:
+            self._others = [c for c in callback_list.callbacks
+                            if c is not self]
+            # Save after the other callbacks updated their state at the end
+            # of an epoch: dispatch to this callback last (a new list, so
+            # the dispatch under way is not disturbed).
+            callback_list.callbacks = self._others + [self]
+        self._steps_since_save = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._steps_in_epoch = 0
+        self._rng_at_epoch_begin = _capture_rng()
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        self._steps_since_save += done - self._steps_in_epoch
+        self._steps_in_epoch = done
+        if self.save_freq != "epoch" and (
+                self._steps_since_save >= self.save_freq):
+            self._steps_since_save = 0
+            self._sync_model_state()
+            self._save(self._epoch, done, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._sync_model_state()
+            self._save(epoch + 1, 0, logs)
+
+    def _options(self) -> CheckpointOptions:
+        return CheckpointOptions(enable_async=self.async_save)
+
+    def _save(self, epoch: int, step: int, logs) -> None:
+        raise NotImplementedError
+
+
+class ShardedCheckpoint(_TrainingStateCallback):
+    """Saves sharded checkpoints of the training state during `fit`.
+
+    The sharded counterpart of `keras.callbacks.ModelCheckpoint`: model,
+    optimizer, metric state, RNG and the other callbacks' progress go to
+    `<directory>/ckpt-<global step>`, the latest `max_to_keep` kept. With a
+    `monitor`, the best `max_to_keep` checkpoints (by that metric) are also
+    kept, apart, in `<directory>/best/`; with `save_best_only=True` only
+    those are written. Asynchronous by default: `fit` waits only while
+    values are copied to host memory; a failed write is raised by the next
+    save or at the end of `fit`.
+
+    Args:
+        directory: Where the checkpoints go.
+        save_freq: `"epoch"`, or save every that many batches.
+        max_to_keep: How many latest (and how many best) to keep.
+        async_save: Write in the background.
+        monitor: A logged metric (e.g. `"val_loss"`) ranking the best ones.
+        save_best_only: Write only checkpoints that improve on `monitor`.
+        mode: `"min"`, `"max"` or `"auto"` (`"max"` for accuracy-like names).
+
+    Raises:
+        ValueError: for a bad `save_freq`, `max_to_keep` or `mode`, or
+            `save_best_only` without `monitor`.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=10, callbacks=[
+        kd.callbacks.ShardedCheckpoint("/tmp/run", monitor="val_loss")])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    checkpoint.read(kd.checkpoint.latest_checkpoint("/tmp/run/best"))
+    ```
+    """
+
+    def __init__(self, directory: str, save_freq: Any = "epoch",
+                 max_to_keep: Optional[int] = 5, async_save: bool = True,
+                 monitor: Optional[str] = None, save_best_only: bool = False,
+                 mode: str = "auto"):
+        super().__init__(directory, save_freq, async_save)
+        if save_best_only and monitor is None:
+            raise ValueError(
+                "save_best_only=True needs a metric to compare: pass monitor= "
+                "(e.g. monitor='val_loss').")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(
+                f"mode must be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
+        if max_to_keep is not None and (not isinstance(max_to_keep, int)
+                                        or max_to_keep < 1):
+            raise ValueError(
+                "max_to_keep must be a positive integer or None. Received: "
+                f"max_to_keep={max_to_keep!r}.")
+        if mode == "auto":
+            mode = "max" if monitor is not None and any(
+                word in monitor for word in ("acc", "auc", "precision",
+                                             "recall", "f1")) else "min"
+        self.max_to_keep = max_to_keep
+        self.monitor = monitor
+        self.save_best_only = save_best_only
+        self.mode = mode
+        self._latest: Optional[CheckpointManager] = None
+        self._global_step = 0
+
+    @property
+    def best_directory(self) -> str:
+        """Where the best checkpoints are kept (`<directory>/best`)."""
+        return os.path.join(self.directory, "best")
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._latest = CheckpointManager(
+            self._checkpoint, self.directory, max_to_keep=self.max_to_keep)
+        latest = self._latest.latest_checkpoint
+        self._global_step = int(os.path.basename(latest).rsplit("-", 1)[1]
+                                ) if latest else 0
+        self._checkpoint.save_counter = self._global_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._global_step += 1 + batch - self._steps_in_epoch
+        super().on_train_batch_end(batch, logs)
+
+    def _value(self, logs) -> Optional[float]:
+        if self.monitor is None:
+            return None
+        value = (logs or {}).get(self.monitor)
+        if value is None:
+            raise ValueError(
+                f"kd.callbacks.ShardedCheckpoint monitors {self.monitor!r}, "
+                f"which is not in the logs. Received logs: "
+                f"{sorted(logs or {})}. Pass monitor= one of them (val_* "
+                "metrics need validation_data, and save_freq='epoch').")
+        return float(value)
+
+    def _best_ranked(self) -> List[tuple]:
+        ranked = []
+        for path in _committed(self.best_directory):
+            try:
+                value = read_metadata(path).get("monitor_value")
+            except CheckpointError:  # removed meanwhile by a background save
+                continue
+            if value is not None:
+                ranked.append((value, path))
+        return sorted(ranked, reverse=self.mode == "max")
+
+    def _improves(self, value: float) -> bool:
+        values = [v for v, _ in self._best_ranked()]  # best first
+        if self.save_best_only:
+            return not values or self._better(value, values[0])
+        return (self.max_to_keep is None or len(values) < self.max_to_keep
+                or self._better(value, values[-1]))
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def _save(self, epoch: int, step: int, logs) -> None:
+        value = self._value(logs)
+        metadata = dict(self._metadata(epoch, step, logs),
+                        monitor=self.monitor, monitor_value=value)
+        keep_best = value is not None and self._improves(value)
+        if self.save_best_only and not keep_best:
+            return
+        number = self._global_step
+        if self.save_best_only:
+            path = os.path.join(self.best_directory, f"ckpt-{number}")
+            self._checkpoint.write(path, self._options(), metadata)
+            self._after_best(path)
+            return
+        if self._latest.latest_checkpoint and os.path.basename(
+                self._latest.latest_checkpoint) == f"ckpt-{number}":
+            return  # already saved at this step (e.g. batch and epoch end)
+        path = self._latest.save(checkpoint_number=number,
+                                 options=self._options(), metadata=metadata)
+        if keep_best:
+            self._after_best(path)
+
+    def _after_best(self, path: str) -> None:
+        """Links `path` into `best/` once committed; trims `best/`."""
+        checkpoint = self._checkpoint
+        is_chief = checkpoint._engine().input_pipeline_id == 0
+
+        def keep():
+            if not is_chief:
+                return
+            best = os.path.join(self.best_directory, os.path.basename(path))
+            if os.path.dirname(path) != self.best_directory:
+                _link_checkpoint(path, best)
+            ranked = self._best_ranked()
+            if self.max_to_keep is not None:
+                for _, old in ranked[self.max_to_keep:]:
+                    ckpt_format.remove(old)
+
+        checkpoint._then(keep)
+
+    def on_train_end(self, logs=None):
+        self._checkpoint.sync()  # a failed background save is raised here
+
+
+class BackupAndRestore(_TrainingStateCallback):
+    """Resumes an interrupted `fit` exactly where its last backup was taken.
+
+    The sharded counterpart of `keras.callbacks.BackupAndRestore`, which
+    restarts at an epoch boundary with the weights only. Here a backup holds
+    the model, the optimizer (slots and iteration count), the metric state,
+    the seed-generator and host RNG states (numpy, `random`, torch) that
+    decide dropout and shuffling, and the progress of the other callbacks
+    (`EarlyStopping.best`, ...). When `fit` starts again with the same
+    callback, it restores the latest backup and skips the epochs and the
+    batches already done, so the resumed run ends with the same weights as
+    one never interrupted. The backup is deleted when `fit` completes,
+    unless `delete_checkpoint=False`.
+
+    Args:
+        directory: Where the backups go (one per run).
+        save_freq: `"epoch"`, or back up every that many batches.
+        delete_checkpoint: Delete the backups once `fit` completes.
+        async_save: Write in the background (`fit` waits only for the copy
+            to host memory).
+        max_to_keep: How many backups to keep (the older one is a fallback).
+
+    Raises:
+        ValueError: for a bad `save_freq` or `directory`; at the start of
+            `fit`, for a model that is not built.
+
+    Example:
+
+    ```python
+    backup = kd.callbacks.BackupAndRestore("/tmp/backup", save_freq=50)
+    model.fit(dataset, epochs=10, callbacks=[backup])  # interrupted? rerun it
+    ```
+    """
+
+    def __init__(self, directory: str, save_freq: Any = "epoch",
+                 delete_checkpoint: bool = True, async_save: bool = False,
+                 max_to_keep: int = 2):
+        super().__init__(directory, save_freq, async_save)
+        if not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(
+                "max_to_keep must be a positive integer. Received: "
+                f"max_to_keep={max_to_keep!r}.")
+        self.delete_checkpoint = delete_checkpoint
+        self.max_to_keep = max_to_keep
+        self._manager: Optional[CheckpointManager] = None
+        self._resume: Optional[Dict[str, Any]] = None
+        self._resume_path: Optional[str] = None
+        self._completed = False
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._completed = False
+        self._manager = CheckpointManager(
+            self._checkpoint, self.directory, max_to_keep=self.max_to_keep,
+            checkpoint_name="backup")
+        latest = self._manager.latest_checkpoint
+        self._resume = None
+        if latest is None:
+            return
+        # Model and optimizer now; the metric state only when resuming
+        # mid-epoch (fit resets it at each epoch's start).
+        objects = dict(self._checkpoint._objects)
+        objects.pop("metrics")
+        _Checkpoint(**objects).read(latest).assert_existing_objects_matched()
+        self._resume = read_metadata(latest)
+        self._checkpoint.save_counter = int(self._resume["save_counter"])
+        self._resume_path = latest
+        self.model._initial_epoch = int(self._resume["epoch"])
+
+    def on_epoch_begin(self, epoch, logs=None):
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            skip = int(resume.get("step", 0))
+            _restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
+            self._restore_callback_states(resume.get("callbacks", {}))
+            if skip:
+                # The order of the epoch's batches comes from the RNG at its
+                # start; dropout & co. then go on from the state at the save.
+                self._restore_epoch_metrics()
+                _skip_train_steps(self.model, skip, lambda: _restore_rng(
+                    resume["rng"]))
+        super().on_epoch_begin(epoch, logs)
+        if resume is not None and resume.get("step"):
+            # The epoch restarted mid-way: its step count goes on from there.
+            self._steps_in_epoch = int(resume["step"])
+
+    def _restore_epoch_metrics(self) -> None:
+        """Metric state mid-epoch (reset by `fit` at the epoch's start).
+
+        Not in multi-process torch jobs, where each process keeps its own
+        metric state; there, the resumed epoch's metrics count the batches
+        after the resume.
+        """
+        from keras_distribute.backend import get_backend
+
+        if get_backend().name == "torch" and not self._single_process():
+            return
+        # Only the metric variables that exist now: on TensorFlow, compiled
+        # metrics other than the loss make theirs in the first step, and
+        # count the batches after the resume.
+        metrics = _Checkpoint(metrics=self._checkpoint._objects["metrics"])
+        saved = ckpt_format.read_index(self._resume_path)["variables"]
+        metrics._restore(self._resume_path, saved,
+                         metrics._variables_by_object()["metrics"])
+
+    def _save(self, epoch: int, step: int, logs) -> None:
+        self._manager.save(options=self._options(),
+                           metadata=self._metadata(epoch, step, logs))
+
+    def on_train_end(self, logs=None):
+        self._checkpoint.sync()
+        self.model._initial_epoch = None
+        if self.delete_checkpoint and self._checkpoint._engine(
+                ).input_pipeline_id == 0:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _skip_train_steps(model: Any, count: int, when_done: Callable) -> None:
+    """Makes the next `count` train steps consume their batch and do nothing.
+
+    Those batches were trained on before the interruption; the restored
+    state already includes them.
+    """
+    original = model.train_function
+    remaining = [count]
+    steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
+
+    def skip(*args):
+        remaining[0] -= steps_per_call
+        if remaining[0] <= 0:
+            model.train_function = original
+            when_done()
+        data = args[-1]
+        if hasattr(data, "__next__"):  # an iterator: take the batches
+            for _ in range(steps_per_call):
+                if next(data, _END) is _END:
+                    break
+        if keras.backend.backend() == "jax":  # (state, data) -> (logs, state)
+            return {}, args[0]
+        return {}
+
+    model.train_function = skip
+
+
+_END = object()
+
+
+def _committed(directory: str) -> List[str]:
+    if not os.path.isdir(directory):
+        return []
+    return [os.path.join(directory, name) for name in sorted(os.listdir(
+        directory)) if os.path.isfile(os.path.join(directory, name,
+                                                    ckpt_format.INDEX))]
+
+
+def _link_checkpoint(source: str, target: str) -> None:
+    """Puts a copy of a committed checkpoint at `target` (hard links when
+    the file system allows), atomically."""
+    temporary = ckpt_format.temporary_path(target)
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    try:
+        for name in os.listdir(source):
+            try:
+                os.link(os.path.join(source, name),
+                        os.path.join(temporary, name))
+            except OSError:
+                shutil.copy2(os.path.join(source, name),
+                             os.path.join(temporary, name))
+        ckpt_format._commit(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
