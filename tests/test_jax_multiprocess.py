@@ -50,3 +50,12 @@ def test_a_worker_that_never_joins_fails_within_the_timeout():
                        "code -6.*SIGABRT"):
         kd.launch(workers.peer_never_joins, num_processes=1, timeout=TIMEOUT)
     assert time.monotonic() - start < 60
+
+
+def test_checkpoint_callbacks_across_processes(tmp_path):
+    from worker_common import assert_checkpoints_hold
+
+    directory = str(tmp_path / "ckpt")
+    results = kd.launch(workers.sharded_checkpoints, num_processes=2,
+                        args=(directory,), timeout=TIMEOUT)
+    assert_checkpoints_hold(results, directory)

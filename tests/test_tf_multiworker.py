@@ -36,3 +36,12 @@ def test_multi_worker_fit_matches_one_process(tmp_path):
 
 def test_a_lost_worker_fails_the_survivor_within_the_timeout():
     assert_survivor_fails_within(kd.launch, workers.peer_leaves_early, TIMEOUT)
+
+
+def test_checkpoint_callbacks_across_processes(tmp_path):
+    from worker_common import assert_checkpoints_hold
+
+    directory = str(tmp_path / "ckpt")
+    results = kd.launch(workers.sharded_checkpoints, num_processes=2,
+                        args=(directory,), timeout=TIMEOUT)
+    assert_checkpoints_hold(results, directory)

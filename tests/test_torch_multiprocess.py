@@ -269,3 +269,12 @@ def test_auto_shard_policies_decide_what_each_worker_reads(tmp_path):
         assert rank1[policy] == [[1], [3], [11], [13]]
     # OFF: every worker reads everything.
     assert rank0["OFF"] == rank1["OFF"] == [[0, 1], [2, 3], [10, 11], [12, 13]]
+
+
+def test_checkpoint_callbacks_across_processes(tmp_path):
+    from worker_common import assert_checkpoints_hold
+
+    directory = str(tmp_path / "ckpt")
+    results = kd.launch(workers.sharded_checkpoints, num_processes=2,
+                        args=(directory,), timeout=TIMEOUT)
+    assert_checkpoints_hold(results, directory)

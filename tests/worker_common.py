@@ -66,3 +66,45 @@ def assert_survivor_fails_within(launch, worker, timeout, limit_s=120):
         launch(worker, num_processes=2, timeout=timeout)
     assert info.value.rank == 0
     assert time.monotonic() - start < limit_s
+
+
+def fit_with_sharded_checkpoints(strategy, directory):
+    """Every process saves through the callbacks (async, the chief commits);
+    returns the final weights, which the last checkpoint must hold."""
+    import keras_distribute as kd
+
+    x, y = make_data(n=96)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0,
+              callbacks=[kd.callbacks.ShardedCheckpoint(
+                  directory, save_freq=2, max_to_keep=2),
+                  kd.callbacks.BackupAndRestore(
+                      directory + "-backup", save_freq=3,
+                      delete_checkpoint=False)])
+    return {"weights": model.get_weights()}
+
+
+def assert_checkpoints_hold(results, directory):
+    """The checkpoints the processes wrote restore into one process."""
+    import os
+
+    import keras_distribute as kd
+
+    for result in results[1:]:
+        for a, b in zip(result["weights"], results[0]["weights"]):
+            np.testing.assert_array_equal(a, b)
+    latest = kd.checkpoint.latest_checkpoint(directory)
+    assert latest is not None and latest.endswith("ckpt-8")  # 4 steps x 2
+    assert len(kd.checkpoint.checkpoints_in(directory)) == 2
+    index = kd.checkpoint.read_metadata(latest)
+    assert index["epoch"] == 1 and index["step"] == 4  # the last batch
+    model = make_model()
+    kd.checkpoint.ShardedCheckpoint(model=model).read(latest).expect_partial()
+    for a, b in zip(model.get_weights(), results[0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    backup = kd.checkpoint.latest_checkpoint(directory + "-backup")
+    assert backup.endswith("backup-2")  # after steps 3 and 6 of 8
+    assert kd.checkpoint.read_metadata(backup)["step"] == 2  # epoch 1, step 2
+    assert not [name for name in os.listdir(directory)
+                if name.endswith(".tmp")]

@@ -80,3 +80,14 @@ def peer_never_joins():
     except TimeoutError as error:
         return str(error), time.monotonic() - start
     return "joined", time.monotonic() - start
+
+
+def sharded_checkpoints(directory):
+    """Checkpoint callbacks in a 2-process job."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_common import fit_with_sharded_checkpoints
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return fit_with_sharded_checkpoints(strategy, directory)

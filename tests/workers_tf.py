@@ -49,3 +49,13 @@ def peer_leaves_early():
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=10))
     return train_unless_rank_one(strategy)
+
+
+def sharded_checkpoints(directory):
+    """Checkpoint callbacks in a 2-worker job."""
+    import keras_distribute as kd
+    from worker_common import fit_with_sharded_checkpoints
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return fit_with_sharded_checkpoints(strategy, directory)

@@ -356,3 +356,12 @@ def auto_shard_policies(directory):
                 strategy.experimental_local_results(x)[0])]
             for x in strategy.experimental_distribute_dataset(dataset)]
     return seen
+
+
+def sharded_checkpoints(directory):
+    """Checkpoint callbacks in a 2-process group."""
+    _setup()
+    import keras_distribute as kd
+    from worker_common import fit_with_sharded_checkpoints
+
+    return fit_with_sharded_checkpoints(kd.MirroredStrategy(), directory)

@@ -5,6 +5,7 @@ from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import LoadStatus
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
+from keras_distribute.checkpoint.sharded_checkpoint import checkpoints_in
 from keras_distribute.checkpoint.sharded_checkpoint import export_weights
 from keras_distribute.checkpoint.sharded_checkpoint import latest_checkpoint
 from keras_distribute.checkpoint.sharded_checkpoint import list_variables
@@ -12,6 +13,6 @@ from keras_distribute.checkpoint.sharded_checkpoint import load_variable
 from keras_distribute.checkpoint.sharded_checkpoint import read_metadata
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointOptions",
-           "LoadStatus", "ShardedCheckpoint", "export_weights",
+           "LoadStatus", "ShardedCheckpoint", "checkpoints_in", "export_weights",
            "latest_checkpoint", "list_variables", "load_variable",
            "read_metadata"]

@@ -256,8 +256,10 @@ class ShardedCheckpoint:
             if pieces_of is not None:
                 pieces = pieces_of(variable)
             else:  # replicated everywhere: process 0 writes it once
-                pieces = _whole_value(variable, backend) if (
-                    process_id == 0) else []
+                # (every process reads it: on TF a sync-on-read variable's
+                # read is a collective every worker must join)
+                pieces = _whole_value(variable, backend)
+                pieces = pieces if process_id == 0 else []
             if copy:
                 pieces = [(region, np.array(array, copy=True))
                           for region, array in pieces]
@@ -478,17 +480,25 @@ def latest_checkpoint(directory: str) -> Optional[str]:
 
 
 def checkpoints_in(directory: str) -> List[str]:
-    """The committed, numbered checkpoints in `directory`, oldest first."""
+    """The committed, numbered checkpoints in `directory`, oldest first.
+
+    Args:
+        directory: Where `save` (or a `CheckpointManager`) wrote.
+
+    Returns:
+        Their paths, by number; unfinished saves are not among them.
+    """
     if not os.path.isdir(directory):
         return []
+    for name in os.listdir(directory):
+        if name.endswith(".old"):  # a commit died between its renames
+            ckpt_format.recover(os.path.join(directory, name[:-len(".old")]))
     found = []
     for name in os.listdir(directory):
         match = re.fullmatch(r".*-(\d+)", name)
         path = os.path.join(directory, name)
-        if match:
-            ckpt_format.recover(path)
-            if os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
-                found.append((int(match.group(1)), path))
+        if match and os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
+            found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
 

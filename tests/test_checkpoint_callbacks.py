@@ -1,0 +1,351 @@
+"""Checkpoint manager, asynchronous saves, deferred restores, the checkpoint
+callbacks (resume after an interrupt), export, and a save killed by SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import keras
+import keras_distribute as kd
+from conftest import BACKEND
+
+ckpt = kd.checkpoint
+
+
+class Interrupt(Exception):
+    pass
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Stops `fit` abruptly after `step` batches (as a crash would)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step:
+            raise Interrupt()
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(96, 6)).astype("float32"),
+            rng.normal(size=(96, 2)).astype("float32"))
+
+
+def strategy_scope():
+    strategy = kd.MirroredStrategy() if BACKEND != "torch" else (
+        kd.get_strategy())
+    return strategy.scope()
+
+
+def make_model():
+    keras.utils.set_random_seed(7)
+    with strategy_scope():
+        model = keras.Sequential([
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.25),
+            keras.layers.Dense(2),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                      metrics=["mae"])
+    return model
+
+
+def state(model):
+    return [keras.ops.convert_to_numpy(v.value).copy()
+            for v in model.weights + model.optimizer.variables]
+
+
+def fit(model, callbacks, epochs=3):
+    x, y = data()
+    return model.fit(x, y, batch_size=16, epochs=epochs, shuffle=True,
+                     verbose=0, callbacks=callbacks)
+
+
+def test_backup_and_restore_resumes_mid_epoch_to_the_same_weights(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    reference = fit(model, [stopper])
+    expected, expected_best = state(model), stopper.best
+
+    # Interrupted in epoch 1 (step 10 of 6 x 3), with a backup every 4.
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    with pytest.raises(Interrupt):
+        fit(model, [kd.callbacks.BackupAndRestore(backup_dir, save_freq=4),
+                    stopper, InterruptAt(10)])
+    assert ckpt.read_metadata(ckpt.latest_checkpoint(backup_dir))[
+        "step"] == 2  # after step 8 = epoch 1, batch 2
+
+    # A new process would start from scratch: new model, other RNG states.
+    np.random.seed(123)
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    resumed = fit(model, [kd.callbacks.BackupAndRestore(backup_dir,
+                                                        save_freq=4), stopper])
+    for a, b in zip(expected, state(model)):
+        np.testing.assert_array_equal(a, b)
+    assert stopper.best == expected_best
+    assert len(resumed.history["loss"]) == 2  # epochs 1 and 2 ran
+    np.testing.assert_allclose(resumed.history["loss"],
+                               reference.history["loss"][1:], rtol=1e-6)
+    if BACKEND != "tensorflow":  # TF makes compiled metrics in step one
+        np.testing.assert_allclose(resumed.history["mae"],
+                                   reference.history["mae"][1:], rtol=1e-6)
+    assert not os.path.exists(backup_dir)  # deleted once fit completed
+    assert model._initial_epoch is None  # a later fit starts at epoch 0
+
+
+def test_backup_at_epoch_ends_restores_callback_state(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    with pytest.raises(Interrupt):
+        fit(model, [kd.callbacks.BackupAndRestore(backup_dir), stopper,
+                    InterruptAt(14)])
+    best_before = stopper.best
+    metadata = ckpt.read_metadata(ckpt.latest_checkpoint(backup_dir))
+    assert (metadata["epoch"], metadata["step"]) == (2, 0)
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    history = fit(model, [kd.callbacks.BackupAndRestore(
+        backup_dir, delete_checkpoint=False), stopper])
+    assert len(history.history["loss"]) == 1
+    assert stopper.best <= best_before
+    assert ckpt.read_metadata(ckpt.latest_checkpoint(backup_dir))[
+        "epoch"] == 3
+
+
+def test_sharded_checkpoint_callback_keeps_latest_and_best(tmp_path):
+    x, y = data()
+    model = make_model()
+    directory = str(tmp_path / "run")
+    callback = kd.callbacks.ShardedCheckpoint(
+        directory, max_to_keep=2, monitor="val_loss")
+    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0,
+                        validation_data=(x[:32], y[:32]), callbacks=[callback])
+    steps = [6 * (e + 1) for e in range(5)]
+    assert [os.path.basename(p) for p in ckpt.checkpoints_in(directory)] == [
+        f"ckpt-{steps[-2]}", f"ckpt-{steps[-1]}"]
+    losses = history.history["val_loss"]
+    best_two = sorted(range(5), key=lambda e: losses[e])[:2]
+    assert sorted(os.listdir(callback.best_directory)) == sorted(
+        f"ckpt-{steps[e]}" for e in best_two)
+    for e in best_two:
+        meta = ckpt.read_metadata(os.path.join(callback.best_directory,
+                                               f"ckpt-{steps[e]}"))
+        assert meta["monitor_value"] == pytest.approx(losses[e])
+    # The latest one holds the final weights; export them for Keras.
+    weights_file = str(tmp_path / "final.weights.h5")
+    ckpt.export_weights(ckpt.latest_checkpoint(directory), make_model(),
+                        weights_file)
+    plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16),
+                              keras.layers.Dropout(0.25), keras.layers.Dense(2)])
+    plain.load_weights(weights_file)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_save_best_only_writes_improvements_only(tmp_path):
+    x, y = data()
+    model = make_model()
+    callback = kd.callbacks.ShardedCheckpoint(
+        str(tmp_path / "run"), monitor="loss", save_best_only=True,
+        max_to_keep=1, async_save=False)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+                        callbacks=[callback])
+    (kept,) = ckpt.checkpoints_in(callback.best_directory)
+    assert ckpt.read_metadata(kept)["monitor_value"] == pytest.approx(
+        min(history.history["loss"]))
+    assert ckpt.checkpoints_in(str(tmp_path / "run")) == []
+
+
+def test_callback_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="save_freq must be 'epoch' or a "
+                       "positive number.*Received: save_freq=0"):
+        kd.callbacks.BackupAndRestore(str(tmp_path), save_freq=0)
+    with pytest.raises(ValueError, match="needs a metric to compare"):
+        kd.callbacks.ShardedCheckpoint(str(tmp_path), save_best_only=True)
+    with pytest.raises(ValueError, match="mode must be"):
+        kd.callbacks.ShardedCheckpoint(str(tmp_path), mode="best")
+    with pytest.raises(ValueError, match="directory must name"):
+        kd.callbacks.BackupAndRestore("")
+    x, y = data()
+    model = make_model()
+    with pytest.raises(ValueError, match="monitors 'val_acc', which is not "
+                       "in the logs"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[
+            kd.callbacks.ShardedCheckpoint(str(tmp_path), monitor="val_acc")])
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    unbuilt.compile(optimizer="sgd", loss="mse")
+    callback = kd.callbacks.BackupAndRestore(str(tmp_path / "b"))
+    callback.set_model(unbuilt)
+    with pytest.raises(ValueError, match="needs a built model"):
+        callback.on_train_begin()
+
+
+def make_plain_model():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+def trained():
+    model = make_plain_model()
+    x, y = data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return model
+
+
+def test_manager_keeps_the_last_n_and_one_every_n_steps(tmp_path):
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
+    os.makedirs(tmp_path / "ckpt-0.tmp")  # left by an interrupted run
+    manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2,
+                                     keep_every_n_steps=30)
+    assert not os.path.exists(tmp_path / "ckpt-0.tmp")
+    assert manager.restore_or_initialize() is None
+    for step in (10, 20, 30, 40, 50, 60):
+        manager.save(checkpoint_number=step)
+    assert [os.path.basename(p) for p in manager.checkpoints] == [
+        "ckpt-50", "ckpt-60"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-10", "ckpt-40", "ckpt-50",
+                                            "ckpt-60"]
+    with pytest.raises(ValueError, match="checkpoint_number must grow"):
+        manager.save(checkpoint_number=60)
+    # A new manager (a restarted run) finds them again.
+    again = ckpt.CheckpointManager(
+        ckpt.ShardedCheckpoint(model=make_plain_model()), str(tmp_path),
+        max_to_keep=2)
+    assert again.latest_checkpoint.endswith("ckpt-60")
+    assert again.restore_or_initialize().endswith("ckpt-60")
+    with pytest.raises(ValueError, match="max_to_keep must be a positive"):
+        ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=0)
+
+
+def test_async_save_returns_after_the_copy_and_reraises_failures(
+        tmp_path, monkeypatch):
+    from keras_distribute.checkpoint import format as ckpt_format
+
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
+    options = ckpt.CheckpointOptions(enable_async=True)
+    first = checkpoint.save(str(tmp_path / "c"), options=options)
+    expected = state(model)
+    model.fit(*data(), epochs=1, verbose=0)  # changes weights meanwhile
+    checkpoint.sync()
+    fresh = make_plain_model()
+    fresh.optimizer.build(fresh.trainable_variables)
+    ckpt.ShardedCheckpoint(model=fresh, optimizer=fresh.optimizer).read(
+        first).assert_consumed()
+    for a, b in zip(expected, state(fresh)):
+        np.testing.assert_array_equal(a, b)
+
+    def broken_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt_format, "_write_shards", broken_disk)
+    checkpoint.save(str(tmp_path / "c"), options=options)  # returns
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(str(tmp_path / "c"), options=options)
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(str(tmp_path)) == first
+    assert sorted(os.listdir(tmp_path)) == ["c-1"]
+    checkpoint.sync()  # the failure was raised once
+    assert checkpoint.save(str(tmp_path / "c")).endswith("c-3")  # 2 failed
+    assert ckpt.CheckpointOptions(
+        experimental_enable_async_checkpoint=True).enable_async
+
+
+def test_restore_is_deferred_until_the_variables_exist(tmp_path):
+    model = trained()
+    path = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer
+                                  ).write(str(tmp_path / "c"))
+    keras.utils.set_random_seed(9)
+    fresh = keras.Sequential([keras.layers.Dense(5), keras.layers.Dense(2)])
+    fresh.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    status = ckpt.ShardedCheckpoint(model=fresh, optimizer=fresh.optimizer
+                                    ).read(path)
+    with pytest.raises(AssertionError, match="do not exist yet"):
+        status.assert_consumed()
+    fresh.build((None, 6))                       # the model's variables ...
+    fresh.optimizer.build(fresh.trainable_variables)   # ... and the slots
+    status.assert_consumed()
+    for a, b in zip(state(model), state(fresh)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_list_and_load_variables(tmp_path):
+    model = trained()
+    path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
+    assert ckpt.list_variables(path)[0] == ("model/0", (6, 5))
+    np.testing.assert_array_equal(ckpt.load_variable(path, "model/0"),
+                                  model.get_weights()[0])
+    with pytest.raises(KeyError, match="has no variable 'model/9'"):
+        ckpt.load_variable(path, "model/9")
+    with pytest.raises(ValueError, match="end in '.weights.h5'"):
+        ckpt.export_weights(path, model, str(tmp_path / "w.h5"))
+
+
+def test_an_interrupted_commit_is_recovered(tmp_path):
+    model = trained()
+    path = ckpt.ShardedCheckpoint(model=model).save(str(tmp_path / "c"))
+    os.replace(path, path + ".old")  # died between the commit's renames
+    assert ckpt.latest_checkpoint(str(tmp_path)) == path
+    ckpt.ShardedCheckpoint(model=make_plain_model()).read(path).expect_partial()
+
+
+KILLED_SAVER = textwrap.dedent("""
+    import sys, numpy as np, keras, keras_distribute as kd
+    big = keras.Variable(np.ones((2048, 4096), "float32"))  # 32 MiB
+    checkpoint = kd.checkpoint.ShardedCheckpoint(big=big)
+    checkpoint.save(sys.argv[1])                 # big-1: complete
+    big.assign(big * 2.0)
+    print("saved", flush=True)
+    for _ in range(100):          # replaces big-1; killed during one of these
+        checkpoint.write(sys.argv[1] + "-1")
+""")
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    prefix = str(tmp_path / "big")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    process = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, prefix],
+                               env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "saved"
+        deadline = time.monotonic() + 60
+        while not os.path.exists(prefix + "-1.tmp"):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        time.sleep(0.05)  # in the middle of writing shards
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait(30)
+    assert process.returncode == -signal.SIGKILL
+    # Either the old or a new complete checkpoint, never a mix or nothing.
+    assert ckpt.latest_checkpoint(str(tmp_path)) == prefix + "-1"
+    big = keras.Variable(np.zeros((2048, 4096), "float32"))
+    ckpt.ShardedCheckpoint(big=big).read(prefix + "-1").assert_consumed()
+    value = keras.ops.convert_to_numpy(big.value)
+    low, high = float(value.min()), float(value.max())
+    assert low == high and low in (1.0, 2.0)
+    manager = ckpt.CheckpointManager(ckpt.ShardedCheckpoint(big=big),
+                                     str(tmp_path), checkpoint_name="big")
+    assert sorted(os.listdir(tmp_path)) == ["big-1"]  # unfinished: cleaned
+    assert manager.latest_checkpoint == prefix + "-1"
