@@ -18,6 +18,8 @@ RUNS = [
     ("custom_training_loop.py", ["--epochs", "1"], "epoch 1: mean loss"),
     ("multi_worker.py", ["--epochs", "1"], "identical on every worker: True"),
     ("model_parallel.py", ["--epochs", "1"], "final accuracy"),
+    ("checkpoint_and_resume.py", ["--epochs", "2"],
+     "resumed run equals uninterrupted: True"),
 ]
 
 

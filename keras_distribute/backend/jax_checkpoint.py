@@ -37,7 +37,7 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
                for device, index in devices.items()}
     unique = sorted(set(regions.values()))
     arrays = dict(zip(unique, read_regions(unique)))
-    pieces = [jax.device_put(arrays[regions[device]].astype(value.dtype),
+    pieces = [jax.device_put(np.asarray(arrays[regions[device]], value.dtype),
                              device) for device in devices]
     variable.assign(jax.make_array_from_single_device_arrays(
         shape, sharding, pieces))

@@ -330,7 +330,7 @@ def read_regions(path: str, record: dict,
 
     regions = [tuple(tuple(r) for r in region) for region in regions]
     dtype = _dtype(record["dtype"])
-    out = [np.empty([hi - lo for lo, hi in region], dtype) for region in regions]
+    out = [None] * len(regions)  # allocated on first use (or the piece)
     filled = [0] * len(regions)
     for piece in record["pieces"]:
         stored = tuple(tuple(r) for r in piece["slice"])
@@ -341,10 +341,16 @@ def read_regions(path: str, record: dict,
             continue
         data = _read_piece(path, piece, dtype)
         for i, overlap in wanted:
+            if overlap == stored == regions[i]:  # the whole piece: no copy
+                out[i] = data
+                filled[i] += data.size
+                continue
             source = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _)
                            in zip(overlap, stored))
             target = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _)
                            in zip(overlap, regions[i]))
+            if out[i] is None:
+                out[i] = np.empty([hi - lo for lo, hi in regions[i]], dtype)
             out[i][target] = data[source]
             filled[i] += int(np.prod([hi - lo for lo, hi in overlap]))
     for i, region in enumerate(regions):
@@ -352,6 +358,8 @@ def read_regions(path: str, record: dict,
             raise CheckpointError(
                 f"The checkpoint at {path!r} does not cover region {region} "
                 "of a variable: its pieces are incomplete.")
+        if out[i] is None:  # an empty region
+            out[i] = np.empty([hi - lo for lo, hi in region], dtype)
     return out
 
 
