@@ -12,39 +12,27 @@ first use of `kd.callbacks`.
 """
 
 import os
-import random
 import shutil
-import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import keras
-import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
-from keras_distribute.checkpoint.sharded_checkpoint import read_metadata
-
-# The attributes that make up a Keras callback's progress (EarlyStopping,
-# ReduceLROnPlateau, ModelCheckpoint, ...); restored on resume.
-_CALLBACK_STATE = ("best", "wait", "stopped_epoch", "best_epoch",
-                   "cooldown_counter", "epochs_since_last_save",
-                   "_batches_seen_since_last_saving", "_last_batch_seen",
-                   "_current_epoch")
-
-
-class _MetricVariables:
-    """A model's metric state for `ShardedCheckpoint`, read when saved (on
-    TensorFlow, compiled metrics make their variables in the first step)."""
-
-    def __init__(self, model: Any):
-        self._model = model
-
-    @property
-    def variables(self) -> List[Any]:
-        return list(self._model.metrics_variables)
+from keras_distribute.checkpoint.committed import checkpoints_in
+from keras_distribute.checkpoint.committed import read_metadata
+from keras_distribute.training_state import CALLBACK_STATE
+from keras_distribute.training_state import NOT_SCALAR
+from keras_distribute.training_state import MetricVariables
+from keras_distribute.training_state import calling_callback_list
+from keras_distribute.training_state import capture_rng
+from keras_distribute.training_state import json_scalar
+from keras_distribute.training_state import link_checkpoint
+from keras_distribute.training_state import restore_rng
+from keras_distribute.training_state import skip_train_steps
 
 
 def _check_save_freq(save_freq: Any) -> None:
@@ -54,58 +42,6 @@ def _check_save_freq(save_freq: Any) -> None:
         raise ValueError(
             "save_freq must be 'epoch' or a positive number of batches. "
             f"Received: save_freq={save_freq!r}.")
-
-
-def _json_scalar(value: Any) -> Any:
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    return _NOT_SCALAR
-
-
-_NOT_SCALAR = object()
-
-
-def _capture_rng() -> Dict[str, Any]:
-    """The host RNG states that decide data order (numpy, random, torch)."""
-    from keras_distribute.backend import get_backend
-
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state = {"numpy": [kind, keys.tolist(), position, has_gauss, gauss],
-             "python": [version, list(internal), gauss_next]}
-    host_state = getattr(get_backend(), "host_rng_state", None)
-    if host_state is not None:
-        state["backend"] = host_state()
-    return state
-
-
-def _restore_rng(state: Dict[str, Any]) -> None:
-    from keras_distribute.backend import get_backend
-
-    kind, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, np.uint32), position,
-                         has_gauss, gauss))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    set_host_state = getattr(get_backend(), "set_host_rng_state", None)
-    if "backend" in state and set_host_state is not None:
-        set_host_state(state["backend"])
-
-
-def _calling_callback_list(callback: Any) -> Optional[Any]:
-    """The `CallbackList` dispatching to `callback` (found on the stack)."""
-    frame = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList) and any(
-                c is callback for c in owner.callbacks):
-            return owner
-        frame = frame.f_back
-    return None
 
 
 class _TrainingStateCallback(keras.callbacks.Callback):
@@ -147,7 +83,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
             objects["optimizer"] = optimizer
-        objects["metrics"] = _MetricVariables(model)
+        objects["metrics"] = MetricVariables(model)
         return _Checkpoint(**objects)
 
     def _sync_model_state(self) -> None:
@@ -159,10 +95,10 @@ class _TrainingStateCallback(keras.callbacks.Callback):
         states = {}
         for position, callback in enumerate(self._others):
             state = {}
-            for name in _CALLBACK_STATE:
+            for name in CALLBACK_STATE:
                 if name in callback.__dict__:
-                    value = _json_scalar(callback.__dict__[name])
-                    if value is not _NOT_SCALAR:
+                    value = json_scalar(callback.__dict__[name])
+                    if value is not NOT_SCALAR:
                         state[name] = value
             if state:
                 states[f"{position}:{type(callback).__name__}"] = state
@@ -177,19 +113,19 @@ class _TrainingStateCallback(keras.callbacks.Callback):
     def _metadata(self, epoch: int, step: int,
                   logs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         return {
-            "epoch": epoch, "step": step, "rng": _capture_rng(),
+            "epoch": epoch, "step": step, "rng": capture_rng(),
             # Mid-epoch, the epoch's data order was drawn at its start.
             "rng_epoch_begin": self._rng_at_epoch_begin if step else None,
             "callbacks": self._callback_states(),
-            "logs": {k: v for k, v in ((k, _json_scalar(v)) for k, v in
+            "logs": {k: v for k, v in ((k, json_scalar(v)) for k, v in
                                        (logs or {}).items())
-                     if v is not _NOT_SCALAR},
+                     if v is not NOT_SCALAR},
         }
 
     # ------------------------------------------------------------ callbacks
     def on_train_begin(self, logs=None):
         self._checkpoint = self._make_checkpoint()
-        callback_list = _calling_callback_list(self)
+        callback_list = calling_callback_list(self)
         if callback_list is not None:
             self._others = [c for c in callback_list.callbacks
                             if c is not self]
@@ -202,7 +138,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._steps_in_epoch = 0
-        self._rng_at_epoch_begin = _capture_rng()
+        self._rng_at_epoch_begin = capture_rng()
 
     def on_train_batch_end(self, batch, logs=None):
         done = batch + 1
@@ -321,7 +257,7 @@ class ShardedCheckpoint(_TrainingStateCallback):
 
     def _best_ranked(self) -> List[tuple]:
         ranked = []
-        for path in _committed(self.best_directory):
+        for path in checkpoints_in(self.best_directory):
             try:
                 value = read_metadata(path).get("monitor_value")
             except CheckpointError:  # removed meanwhile by a background save
@@ -371,7 +307,7 @@ class ShardedCheckpoint(_TrainingStateCallback):
                 return
             best = os.path.join(self.best_directory, os.path.basename(path))
             if os.path.dirname(path) != self.best_directory:
-                _link_checkpoint(path, best)
+                link_checkpoint(path, best)
             ranked = self._best_ranked()
             if self.max_to_keep is not None:
                 for _, old in ranked[self.max_to_keep:]:
@@ -456,13 +392,13 @@ class BackupAndRestore(_TrainingStateCallback):
         resume, self._resume = self._resume, None
         if resume is not None:
             skip = int(resume.get("step", 0))
-            _restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
+            restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
             self._restore_callback_states(resume.get("callbacks", {}))
             if skip:
                 # The order of the epoch's batches comes from the RNG at its
                 # start; dropout & co. then go on from the state at the save.
                 self._restore_epoch_metrics()
-                _skip_train_steps(self.model, skip, lambda: _restore_rng(
+                skip_train_steps(self.model, skip, lambda: restore_rng(
                     resume["rng"]))
         super().on_epoch_begin(epoch, logs)
         if resume is not None and resume.get("step"):
@@ -498,61 +434,3 @@ class BackupAndRestore(_TrainingStateCallback):
         if self.delete_checkpoint and self._checkpoint._engine(
                 ).input_pipeline_id == 0:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _skip_train_steps(model: Any, count: int, when_done: Callable) -> None:
-    """Makes the next `count` train steps consume their batch and do nothing.
-
-    Those batches were trained on before the interruption; the restored
-    state already includes them.
-    """
-    original = model.train_function
-    remaining = [count]
-    steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
-
-    def skip(*args):
-        remaining[0] -= steps_per_call
-        if remaining[0] <= 0:
-            model.train_function = original
-            when_done()
-        data = args[-1]
-        if hasattr(data, "__next__"):  # an iterator: take the batches
-            for _ in range(steps_per_call):
-                if next(data, _END) is _END:
-                    break
-        if keras.backend.backend() == "jax":  # (state, data) -> (logs, state)
-            return {}, args[0]
-        return {}
-
-    model.train_function = skip
-
-
-_END = object()
-
-
-def _committed(directory: str) -> List[str]:
-    if not os.path.isdir(directory):
-        return []
-    return [os.path.join(directory, name) for name in sorted(os.listdir(
-        directory)) if os.path.isfile(os.path.join(directory, name,
-                                                    ckpt_format.INDEX))]
-
-
-def _link_checkpoint(source: str, target: str) -> None:
-    """Puts a copy of a committed checkpoint at `target` (hard links when
-    the file system allows), atomically."""
-    temporary = ckpt_format.temporary_path(target)
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
-    try:
-        for name in os.listdir(source):
-            try:
-                os.link(os.path.join(source, name),
-                        os.path.join(temporary, name))
-            except OSError:
-                shutil.copy2(os.path.join(source, name),
-                             os.path.join(temporary, name))
-        ckpt_format._commit(temporary, target)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise

@@ -1,16 +1,16 @@
 """Sharded checkpoints: a JSON index plus HDF5 shards, reshardable, portable."""
 
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
+from keras_distribute.checkpoint.committed import checkpoints_in
+from keras_distribute.checkpoint.committed import latest_checkpoint
+from keras_distribute.checkpoint.committed import list_variables
+from keras_distribute.checkpoint.committed import load_variable
+from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import LoadStatus
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
-from keras_distribute.checkpoint.sharded_checkpoint import checkpoints_in
 from keras_distribute.checkpoint.sharded_checkpoint import export_weights
-from keras_distribute.checkpoint.sharded_checkpoint import latest_checkpoint
-from keras_distribute.checkpoint.sharded_checkpoint import list_variables
-from keras_distribute.checkpoint.sharded_checkpoint import load_variable
-from keras_distribute.checkpoint.sharded_checkpoint import read_metadata
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointOptions",
            "LoadStatus", "ShardedCheckpoint", "checkpoints_in", "export_weights",

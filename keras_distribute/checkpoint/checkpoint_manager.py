@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
-from keras_distribute.checkpoint.sharded_checkpoint import checkpoints_in
+from keras_distribute.checkpoint.committed import checkpoints_in
 
 
 class CheckpointManager:

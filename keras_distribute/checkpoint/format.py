@@ -176,18 +176,6 @@ def abandon(path: str) -> None:
     shutil.rmtree(temporary_path(path), ignore_errors=True)
 
 
-def write(path: str, entries: Dict[str, tuple],
-          metadata: Dict[str, Any]) -> None:
-    """Writes and commits a checkpoint from one process (see `commit`)."""
-    prepare(path)
-    try:
-        write_process_shards(temporary_path(path), entries, 0)
-    except BaseException:
-        shutil.rmtree(temporary_path(path), ignore_errors=True)
-        raise
-    commit(path, 1, metadata)
-
-
 def _write_json(file_path: str, content: dict) -> None:
     with open(file_path, "w") as f:
         json.dump(content, f, indent=1, sort_keys=True)

@@ -1,0 +1,122 @@
+"""Committed checkpoints on disk: find them, read their metadata and
+variables (no Keras objects needed)."""
+
+import os
+import re
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from keras_distribute.checkpoint import format as ckpt_format
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """The committed checkpoint in `directory` with the highest number.
+
+    Unfinished saves (temporary directories) are ignored.
+
+    Args:
+        directory: Where `save` wrote.
+
+    Returns:
+        Its path, or `None` when there is none.
+
+    Example:
+
+    ```python
+    path = kd.checkpoint.latest_checkpoint("/tmp/ckpt")
+    if path is not None:
+        checkpoint.restore(path)
+    ```
+    """
+    numbered = checkpoints_in(directory)
+    return numbered[-1] if numbered else None
+
+
+def checkpoints_in(directory: str) -> List[str]:
+    """The committed, numbered checkpoints in `directory`, oldest first.
+
+    Args:
+        directory: Where `save` (or a `CheckpointManager`) wrote.
+
+    Returns:
+        Their paths, by number; unfinished saves are not among them.
+    """
+    if not os.path.isdir(directory):
+        return []
+    for name in os.listdir(directory):
+        if name.endswith(".old"):  # a commit died between its renames
+            ckpt_format.recover(os.path.join(directory, name[:-len(".old")]))
+    found = []
+    for name in os.listdir(directory):
+        match = re.fullmatch(r".*-(\d+)", name)
+        path = os.path.join(directory, name)
+        if match and os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def read_metadata(path: str) -> Dict[str, Any]:
+    """The `metadata` a checkpoint was written with, and its save counter.
+
+    Args:
+        path: A committed checkpoint directory.
+
+    Returns:
+        A dict: the `metadata` given to `write`/`save`, plus
+        `"save_counter"`, `"backend"` and `"mesh_shape"`.
+
+    Raises:
+        CheckpointError: if `path` is not a committed checkpoint.
+    """
+    index = ckpt_format.read_index(path)
+    return dict(index.get("metadata", {}),
+                save_counter=index.get("save_counter", 0),
+                backend=index.get("backend"), mesh_shape=index.get("mesh_shape"))
+
+
+def list_variables(path: str) -> List[tuple]:
+    """`(key, shape)` of every variable in a checkpoint, like
+    `tf.train.list_variables`.
+
+    Args:
+        path: A committed checkpoint directory.
+
+    Returns:
+        A sorted list of `(key, shape)`.
+
+    Example:
+
+    ```python
+    for key, shape in kd.checkpoint.list_variables(path):
+        print(key, shape)
+    ```
+    """
+    variables = ckpt_format.read_index(path)["variables"]
+    return [(key, tuple(record["shape"]))
+            for key, record in sorted(variables.items())]
+
+
+def load_variable(path: str, key: str) -> np.ndarray:
+    """One variable of a checkpoint as a numpy array, like
+    `tf.train.load_variable`.
+
+    Args:
+        path: A committed checkpoint directory.
+        key: A key `list_variables` returned, e.g. `"model/0"`.
+
+    Returns:
+        The whole variable (assembled from its pieces).
+
+    Raises:
+        KeyError: if the checkpoint has no such key.
+    """
+    variables = ckpt_format.read_index(path)["variables"]
+    if key not in variables:
+        raise KeyError(
+            f"The checkpoint {path!r} has no variable {key!r}. It has: "
+            f"{sorted(variables)[:10]}... (kd.checkpoint.list_variables).")
+    record = variables[key]
+    (value,) = ckpt_format.read_regions(
+        path, record, [tuple((0, n) for n in record["shape"])])
+    return value

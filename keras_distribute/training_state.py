@@ -1,0 +1,138 @@
+"""What `kd.callbacks` saves and restores besides the variables.
+
+The host RNG states, other callbacks' progress, skipping the train steps
+already done, linking a committed checkpoint elsewhere. Imports Keras: only
+`keras_distribute.callbacks` loads it.
+"""
+
+import os
+import random
+import shutil
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import keras
+import numpy as np
+
+from keras_distribute.checkpoint import format as ckpt_format
+
+# The attributes that make up a Keras callback's progress (EarlyStopping,
+# ReduceLROnPlateau, ModelCheckpoint, ...); restored on resume.
+CALLBACK_STATE = ("best", "wait", "stopped_epoch", "best_epoch",
+                   "cooldown_counter", "epochs_since_last_save",
+                   "_batches_seen_since_last_saving", "_last_batch_seen",
+                   "_current_epoch")
+
+
+class MetricVariables:
+    """A model's metric state for `ShardedCheckpoint`, read when saved (on
+    TensorFlow, compiled metrics make their variables in the first step)."""
+
+    def __init__(self, model: Any):
+        self._model = model
+
+    @property
+    def variables(self) -> List[Any]:
+        return list(self._model.metrics_variables)
+
+
+def json_scalar(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    return NOT_SCALAR
+
+
+NOT_SCALAR = object()
+
+
+def capture_rng() -> Dict[str, Any]:
+    """The host RNG states that decide data order (numpy, random, torch)."""
+    from keras_distribute.backend import get_backend
+
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"numpy": [kind, keys.tolist(), position, has_gauss, gauss],
+             "python": [version, list(internal), gauss_next]}
+    host_state = getattr(get_backend(), "host_rng_state", None)
+    if host_state is not None:
+        state["backend"] = host_state()
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    from keras_distribute.backend import get_backend
+
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, np.uint32), position,
+                         has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    set_host_state = getattr(get_backend(), "set_host_rng_state", None)
+    if "backend" in state and set_host_state is not None:
+        set_host_state(state["backend"])
+
+
+def calling_callback_list(callback: Any) -> Optional[Any]:
+    """The `CallbackList` dispatching to `callback` (found on the stack)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) and any(
+                c is callback for c in owner.callbacks):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def skip_train_steps(model: Any, count: int, when_done: Callable) -> None:
+    """Makes the next `count` train steps consume their batch and do nothing.
+
+    Those batches were trained on before the interruption; the restored
+    state already includes them.
+    """
+    original = model.train_function
+    remaining = [count]
+    steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
+
+    def skip(*args):
+        remaining[0] -= steps_per_call
+        if remaining[0] <= 0:
+            model.train_function = original
+            when_done()
+        data = args[-1]
+        if hasattr(data, "__next__"):  # an iterator: take the batches
+            for _ in range(steps_per_call):
+                if next(data, _END) is _END:
+                    break
+        if keras.backend.backend() == "jax":  # (state, data) -> (logs, state)
+            return {}, args[0]
+        return {}
+
+    model.train_function = skip
+
+
+_END = object()
+
+
+def link_checkpoint(source: str, target: str) -> None:
+    """Puts a copy of a committed checkpoint at `target` (hard links when
+    the file system allows), atomically."""
+    temporary = ckpt_format.temporary_path(target)
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    try:
+        for name in os.listdir(source):
+            try:
+                os.link(os.path.join(source, name),
+                        os.path.join(temporary, name))
+            except OSError:
+                shutil.copy2(os.path.join(source, name),
+                             os.path.join(temporary, name))
+        ckpt_format._commit(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
