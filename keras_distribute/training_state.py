@@ -99,15 +99,17 @@ def skip_train_steps(model: Any, count: int, when_done: Callable) -> None:
     steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
 
     def skip(*args):
-        remaining[0] -= steps_per_call
-        if remaining[0] <= 0:
-            model.train_function = original
-            when_done()
         data = args[-1]
         if hasattr(data, "__next__"):  # an iterator: take the batches
             for _ in range(steps_per_call):
                 if next(data, _END) is _END:
                     break
+        # Only after the batches were taken: the first one may be what
+        # draws the epoch's shuffle order from the RNG being restored.
+        remaining[0] -= steps_per_call
+        if remaining[0] <= 0:
+            model.train_function = original
+            when_done()
         if keras.backend.backend() == "jax":  # (state, data) -> (logs, state)
             return {}, args[0]
         return {}

@@ -72,28 +72,34 @@ def fit(model, callbacks, epochs=3):
                      verbose=0, callbacks=callbacks)
 
 
-def test_backup_and_restore_resumes_mid_epoch_to_the_same_weights(tmp_path):
+# (save_freq, interrupted after step, batch of epoch 1 the backup is at):
+# batch 1 is the case where the first skipped batch draws the epoch's
+# shuffle order, so the RNG must be restored only after it was taken.
+@pytest.mark.parametrize("save_freq,stop_at,backup_batch",
+                         [(4, 10, 2), (7, 10, 1)])
+def test_backup_and_restore_resumes_mid_epoch_to_the_same_weights(
+        tmp_path, save_freq, stop_at, backup_batch):
     backup_dir = str(tmp_path / "backup")
     model = make_model()
     stopper = keras.callbacks.EarlyStopping("loss", patience=50)
     reference = fit(model, [stopper])
     expected, expected_best = state(model), stopper.best
 
-    # Interrupted in epoch 1 (step 10 of 6 x 3), with a backup every 4.
+    # Interrupted in epoch 1 (6 steps per epoch, 3 epochs).
     model = make_model()
     stopper = keras.callbacks.EarlyStopping("loss", patience=50)
     with pytest.raises(Interrupt):
-        fit(model, [kd.callbacks.BackupAndRestore(backup_dir, save_freq=4),
-                    stopper, InterruptAt(10)])
-    assert ckpt.read_metadata(ckpt.latest_checkpoint(backup_dir))[
-        "step"] == 2  # after step 8 = epoch 1, batch 2
+        fit(model, [kd.callbacks.BackupAndRestore(
+            backup_dir, save_freq=save_freq), stopper, InterruptAt(stop_at)])
+    metadata = ckpt.read_metadata(ckpt.latest_checkpoint(backup_dir))
+    assert (metadata["epoch"], metadata["step"]) == (1, backup_batch)
 
     # A new process would start from scratch: new model, other RNG states.
     np.random.seed(123)
     model = make_model()
     stopper = keras.callbacks.EarlyStopping("loss", patience=50)
-    resumed = fit(model, [kd.callbacks.BackupAndRestore(backup_dir,
-                                                        save_freq=4), stopper])
+    resumed = fit(model, [kd.callbacks.BackupAndRestore(
+        backup_dir, save_freq=save_freq), stopper])
     for a, b in zip(expected, state(model)):
         np.testing.assert_array_equal(a, b)
     assert stopper.best == expected_best
