@@ -22,6 +22,7 @@ from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
+from keras_distribute.checkpoint.sharded_checkpoint import processes_of
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.training_state import CALLBACK_STATE
@@ -300,7 +301,7 @@ class ShardedCheckpoint(_TrainingStateCallback):
     def _after_best(self, path: str) -> None:
         """Links `path` into `best/` once committed; trims `best/`."""
         checkpoint = self._checkpoint
-        is_chief = checkpoint._engine().input_pipeline_id == 0
+        is_chief = processes_of(checkpoint._engine())[0] == 0
 
         def keep():
             if not is_chief:
@@ -431,6 +432,6 @@ class BackupAndRestore(_TrainingStateCallback):
     def on_train_end(self, logs=None):
         self._checkpoint.sync()
         self.model._initial_epoch = None
-        if self.delete_checkpoint and self._checkpoint._engine(
-                ).input_pipeline_id == 0:
+        if self.delete_checkpoint and processes_of(
+                self._checkpoint._engine())[0] == 0:
             shutil.rmtree(self.directory, ignore_errors=True)

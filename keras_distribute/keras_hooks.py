@@ -276,6 +276,69 @@ def _install_torch_hooks() -> None:
     _patch(torch_core.Variable, "_initialize", _initialize)
     _patch(torch_trainer.TorchTrainer, "train_step", train_step)
     _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
+    _install_torch_sharding_hooks()
+
+
+def _install_torch_sharding_hooks() -> None:
+    """Sharded layouts on torch (`backend/torch_sharding.py`): a built
+    layer's variables become DTensors, an optimizer slot takes its
+    variable's placement, a sharded layer is called with replicated inputs
+    and returns whole outputs, and reading or assigning a sharded variable
+    whole works (`get_weights`, `set_weights`)."""
+    import keras.src.backend as keras_backend
+    from keras.src.backend import torch as torch_package
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.torch import core as torch_core
+    from keras.src.backend.torch import layer as torch_layer
+    from keras.src.layers import layer as keras_layer
+    from keras.src.optimizers import base_optimizer
+
+    from keras_distribute.backend import torch as torch_backend
+
+    original_post_build = keras_layer.Layer._post_build
+
+    @functools.wraps(original_post_build)
+    def _post_build(self):
+        original_post_build(self)
+        if not in_stateless_scope():
+            torch_backend.on_layer_built(self)
+
+    original_forward = torch_layer.TorchLayer.forward
+
+    def forward(self, *args, **kwargs):
+        engine = self.__dict__.get("_kd_sharded_engine")
+        if engine is None:
+            return original_forward(self, *args, **kwargs)
+        return engine.sharded_forward(original_forward, self, args, kwargs)
+
+    original_slot = base_optimizer.BaseOptimizer.add_variable_from_reference
+
+    @functools.wraps(original_slot)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        variable = original_slot(self, reference_variable, *args, **kwargs)
+        torch_backend.on_slot_created(variable, reference_variable)
+        return variable
+
+    original_numpy = torch_core.convert_to_numpy
+
+    @functools.wraps(original_numpy)
+    def convert_to_numpy(x):
+        return original_numpy(torch_backend.whole_value(x))
+
+    original_assign = torch_core.Variable._direct_assign
+
+    @functools.wraps(original_assign)
+    def _direct_assign(self, value):
+        if not torch_backend.assign_sharded(self, value):
+            original_assign(self, value)
+
+    _patch(keras_layer.Layer, "_post_build", _post_build)
+    _patch(torch_layer.TorchLayer, "forward", forward)
+    _patch(base_optimizer.BaseOptimizer, "add_variable_from_reference",
+           add_variable_from_reference)
+    for module in (torch_core, torch_package, keras_backend):
+        _patch(module, "convert_to_numpy", convert_to_numpy)
+    _patch(torch_core.Variable, "_direct_assign", _direct_assign)
 
 
 _checkpoint_hooks_installed = False

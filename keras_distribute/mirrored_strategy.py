@@ -115,6 +115,8 @@ def _mesh_devices(backend, layout_map) -> list:
             "Expected `layout_map` to be a `keras.distribution.LayoutMap` "
             f"built on a `DeviceMesh`. Received: layout_map={layout_map!r}."
         )
+    if hasattr(backend, "mesh_devices"):  # torch: one process per device
+        return backend.mesh_devices(layout_map)
     return [
         backend.resolve_device(parse_device_name(str(d)) if not hasattr(
             d, "platform") else d)

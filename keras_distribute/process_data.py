@@ -199,8 +199,9 @@ def _fit(engine, method, model, params: dict) -> Any:
     engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
     engine.sync_metrics_each_step = _batch_logs_are_read(params)
     try:
-        with worker_callbacks.chief_only_writes(params.get("callbacks"),
-                                                engine.rank == 0):
+        with worker_callbacks.chief_only_writes(
+                params.get("callbacks"), engine.rank == 0,
+                getattr(engine, "collective_reads", False)):
             return method(model, **params)
     finally:
         engine.even_batches = False

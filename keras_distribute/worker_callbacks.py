@@ -18,18 +18,44 @@ def _no_write(*args, **kwargs) -> None:
     return None
 
 
-def _redirect(callback: Any, scratch: str, saved: list) -> None:
+def _redirect(callback: Any, scratch: str, saved: list,
+              collective_reads: bool) -> None:
     import keras
 
     def swap(name: str, value: Any) -> None:
         saved.append((callback, name, callback.__dict__.get(name, _MISSING)))
         setattr(callback, name, value)
 
+    def save_into_scratch(*names: str) -> None:
+        """Saves as the chief does (same reads, same order) into scratch."""
+        save = callback._save_model
+
+        def scratch_save(*args, **kwargs):
+            real = {name: getattr(callback, name) for name in names}
+            for name, path in real.items():
+                setattr(callback, name, os.path.join(
+                    scratch, os.path.basename(str(path))))
+            try:
+                return save(*args, **kwargs)
+            finally:
+                for name, path in real.items():
+                    setattr(callback, name, path)
+
+        swap("_save_model", scratch_save)
+
+    # With collective reads (a model sharded over the processes) the chief's
+    # save reads every process's part, so the others must save too.
     if isinstance(callback, keras.callbacks.BackupAndRestore):
-        swap("_save_model", _no_write)        # the chief writes the backup
-        swap("delete_checkpoint", False)      # and deletes it at the end
+        swap("delete_checkpoint", False)      # the chief deletes it at the end
+        if collective_reads:
+            save_into_scratch("_weights_path", "_training_metadata_path",
+                              "_prev_weights_path",
+                              "_prev_training_metadata_path")
+        else:
+            swap("_save_model", _no_write)    # the chief writes the backup
     elif isinstance(callback, keras.callbacks.ModelCheckpoint):
-        swap("_save_model", _no_write)
+        swap("_save_model", _no_write) if not collective_reads else (
+            save_into_scratch("filepath"))
     elif isinstance(callback, keras.callbacks.CSVLogger):
         swap("filename", os.path.join(scratch, "log.csv"))
     elif isinstance(callback, keras.callbacks.TensorBoard):
@@ -40,12 +66,17 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def chief_only_writes(callbacks: Sequence[Any], is_chief: bool) -> Iterator[None]:
+def chief_only_writes(callbacks: Sequence[Any], is_chief: bool,
+                      collective_reads: bool = False) -> Iterator[None]:
     """Redirects the file writes of non-chief processes' callbacks.
 
     Args:
         callbacks: The callbacks passed to `fit` (a list, or `None`).
         is_chief: Whether this process is the chief (process 0).
+        collective_reads: Whether reading the weights is a collective (a
+            model sharded over the processes): non-chief processes then
+            save too, into the scratch directory, so that the chief's read
+            completes.
 
     Yields:
         Nothing; on exit the callbacks are as they were.
@@ -57,7 +88,7 @@ def chief_only_writes(callbacks: Sequence[Any], is_chief: bool) -> Iterator[None
     with tempfile.TemporaryDirectory(prefix="kd-worker-") as scratch:
         try:
             for callback in callbacks:
-                _redirect(callback, scratch, saved)
+                _redirect(callback, scratch, saved, collective_reads)
             yield
         finally:
             for callback, name, value in reversed(saved):

@@ -278,3 +278,119 @@ def test_checkpoint_callbacks_across_processes(tmp_path):
     results = kd.launch(workers.sharded_checkpoints, num_processes=2,
                         args=(directory,), timeout=TIMEOUT)
     assert_checkpoints_hold(results, directory)
+
+
+# ------------------------------------------------- sharded layouts (DTensor)
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sharded")
+    results = kd.launch(workers.sharded_fit, num_processes=2,
+                        args=(str(directory),), timeout=TIMEOUT)
+    return results, str(directory / "ckpt")
+
+
+def single_process_sharded_reference():
+    import keras
+
+    model, x, y, _ = workers.make_sharded_parts()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                  metrics=["mae"])
+    initial = model.get_weights()
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                        verbose=0)
+    return model, initial, history, x, y
+
+
+def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
+    results, _ = sharded_results
+    model, initial, history, x, y = single_process_sharded_reference()
+    expected_optimizer = [np.asarray(v) for v in model.optimizer.variables]
+    for result in results:
+        assert result["replicas"] == 1  # one replica over both processes
+        # Each process holds half of every sharded variable.
+        assert result["local_shapes"] == [(12, 4), (40, 8), (8,), (8, 3),
+                                          (3,)]
+        for a, b in zip(result["initial"], initial):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+        for a, b in zip(result["optimizer"], expected_optimizer):
+            np.testing.assert_allclose(a, b, atol=1e-6)  # slots too
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(result["history"][key],
+                                       history.history[key], rtol=1e-5)
+        np.testing.assert_allclose(
+            result["evaluate"], model.evaluate(x, y, batch_size=16,
+                                               verbose=0), rtol=1e-5)
+        np.testing.assert_allclose(
+            result["predict"], model.predict(x, batch_size=16, verbose=0),
+            atol=1e-5)
+    first, second = results
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(first["reset"], initial):
+        np.testing.assert_array_equal(a, b)  # set_weights on sharded
+    assert "size 5, which does not divide" in first["errors"]["indivisible"]
+    assert "matches none of the variables" in first["errors"]["unmatched"]
+    assert "(None, 'model')" in first["layout"]
+    assert "up/kernel" in first["layout"] and "1.2 KiB" in first["layout"]
+
+
+def test_sharded_checkpoint_restores_onto_sharded_and_one_process(
+        sharded_results):
+    import json
+
+    results, path = sharded_results
+    first = results[0]
+    for a, b in zip(first["restored"], first["weights"]):
+        np.testing.assert_array_equal(a, b)  # into a fresh sharded model
+    with open(os.path.join(path, "index.json")) as f:
+        index = json.load(f)
+    embeddings = next(entry for entry in index["variables"].values()
+                      if entry["path"].endswith("embed/embeddings"))
+    # Each process wrote its own half, once.
+    assert sorted((p["file"], tuple(map(tuple, p["slice"])))
+                  for p in embeddings["pieces"]) == [
+        ("shards-00000.h5", ((0, 12), (0, 4))),
+        ("shards-00001.h5", ((0, 12), (4, 8)))]
+    # 2 processes -> 1: a plain model reads the sharded checkpoint whole,
+    # and what the callbacks wrote during fit (the chief's files only).
+    directory = os.path.dirname(path)
+    latest = kd.checkpoint.latest_checkpoint(os.path.join(directory,
+                                                          "latest"))
+    for source in (path, latest):
+        plain, _, _, _ = workers.make_sharded_parts(seed=5)
+        kd.checkpoint.ShardedCheckpoint(model=plain).read(
+            source).expect_partial()
+        for a, b in zip(plain.get_weights(), first["weights"]):
+            np.testing.assert_array_equal(a, b)
+    plain.load_weights(os.path.join(directory, "keras.weights.h5"))
+    for a, b in zip(plain.get_weights(), first["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert os.path.exists(os.path.join(directory, "backup",
+                                       "latest.weights.h5"))
+
+
+def test_sharded_layout_errors_in_one_process():
+    import keras
+    from keras.distribution import DeviceMesh, LayoutMap
+
+    two = LayoutMap(DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"]))
+    two[".*kernel"] = (None, "model")
+    with pytest.raises(ValueError, match=r"needs 2 processes.*Received: 1"):
+        kd.MirroredStrategy(layout_map=two)
+    mixed = LayoutMap(DeviceMesh((2, 2), ["batch", "model"],
+                                 [f"cpu:{i}" for i in range(4)]))
+    mixed[".*kernel"] = (None, "model")
+    with pytest.raises(NotImplementedError, match="batch\\) axis must have "
+                       "size 1.*JAX"):
+        kd.MirroredStrategy(layout_map=mixed)
+    replicated = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
+                                      ["cpu:0", "cpu:1"]))
+    replicated[".*kernel"] = (None, None)  # nothing sharded: plain engine
+    strategy = kd.MirroredStrategy(layout_map=replicated)
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+    assert type(layer.kernel.value).__name__ == "Parameter"

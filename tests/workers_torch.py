@@ -365,3 +365,107 @@ def sharded_checkpoints(directory):
     from worker_common import fit_with_sharded_checkpoints
 
     return fit_with_sharded_checkpoints(kd.MirroredStrategy(), directory)
+
+
+# ------------------------------------------------- sharded layouts (DTensor)
+def make_sharded_parts(seed=3):
+    """A model with a sharded Embedding and a column- then row-sharded
+    Dense pair, its data, and the layout map's (key, axes) entries."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((5,), dtype="int32"),
+        keras.layers.Embedding(12, 8, name="embed"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(16, activation="relu", name="up"),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(3, name="down"),
+    ])
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 12, size=(100, 5)).astype("int32")
+    y = rng.normal(size=(100, 3)).astype("float32")
+    layouts = [(".*embed/embeddings", (None, "model")),
+               (".*up/kernel", (None, "model")), (".*up/bias", ("model",)),
+               (".*down/kernel", ("model", None))]
+    return model, x, y, layouts
+
+
+def sharded_fit(directory):
+    """fit / evaluate / predict / checkpoint with layouts sharded over 2
+    processes (DTensor); returns what rank 0 and 1 saw."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         devices=["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    _, x, y, layouts = make_sharded_parts()
+    for key, axes in layouts:
+        layout_map[key] = axes
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model, _, _, _ = make_sharded_parts()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                      metrics=["mae"])
+    initial = model.get_weights()
+    # Keras' file callbacks: the chief writes; reading the sharded weights
+    # is a collective the other process joins (no deadlock).
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(directory, "keras.weights.h5"),
+            save_weights_only=True),
+        keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"),
+                                         delete_checkpoint=False),
+        kd.callbacks.ShardedCheckpoint(os.path.join(directory, "latest"),
+                                       max_to_keep=1)]
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                        verbose=0, callbacks=callbacks)
+    local_shapes = [tuple(v.value.to_local().shape) if hasattr(
+        v.value, "to_local") else None for v in model.weights]
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=model.optimizer)
+    path = checkpoint.write(os.path.join(directory, "ckpt"))
+    weights = model.get_weights()
+    # A restore into a freshly made sharded model gives the same weights.
+    with strategy.scope():
+        fresh, _, _, _ = make_sharded_parts(seed=9)
+        fresh.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    kd.checkpoint.ShardedCheckpoint(model=fresh).read(path).expect_partial()
+    restored = fresh.get_weights()
+    # set_weights gives each process its part of whole values.
+    fresh.set_weights(initial)
+    reset = fresh.get_weights()
+    errors = {}
+    indivisible = keras.distribution.LayoutMap(mesh)
+    indivisible[".*odd/kernel"] = (None, "model")
+    with kd.MirroredStrategy(layout_map=indivisible).scope():
+        try:
+            keras.layers.Dense(5, name="odd").build((None, 4))
+        except ValueError as error:
+            errors["indivisible"] = str(error)
+    unmatched = keras.distribution.LayoutMap(mesh)
+    unmatched["up/kernel"] = (None, "model")  # not the whole path
+    with kd.MirroredStrategy(layout_map=unmatched).scope():
+        other, _, _, _ = make_sharded_parts()
+        try:
+            other.compile(optimizer="sgd", loss="mse")
+        except ValueError as error:
+            errors["unmatched"] = str(error)
+    return {
+        "reset": reset,
+        "errors": errors,
+        "replicas": strategy.num_replicas_in_sync,
+        "initial": initial,
+        "history": history.history,
+        "weights": weights,
+        "restored": restored,
+        "local_shapes": local_shapes,
+        "layout": strategy.describe_layout(model, print_fn=lambda s: None),
+        "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+        "predict": model.predict(x, batch_size=16, verbose=0),
+        "optimizer": [keras.ops.convert_to_numpy(v) for v in
+                      model.optimizer.variables],
+    }

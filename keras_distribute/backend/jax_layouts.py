@@ -6,11 +6,13 @@ classes and checks make them errors, and lay out a short last batch
 replicated so that it never fails to divide over the replicas.
 """
 
-import re
-
 from keras.distribution import DataParallel
 from keras.distribution import ModelParallel
 from keras.distribution import TensorLayout
+
+from keras_distribute.layouts import check_keys_match  # noqa: F401
+from keras_distribute.layouts import check_layout_fits
+from keras_distribute.layouts import check_layout_map  # noqa: F401
 
 
 class StrategyLayouts:
@@ -49,67 +51,6 @@ class StrategyLayouts:
         if layout is not None:
             check_layout_fits(layout, variable.path, variable.shape)
         return layout
-
-
-def _axis_size(mesh, axis) -> int:
-    names = axis if isinstance(axis, (tuple, list)) else (axis,)
-    size = 1
-    for name in names:
-        size *= mesh.shape[mesh.axis_names.index(name)]
-    return size
-
-
-def check_layout_fits(layout, path: str, shape) -> None:
-    """Raises `ValueError` unless `layout` can lay out a `shape` tensor."""
-    if len(layout.axes) != len(shape):
-        raise ValueError(
-            f"The layout for variable '{path}' has rank "
-            f"{len(layout.axes)} but the variable has shape "
-            f"{tuple(shape)} (rank {len(shape)}). "
-            f"Received: layout axes={tuple(layout.axes)}. Give one "
-            "mesh axis name (or None) per variable dimension.")
-    mesh = layout.device_mesh
-    for dim, (size, axis) in enumerate(zip(shape, layout.axes)):
-        if axis is None or mesh is None:
-            continue
-        parts = _axis_size(mesh, axis)
-        if size % parts:
-            raise ValueError(
-                f"Dimension {dim} of variable '{path}' (shape "
-                f"{tuple(shape)}) has size {size}, which does not divide "
-                f"into the {parts} devices of mesh axis {axis!r}. Received: "
-                f"layout axes={tuple(layout.axes)}. Shard another dimension, "
-                "or pick sizes divisible by the axis.")
-
-
-def check_keys_match(layout_map, model) -> None:
-    """Raises `ValueError` for a layout key that matches none of `model`'s
-    variables (Keras would silently replicate what it meant to shard)."""
-    paths = [v.path for v in model.weights]
-    for key in layout_map:
-        if not any(key == p or re.fullmatch(key, p) for p in paths):
-            raise ValueError(
-                f"The layout_map key {key!r} matches none of the variables of "
-                f"model '{model.name}', so nothing would be sharded by it. "
-                "Keys are regular expressions matched against the whole "
-                f"`variable.path`, e.g. {paths[:3]}. Received: key={key!r}. "
-                "Write the full path, or a pattern such as '.*dense.*kernel'.")
-
-
-def check_layout_map(layout_map) -> None:
-    """Raises `ValueError` for a layout naming an axis the mesh lacks."""
-    mesh = layout_map.device_mesh
-    for key, layout in layout_map.items():
-        for axis in layout.axes:
-            names = axis if isinstance(axis, (tuple, list)) else (axis,)
-            unknown = [n for n in names if n is not None and n not in
-                       mesh.axis_names]
-            if unknown:
-                raise ValueError(
-                    f"The layout for {key!r} names mesh axis {unknown[0]!r}, "
-                    f"but the mesh has axes {list(mesh.axis_names)}. "
-                    f"Received: layout axes={tuple(layout.axes)}. Use the "
-                    "mesh's axis names (or None).")
 
 
 class StrategyDataParallel(StrategyLayouts, DataParallel):

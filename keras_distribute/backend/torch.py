@@ -17,12 +17,14 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import keras
 from keras.distribution import DeviceMesh
 
 from keras_distribute import context
 from keras_distribute.devices import DeviceSpec
+from keras_distribute.layouts import sharded_axes
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
 
@@ -148,21 +150,32 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
 
 
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine":
-    """Builds the engine of a strategy over this process's device."""
-    if layout_map is not None and any(
-        any(axis is not None for axis in layout.axes)
-        for layout in layout_map.values()
-    ):
-        raise NotImplementedError(
-            "Sharded variable layouts are not supported on the 'torch' Keras "
-            "backend yet (DTensor-backed Keras variables break get_weights "
-            "and saving). Use the JAX backend for model parallelism, or a "
-            "layout_map whose axes are all None.")
+    """Builds the engine of a strategy over this process's device.
+
+    A `layout_map` that shards variables gives a `ShardedTorchEngine`: one
+    replica over every process, variables as DTensors (`torch_sharding`).
+    """
     if len(devices) != 1:
         raise ValueError(
             "On the torch backend each process drives exactly one device. "
             f"Received {len(devices)} devices. Run one process per device.")
+    if layout_map is not None and sharded_axes(layout_map):
+        ensure_process_group()
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        mesh_size = int(np.prod(layout_map.device_mesh.shape))
+        if not (world_size == 1 and mesh_size == 1):
+            from keras_distribute.backend.torch_sharding import (
+                ShardedTorchEngine)
+
+            return ShardedTorchEngine(devices[0], layout_map)
     return TorchEngine(devices[0])
+
+
+def mesh_devices(layout_map: Any) -> list:
+    """The devices of a strategy built on `layout_map`: this process's own
+    (each process is one device of the mesh; `make_engine` checks the
+    process count against the mesh)."""
+    return default_devices()
 
 
 class TorchEngine:
@@ -394,6 +407,79 @@ def on_variable_created(variable: Any) -> None:
     if engine is not None:
         object.__setattr__(variable, "_kd_engine", engine)
         engine.record_variable(variable)
+
+
+def on_layer_built(layer: Any) -> None:
+    """Called by the Keras hook once a layer is built: a sharding engine
+    turns its variables into DTensors."""
+    own = list(getattr(layer, "_trainable_variables", ())) + list(
+        getattr(layer, "_non_trainable_variables", ()))
+    engines = {id(e): e for e in (getattr(v, "_kd_engine", None) for v in own)
+               if hasattr(e, "shard_layer")}
+    for engine in engines.values():
+        engine.shard_layer(layer)
+
+
+def on_slot_created(variable: Any, reference: Any) -> None:
+    """Called once an optimizer made `variable` for `reference`: a sharded
+    reference gives its slot the same placement."""
+    shard_like = getattr(getattr(reference, "_kd_engine", None),
+                         "shard_like", None)
+    if shard_like is not None:
+        shard_like(variable, reference)
+
+
+def checkpoint_pieces(variable: Any) -> list:
+    """`[(region, array)]` this process writes: its unique shard of a
+    DTensor; a plain variable whole, from process 0 only."""
+    value = variable._value if isinstance(variable, keras.Variable) else None
+    if _is_dtensor(value):
+        from keras_distribute.backend import torch_sharding
+
+        if not torch_sharding.owns_unique_piece(value):
+            return []
+        local = keras.ops.convert_to_numpy(value.to_local())
+        return [(torch_sharding.local_region(value), local)]
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    array = keras.ops.convert_to_numpy(variable.value)
+    return [(tuple((0, n) for n in array.shape), array)]
+
+
+def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
+    """Restores a variable, reading only this process's region of it."""
+    value = variable._value if isinstance(variable, keras.Variable) else None
+    if _is_dtensor(value):
+        from keras_distribute.backend import torch_sharding
+
+        (piece,) = read_regions([torch_sharding.local_region(value)])
+        torch_sharding.assign_piece(variable, piece)
+        return
+    (array,) = read_regions([tuple((0, n) for n in variable.shape)])
+    variable.assign(array)
+
+
+def whole_value(value: Any) -> Any:
+    """A sharded value as the whole tensor (a collective: every process of
+    the mesh must read it); anything else as is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(whole_value(v) for v in value)
+    return value.full_tensor() if _is_dtensor(value) else value
+
+
+def assign_sharded(variable: Any, value: Any) -> bool:
+    """Assigns a whole `value` to a sharded variable (its part of it, in each
+    process); `False` for a plain variable or a DTensor `value`."""
+    if not _is_dtensor(variable._value) or _is_dtensor(value):
+        return False
+    from keras_distribute.backend import torch_sharding
+
+    torch_sharding.assign_whole(variable, value)
+    return True
+
+
+def _is_dtensor(value: Any) -> bool:
+    return isinstance(value, DTensor)
 
 
 def _check_axis(axis: int, rank: int) -> None:
