@@ -94,6 +94,51 @@ def test_transformer_block_sharded_over_model_axis_matches_one_device():
     assert "(None, 'model')" in text
 
 
+def gemma_causal_lm(seed=3):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=2,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=64,
+        head_dim=8)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone,
+                                           preprocessor=None)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), weighted_metrics=[])
+    return model
+
+
+def test_keras_hub_gemma_with_its_own_layout_map_matches_one_device():
+    keras_hub = pytest.importorskip("keras_hub")
+    import jax
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, size=(32, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1],
+         "padding_mask": np.ones((32, 8), "int32")}
+    y = tokens[:, 1:]
+    reference = gemma_causal_lm()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    # Gemma's own map shards over both axes (model and batch: FSDP-style).
+    mesh = keras.distribution.DeviceMesh((4, 2), ["batch", "model"],
+                                         jax.devices())
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    strategy = kd.TPUStrategy(device_assignment=assignment(),
+                              layout_map=layout_map)
+    with strategy.scope():
+        model = gemma_causal_lm()
+    embeddings = model.backbone.get_layer("token_embedding").embeddings.value
+    assert {s.data.shape for s in embeddings.addressable_shards} == {(32, 4)}
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    text = strategy.describe_layout(model.backbone, print_fn=lambda _: None)
+    assert "('model', 'batch', None)" in text  # attention kernels
+
+
 def test_split_image_batch_over_eight_logical_devices():
     import jax
 
