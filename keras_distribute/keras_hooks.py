@@ -290,6 +290,7 @@ def _install_torch_sharding_hooks() -> None:
     from keras.src.backend.common.stateless_scope import in_stateless_scope
     from keras.src.backend.torch import core as torch_core
     from keras.src.backend.torch import layer as torch_layer
+    from keras.src.backend.torch.optimizers import torch_parallel_optimizer
     from keras.src.layers import layer as keras_layer
     from keras.src.optimizers import base_optimizer
 
@@ -332,6 +333,30 @@ def _install_torch_sharding_hooks() -> None:
         if not torch_backend.assign_sharded(self, value):
             original_assign(self, value)
 
+    parallel = torch_parallel_optimizer.TorchParallelOptimizer
+    original_update = parallel._backend_update_step
+    original_increment = parallel._backend_increment_gradient_accumulators
+
+    def _backend_update_step(self, grads, trainable_variables,
+                             learning_rate):
+        for variables, group in torch_backend.split_sharded(
+                trainable_variables, grads):
+            original_update(self, group, variables, learning_rate)
+
+    def _backend_reset_gradient_accumulators(self):
+        torch_backend.zero_variables(
+            [v for v in self._accumulated_gradients if v is not None])
+
+    def _backend_increment_gradient_accumulators(self, grads, acc_grads):
+        for accumulators, group in torch_backend.split_sharded(acc_grads,
+                                                               grads):
+            original_increment(self, group, accumulators)
+
+    _patch(parallel, "_backend_update_step", _backend_update_step)
+    _patch(parallel, "_backend_reset_gradient_accumulators",
+           _backend_reset_gradient_accumulators)
+    _patch(parallel, "_backend_increment_gradient_accumulators",
+           _backend_increment_gradient_accumulators)
     _patch(keras_layer.Layer, "_post_build", _post_build)
     _patch(torch_layer.TorchLayer, "forward", forward)
     _patch(base_optimizer.BaseOptimizer, "add_variable_from_reference",

@@ -48,7 +48,10 @@ class MirroredStrategy(Strategy):
     on a batch of B make the same update as one device on B.
 
     On JAX this drives `keras.distribution.DataParallel` (or `ModelParallel`
-    with a `layout_map`), compiled by XLA as one SPMD program.
+    with a `layout_map`), compiled by XLA as one SPMD program. On torch each
+    process is one replica; a `layout_map` that shards variables instead
+    runs one replica over all processes, its variables as DTensors (the
+    mesh's batch axis must have size 1).
 
     Args:
         devices: The devices to use: names such as `"GPU:0"`, `"/gpu:1"`,
@@ -63,9 +66,12 @@ class MirroredStrategy(Strategy):
             axis is the replica (batch) axis.
 
     Raises:
-        ValueError: for an unknown, duplicate or malformed device, or
-            `devices` that disagree with `layout_map`'s mesh.
-        NotImplementedError: on a backend not supported yet.
+        ValueError: for an unknown, duplicate or malformed device,
+            `devices` that disagree with `layout_map`'s mesh, or (torch) a
+            mesh whose size is not the number of processes.
+        NotImplementedError: on a backend not supported yet; sharded
+            layouts on TensorFlow; a sharded layout with a batch axis of
+            size > 1 on torch.
 
     Example:
 

@@ -48,14 +48,17 @@ def _redirect(callback: Any, scratch: str, saved: list,
     if isinstance(callback, keras.callbacks.BackupAndRestore):
         swap("delete_checkpoint", False)      # the chief deletes it at the end
         if collective_reads:
-            save_into_scratch("_weights_path", "_training_metadata_path",
+            save_into_scratch("backup_dir", "_weights_path",
+                              "_training_metadata_path",
                               "_prev_weights_path",
                               "_prev_training_metadata_path")
         else:
             swap("_save_model", _no_write)    # the chief writes the backup
     elif isinstance(callback, keras.callbacks.ModelCheckpoint):
-        swap("_save_model", _no_write) if not collective_reads else (
-            save_into_scratch("filepath"))
+        if collective_reads:
+            save_into_scratch("filepath")
+        else:
+            swap("_save_model", _no_write)
     elif isinstance(callback, keras.callbacks.CSVLogger):
         swap("filename", os.path.join(scratch, "log.csv"))
     elif isinstance(callback, keras.callbacks.TensorBoard):

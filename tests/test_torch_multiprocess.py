@@ -309,7 +309,7 @@ def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
         assert result["replicas"] == 1  # one replica over both processes
         # Each process holds half of every sharded variable.
         assert result["local_shapes"] == [(12, 4), (40, 8), (8,), (8, 3),
-                                          (3,)]
+                                          (3,), None, None]
         for a, b in zip(result["initial"], initial):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(result["weights"], model.get_weights()):

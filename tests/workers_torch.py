@@ -369,8 +369,9 @@ def sharded_checkpoints(directory):
 
 # ------------------------------------------------- sharded layouts (DTensor)
 def make_sharded_parts(seed=3):
-    """A model with a sharded Embedding and a column- then row-sharded
-    Dense pair, its data, and the layout map's (key, axes) entries."""
+    """A model with a sharded Embedding, a column- then row-sharded Dense
+    pair and a plain Dense, its data, and the layout map's (key, axes)
+    entries."""
     import keras
 
     keras.utils.set_random_seed(seed)
@@ -381,6 +382,7 @@ def make_sharded_parts(seed=3):
         keras.layers.Dense(16, activation="relu", name="up"),
         keras.layers.Dropout(0.2),
         keras.layers.Dense(3, name="down"),
+        keras.layers.Dense(3, name="plain"),  # not in the map: stays plain
     ])
     rng = np.random.default_rng(1)
     x = rng.integers(0, 12, size=(100, 5)).astype("int32")

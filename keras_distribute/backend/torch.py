@@ -478,6 +478,26 @@ def assign_sharded(variable: Any, value: Any) -> bool:
     return True
 
 
+def split_sharded(variables: Sequence[Any], *parallel: Sequence[Any]):
+    """`variables` (and lists parallel to them) split into the sharded ones
+    and the plain ones: torch's `_foreach_*` ops, which Keras' torch
+    optimizers use, refuse lists mixing DTensors and tensors. Yields
+    `(variables, *parallel)` per non-empty group, in order."""
+    kinds = [_is_dtensor(getattr(v, "_value", v)) for v in variables]
+    for kind in (True, False):
+        index = [i for i, k in enumerate(kinds) if k is kind]
+        if index:
+            yield tuple([values[i] for i in index]
+                        for values in (variables,) + parallel)
+
+
+def zero_variables(variables: Sequence[Any]) -> None:
+    """Sets every variable (sharded or not) to zeros, in place."""
+    with torch.no_grad():
+        for variable in variables:
+            variable.value.zero_()
+
+
 def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 

@@ -1,0 +1,124 @@
+"""Sharded (DTensor) vs replicated on torch: step time and memory per process.
+
+Two gloo processes on this machine train the same MLP-heavy model twice in
+one run: replicated (`MirroredStrategy()`: 2 replicas, DDP, each process
+takes half of every global batch) and with its large kernels sharded over a
+model axis of 2 (`MirroredStrategy(layout_map=...)` on a (1, 2) mesh: one
+replica over both processes, every process takes the whole batch). Memory
+per process is what the model's and the optimizer's variables occupy in it.
+Prints one JSON object.
+
+Tensor parallelism trades compute for memory: each process does half of the
+large matmuls on the whole batch, plus a collective per sharded layer; data
+parallelism does all of them on half the batch, plus one gradient
+all-reduce. On CPU processes sharing 2 cores the sharded model is expected
+to be slower; what it buys is the memory ratio.
+
+Usage:
+    python benchmarks/bench_model_parallel_torch.py [--steps 20] [--width 2048]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ["KERAS_BACKEND"] = "torch"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--width", type=int, default=2048)
+    return parser.parse_args()
+
+
+def make_model(width):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((256,)),
+        keras.layers.Dense(width, activation="relu", name="up"),
+        keras.layers.Dense(256, name="down"),
+        keras.layers.Dense(10, name="head"),
+    ])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def local_bytes(variables):
+    total = 0
+    for variable in variables:
+        value = variable.value
+        local = value.to_local() if hasattr(value, "to_local") else value
+        total += local.numel() * local.element_size()
+    return total
+
+
+def measure(steps, trials, width):
+    """Runs in each of the 2 processes."""
+    import keras
+    import numpy as np
+    import torch
+    from keras.distribution import DeviceMesh, LayoutMap
+
+    import keras_distribute as kd
+    from _common import EpochTimer
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256 * steps, 256)).astype("float32")
+    y = rng.integers(0, 10, size=(256 * steps,))
+    layout_map = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
+                                      ["cpu:0", "cpu:1"]))
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    strategies = {"replicated": kd.MirroredStrategy(),
+                  "sharded": kd.MirroredStrategy(layout_map=layout_map)}
+    times = {name: [] for name in strategies}
+    memory = {}
+    for _ in range(trials):
+        for name, strategy in strategies.items():
+            with strategy.scope():
+                model = make_model(width)
+            timer = EpochTimer()
+            model.fit(x, y, batch_size=256, epochs=3, shuffle=False,
+                      verbose=0, callbacks=[timer])
+            times[name] += timer.per_step[1:]
+            memory[name] = local_bytes(model.weights +
+                                       model.optimizer.variables)
+            del model
+            keras.backend.clear_session()
+    return {"ms": {k: 1000 * float(np.median(v)) for k, v in times.items()},
+            "bytes": memory}
+
+
+def main():
+    args = parse_args()
+    import keras_distribute as kd
+
+    results = kd.launch(measure, args=(args.steps, args.trials, args.width),
+                        num_processes=2, timeout=1800)
+    ms, nbytes = results[0]["ms"], results[0]["bytes"]
+    print(json.dumps({
+        "benchmark": "model_parallel_vs_replicated_torch",
+        "processes": 2,
+        "width": args.width,
+        "replicated_step_ms": round(ms["replicated"], 3),
+        "sharded_step_ms": round(ms["sharded"], 3),
+        "step_time_ratio": round(ms["sharded"] / ms["replicated"], 3),
+        "replicated_variable_bytes_per_process": nbytes["replicated"],
+        "sharded_variable_bytes_per_process": nbytes["sharded"],
+        "memory_ratio": round(nbytes["sharded"] / nbytes["replicated"], 3),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
