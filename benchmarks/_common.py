@@ -52,3 +52,33 @@ class EpochTimer(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         steps = self.params["steps"]
         self.per_step.append((time.perf_counter() - self._start) / steps)
+
+
+def make_wide_mlp(width):
+    """The model-parallel benchmarks' MLP: 256 -> width ("up") -> 256
+    ("down") -> 10 ("head"); "up" and "down" are the kernels they shard."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((256,)),
+        keras.layers.Dense(width, activation="relu", name="up"),
+        keras.layers.Dense(256, name="down"),
+        keras.layers.Dense(10, name="head"),
+    ])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def sharded_vs_replicated(benchmark, unit, ms, nbytes, **extra):
+    """The model-parallel benchmarks' JSON object: step times in ms and
+    variable bytes per `unit` ("device" or "process"), with their ratios."""
+    return {
+        "benchmark": benchmark, **extra,
+        "replicated_step_ms": round(ms["replicated"], 3),
+        "sharded_step_ms": round(ms["sharded"], 3),
+        "step_time_ratio": round(ms["sharded"] / ms["replicated"], 3),
+        f"replicated_variable_bytes_per_{unit}": nbytes["replicated"],
+        f"sharded_variable_bytes_per_{unit}": nbytes["sharded"],
+        "memory_ratio": round(nbytes["sharded"] / nbytes["replicated"], 3),
+    }

@@ -35,26 +35,17 @@ os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras.distribution import DeviceMesh, LayoutMap  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
 from _common import EpochTimer  # noqa: E402
+from _common import make_wide_mlp  # noqa: E402
+from _common import sharded_vs_replicated  # noqa: E402
 
 
 def make_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((256,)),
-        keras.layers.Dense(ARGS.width, activation="relu", name="up"),
-        keras.layers.Dense(256, name="down"),
-        keras.layers.Dense(10, name="head"),
-    ])
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
-    return model
+    return make_wide_mlp(ARGS.width)
 
 
 def variable_bytes(strategy, model):
@@ -95,16 +86,9 @@ def main():
             times[name] += per_step
             memory[name] = nbytes
     ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
-    print(json.dumps({
-        "benchmark": "model_parallel_vs_replicated_jax",
-        "devices": 8,
-        "replicated_step_ms": round(ms["replicated"], 3),
-        "sharded_step_ms": round(ms["sharded"], 3),
-        "step_time_ratio": round(ms["sharded"] / ms["replicated"], 3),
-        "replicated_variable_bytes_per_device": memory["replicated"],
-        "sharded_variable_bytes_per_device": memory["sharded"],
-        "memory_ratio": round(memory["sharded"] / memory["replicated"], 3),
-    }))
+    print(json.dumps(sharded_vs_replicated(
+        "model_parallel_vs_replicated_jax", "device", ms, memory,
+        devices=8)))
     return 0
 
 

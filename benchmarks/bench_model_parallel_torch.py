@@ -35,22 +35,6 @@ def parse_args():
     return parser.parse_args()
 
 
-def make_model(width):
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((256,)),
-        keras.layers.Dense(width, activation="relu", name="up"),
-        keras.layers.Dense(256, name="down"),
-        keras.layers.Dense(10, name="head"),
-    ])
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
-    return model
-
-
 def local_bytes(variables):
     total = 0
     for variable in variables:
@@ -69,6 +53,7 @@ def measure(steps, trials, width):
 
     import keras_distribute as kd
     from _common import EpochTimer
+    from _common import make_wide_mlp
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -86,7 +71,7 @@ def measure(steps, trials, width):
     for _ in range(trials):
         for name, strategy in strategies.items():
             with strategy.scope():
-                model = make_model(width)
+                model = make_wide_mlp(width)
             timer = EpochTimer()
             model.fit(x, y, batch_size=256, epochs=3, shuffle=False,
                       verbose=0, callbacks=[timer])
@@ -102,21 +87,14 @@ def measure(steps, trials, width):
 def main():
     args = parse_args()
     import keras_distribute as kd
+    from _common import sharded_vs_replicated
 
     results = kd.launch(measure, args=(args.steps, args.trials, args.width),
                         num_processes=2, timeout=1800)
     ms, nbytes = results[0]["ms"], results[0]["bytes"]
-    print(json.dumps({
-        "benchmark": "model_parallel_vs_replicated_torch",
-        "processes": 2,
-        "width": args.width,
-        "replicated_step_ms": round(ms["replicated"], 3),
-        "sharded_step_ms": round(ms["sharded"], 3),
-        "step_time_ratio": round(ms["sharded"] / ms["replicated"], 3),
-        "replicated_variable_bytes_per_process": nbytes["replicated"],
-        "sharded_variable_bytes_per_process": nbytes["sharded"],
-        "memory_ratio": round(nbytes["sharded"] / nbytes["replicated"], 3),
-    }))
+    print(json.dumps(sharded_vs_replicated(
+        "model_parallel_vs_replicated_torch", "process", ms, nbytes,
+        processes=2, width=args.width)))
     return 0
 
 
