@@ -11,9 +11,11 @@ This module imports Keras (and so the backend framework): it is loaded on
 first use of `kd.callbacks`.
 """
 
+import contextlib
 import os
 import shutil
-from typing import Any, Dict, List, Optional
+import warnings
+from typing import Any, Callable, Dict, List, Optional
 
 import keras
 
@@ -22,6 +24,7 @@ from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
+from keras_distribute.checkpoint.sharded_checkpoint import finish_background_saves
 from keras_distribute.checkpoint.sharded_checkpoint import processes_of
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
@@ -126,6 +129,13 @@ class _TrainingStateCallback(keras.callbacks.Callback):
     # ------------------------------------------------------------ callbacks
     def on_train_begin(self, logs=None):
         self._checkpoint = self._make_checkpoint()
+        # A fit stopped by an exception may have left a save running here
+        # (and in the other processes): let every process finish its own,
+        # then agree on what the directory holds.
+        for error in finish_background_saves():
+            warnings.warn(f"A background checkpoint save of an earlier, "
+                          f"interrupted fit failed: {error}", stacklevel=2)
+        self._checkpoint._engine().barrier("keras_distribute.callbacks.begin")
         callback_list = calling_callback_list(self)
         if callback_list is not None:
             self._others = [c for c in callback_list.callbacks
@@ -149,12 +159,23 @@ class _TrainingStateCallback(keras.callbacks.Callback):
                 self._steps_since_save >= self.save_freq):
             self._steps_since_save = 0
             self._sync_model_state()
-            self._save(self._epoch, done, logs)
+            with self._global_metric_states():
+                self._save(self._epoch, done, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
             self._sync_model_state()
-            self._save(epoch + 1, 0, logs)
+            with self._global_metric_states():
+                self._save(epoch + 1, 0, logs)
+
+    def _global_metric_states(self):
+        """While saving, metric variables hold their all-process values
+        (torch processes each keep their own share; a collective)."""
+        engine = self._checkpoint._engine()
+        states = getattr(engine, "global_metric_states", None)
+        if states is None or self._single_process():
+            return contextlib.nullcontext()
+        return states(self.model.metrics_variables)
 
     def _options(self) -> CheckpointOptions:
         return CheckpointOptions(enable_async=self.async_save)
@@ -400,30 +421,50 @@ class BackupAndRestore(_TrainingStateCallback):
                 # start; dropout & co. then go on from the state at the save.
                 self._restore_epoch_metrics()
                 skip_train_steps(self.model, skip, lambda: restore_rng(
-                    resume["rng"]))
+                    resume["rng"]), on_first_batch=self._metrics_builder())
         super().on_epoch_begin(epoch, logs)
         if resume is not None and resume.get("step"):
             # The epoch restarted mid-way: its step count goes on from there.
             self._steps_in_epoch = int(resume["step"])
 
+    def _metrics_builder(self) -> Optional[Callable[[Any], None]]:
+        """What builds the compiled metrics from the first skipped batch and
+        restores them, when they are not built yet: TensorFlow without a
+        strategy makes their variables only when it traces the first step."""
+        compiled = getattr(self.model, "_compile_metrics", None)
+        if compiled is None or compiled.built:
+            return None
+
+        def build_and_restore(batch):
+            self.model._symbolic_build(data_batch=batch)
+            self._restore_epoch_metrics()
+
+        return build_and_restore
+
     def _restore_epoch_metrics(self) -> None:
         """Metric state mid-epoch (reset by `fit` at the epoch's start).
 
-        Not in multi-process torch jobs, where each process keeps its own
-        metric state; there, the resumed epoch's metrics count the batches
-        after the resume.
+        The backup holds all-process values; where processes each keep their
+        share (torch), the chief takes a summed value and the others zero,
+        so that reading them sums to it again.
         """
-        from keras_distribute.backend import get_backend
-
-        if get_backend().name == "torch" and not self._single_process():
-            return
-        # Only the metric variables that exist now: on TensorFlow, compiled
-        # metrics other than the loss make theirs in the first step, and
-        # count the batches after the resume.
+        # The metric variables that exist now (compiled metrics not built
+        # yet are restored by `_metrics_builder` from the first batch).
+        engine = self._checkpoint._engine()
+        pending = getattr(engine, "broadcast_new_variables", None)
+        if pending is not None:
+            # torch: variables made in scope (compiled metrics) still wait
+            # for process 0's values; that must not land on restored ones.
+            pending()
         metrics = _Checkpoint(metrics=self._checkpoint._objects["metrics"])
         saved = ckpt_format.read_index(self._resume_path)["variables"]
-        metrics._restore(self._resume_path, saved,
-                         metrics._variables_by_object()["metrics"])
+        variables = metrics._variables_by_object()["metrics"]
+        metrics._restore(self._resume_path, saved, variables)
+        if hasattr(engine, "global_metric_states") and not (
+                self._single_process()) and processes_of(engine)[0] != 0:
+            for variable in variables.values():
+                if getattr(variable, "aggregation", None) == "sum":
+                    variable.assign(keras.ops.zeros_like(variable))
 
     def _save(self, epoch: int, step: int, logs) -> None:
         self._manager.save(options=self._options(),

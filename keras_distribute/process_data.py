@@ -56,37 +56,33 @@ class ArrayShards(keras.utils.PyDataset):
     """This process's slice of each global batch of in-memory arrays."""
 
     def __init__(self, engine, x, y, sample_weight, batch_size: int,
-                 shuffle: bool, seed: int):
+                 shuffle: bool):
         super().__init__()
         self._engine = engine
         self._data = (x, y, sample_weight)
         self._num = keras.tree.flatten(x)[0].shape[0]
         self._batch = batch_size
-        self._shuffle, self._seed, self._epoch = shuffle, seed, 0
-        self._order = self._permutation()
+        self._shuffle = shuffle
+        self._order = np.arange(self._num)
         self.batch_sizes = [
             min(batch_size, self._num - i * batch_size)
             for i in range(len(self))]
-
-    def _permutation(self):
-        if not self._shuffle:
-            return np.arange(self._num)
-        return np.random.default_rng(self._seed + self._epoch).permutation(
-            self._num)
 
     def __len__(self) -> int:
         return math.ceil(self._num / self._batch)
 
     def __getitem__(self, index: int):
+        if index == 0 and self._shuffle:
+            # A new order each time an epoch starts, drawn (as Keras draws
+            # its own) from the global numpy RNG, so `set_random_seed` and
+            # a restored RNG state decide it; process 0's draw wins.
+            seed = self._engine.shared_seed()
+            self._order = np.random.default_rng(seed).permutation(self._num)
         rows = self._order[index * self._batch:(index + 1) * self._batch]
         start, stop = self._engine.split_rows(len(rows))
         rows = rows[start:stop]
         x, y, sample_weight = (_take(part, rows) for part in self._data)
         return _pack(x, y, sample_weight)
-
-    def on_epoch_end(self):
-        self._epoch += 1
-        self._order = self._permutation()
 
     def splits_evenly(self) -> bool:
         n = self._engine.num_replicas
@@ -145,8 +141,7 @@ def _shard(engine, params: dict, shuffle: bool):
     sample_weight = params.get("sample_weight")
     if _is_arrays(x):
         return ArrayShards(engine, x, y, sample_weight,
-                           params.get("batch_size") or 32, shuffle,
-                           engine.shared_seed() if shuffle else 0)
+                           params.get("batch_size") or 32, shuffle)
     if y is not None or sample_weight is not None:
         raise ValueError(
             "`y` and `sample_weight` must be omitted when `x` is a dataset; "

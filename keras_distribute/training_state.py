@@ -88,22 +88,29 @@ def calling_callback_list(callback: Any) -> Optional[Any]:
     return None
 
 
-def skip_train_steps(model: Any, count: int, when_done: Callable) -> None:
+def skip_train_steps(model: Any, count: int, when_done: Callable,
+                     on_first_batch: Optional[Callable] = None) -> None:
     """Makes the next `count` train steps consume their batch and do nothing.
 
     Those batches were trained on before the interruption; the restored
-    state already includes them.
+    state already includes them. `on_first_batch(batch)` is called with the
+    first batch taken (e.g. to build what needs a batch's shapes).
     """
     original = model.train_function
     remaining = [count]
+    first = [on_first_batch]
     steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
 
     def skip(*args):
         data = args[-1]
         if hasattr(data, "__next__"):  # an iterator: take the batches
             for _ in range(steps_per_call):
-                if next(data, _END) is _END:
+                batch = next(data, _END)
+                if batch is _END:
                     break
+                if first[0] is not None:
+                    first[0], call = None, first[0]
+                    call(batch)
         # Only after the batches were taken: the first one may be what
         # draws the epoch's shuffle order from the RNG being restored.
         remaining[0] -= steps_per_call

@@ -471,3 +471,50 @@ def sharded_fit(directory):
         "optimizer": [keras.ops.convert_to_numpy(v) for v in
                       model.optimizer.variables],
     }
+
+
+def resume_mid_epoch(directory):
+    """An uninterrupted fit, then one interrupted mid-epoch and resumed by
+    kd.callbacks.BackupAndRestore; returns both histories and weights."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    class Interrupt(Exception):
+        pass
+
+    class InterruptAt(keras.callbacks.Callback):
+        def __init__(self, step):
+            super().__init__()
+            self.step, self.seen = step, 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.seen == self.step:
+                raise Interrupt()
+
+    x, y = make_data(n=96)
+    strategy = kd.MirroredStrategy()
+
+    def fit(callbacks):
+        with strategy.scope():
+            model = make_model(initial_weights())
+        history = model.fit(x, y, batch_size=16, epochs=3, shuffle=True,
+                            verbose=0, callbacks=callbacks)
+        return model, history.history
+
+    keras.utils.set_random_seed(4)
+    reference, expected = fit([])
+    keras.utils.set_random_seed(4)
+    try:  # 6 steps per epoch: a backup after step 8 = epoch 1, batch 2
+        fit([kd.callbacks.BackupAndRestore(directory, save_freq=4),
+             InterruptAt(10)])
+    except Interrupt:
+        pass
+    keras.utils.set_random_seed(99)  # a new run: other RNG states
+    resumed, history = fit([kd.callbacks.BackupAndRestore(directory,
+                                                          save_freq=4)])
+    return {"expected": expected, "history": history,
+            "reference": reference.get_weights(),
+            "resumed": resumed.get_weights()}

@@ -285,10 +285,11 @@ class JaxEngine:
         return rank * per_process, (rank + 1) * per_process
 
     def shared_seed(self) -> int:
-        """A random seed, the same in every process (process 0's)."""
+        """A seed from the global numpy RNG, the same in every process (each
+        draws one; process 0's wins)."""
         from jax.experimental import multihost_utils
 
-        seed = np.int32(np.random.default_rng().integers(0, 2**31 - 1))
+        seed = np.int32(np.random.randint(0, 2**31 - 1))
         return int(multihost_utils.broadcast_one_to_all(seed))
 
     def gather_rows(self, array: np.ndarray) -> np.ndarray:

@@ -259,8 +259,9 @@ class TorchEngine:
                                self.world_size)
 
     def shared_seed(self) -> int:
-        """A random seed, the same in every process (rank 0's)."""
-        seed = [int(np.random.default_rng().integers(0, 2**31 - 1))]
+        """A seed from the global numpy RNG, the same in every process (each
+        draws one; rank 0's wins)."""
+        seed = [int(np.random.randint(0, 2**31 - 1))]
         dist.broadcast_object_list(seed, src=0)
         return seed[0]
 

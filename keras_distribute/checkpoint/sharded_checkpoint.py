@@ -280,6 +280,7 @@ class ShardedCheckpoint:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="kd-checkpoint")
             self._pending = self._executor.submit(finish)
+            _in_flight.add(self)
         else:
             finish()
         return path
@@ -511,6 +512,32 @@ def processes_of(engine: Any) -> Tuple[int, int]:
     """
     return (getattr(engine, "process_id", engine.input_pipeline_id),
             getattr(engine, "process_count", engine.num_input_pipelines))
+
+
+# Checkpoints with a background save that may still run (weakly held).
+_in_flight: "weakref.WeakSet[ShardedCheckpoint]" = weakref.WeakSet()
+
+
+def finish_background_saves() -> List[BaseException]:
+    """Waits for every background save of this process still running.
+
+    A `fit` stopped by an exception (an interrupt in a notebook) leaves its
+    last asynchronous save running; a new `fit` resuming from the same
+    directory must not read the directory before that save is committed or
+    abandoned. Failures are returned, not raised: they belong to the run
+    that was stopped, whose previous checkpoint is kept.
+
+    Returns:
+        The exceptions of the saves that failed.
+    """
+    failures = []
+    for checkpoint in list(_in_flight):
+        try:
+            checkpoint.sync()
+        except BaseException as error:  # noqa: BLE001 - reported to caller
+            failures.append(error)
+        _in_flight.discard(checkpoint)
+    return failures
 
 
 def _dtype_name(variable: Any) -> str:
