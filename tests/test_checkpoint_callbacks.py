@@ -14,25 +14,10 @@ import pytest
 import keras
 import keras_distribute as kd
 from conftest import BACKEND
+from worker_common import Interrupt
+from worker_common import interrupt_at as InterruptAt
 
 ckpt = kd.checkpoint
-
-
-class Interrupt(Exception):
-    pass
-
-
-class InterruptAt(keras.callbacks.Callback):
-    """Stops `fit` abruptly after `step` batches (as a crash would)."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step, self.seen = step, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.step:
-            raise Interrupt()
 
 
 def data():

@@ -14,6 +14,28 @@ def make_data(n=203, seed=0):
     return x, y
 
 
+class Interrupt(Exception):
+    """Raised by `interrupt_at`'s callback."""
+
+
+def interrupt_at(step):
+    """A Keras callback that stops `fit` abruptly (raising `Interrupt`, as a
+    crash would) after `step` batches."""
+    import keras
+
+    class InterruptAt(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.seen == step:
+                raise Interrupt()
+
+    return InterruptAt()
+
+
 def initial_weights():
     """Fixed starting weights, so every process and the reference agree."""
     rng = np.random.default_rng(1)

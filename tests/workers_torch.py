@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from worker_common import Interrupt, interrupt_at
 from worker_common import train_unless_rank_one
 from worker_common import initial_weights, make_data, make_model  # noqa: F401
 
@@ -481,19 +482,6 @@ def resume_mid_epoch(directory):
 
     import keras_distribute as kd
 
-    class Interrupt(Exception):
-        pass
-
-    class InterruptAt(keras.callbacks.Callback):
-        def __init__(self, step):
-            super().__init__()
-            self.step, self.seen = step, 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.seen += 1
-            if self.seen == self.step:
-                raise Interrupt()
-
     x, y = make_data(n=96)
     strategy = kd.MirroredStrategy()
 
@@ -509,7 +497,7 @@ def resume_mid_epoch(directory):
     keras.utils.set_random_seed(4)
     try:  # 6 steps per epoch: a backup after step 8 = epoch 1, batch 2
         fit([kd.callbacks.BackupAndRestore(directory, save_freq=4),
-             InterruptAt(10)])
+             interrupt_at(10)])
     except Interrupt:
         pass
     keras.utils.set_random_seed(99)  # a new run: other RNG states
