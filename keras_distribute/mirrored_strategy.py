@@ -49,9 +49,9 @@ class MirroredStrategy(Strategy):
 
     On JAX this drives `keras.distribution.DataParallel` (or `ModelParallel`
     with a `layout_map`), compiled by XLA as one SPMD program. On torch each
-    process is one replica; a `layout_map` that shards variables instead
-    runs one replica over all processes, its variables as DTensors (the
-    mesh's batch axis must have size 1).
+    process is one replica; with a `layout_map` that shards variables, each
+    position on the mesh's batch axis is a replica held by the processes
+    along its model axes, its variables as DTensors.
 
     Args:
         devices: The devices to use: names such as `"GPU:0"`, `"/gpu:1"`,
@@ -70,8 +70,8 @@ class MirroredStrategy(Strategy):
             `devices` that disagree with `layout_map`'s mesh, or (torch) a
             mesh whose size is not the number of processes.
         NotImplementedError: on a backend not supported yet; sharded
-            layouts on TensorFlow; a sharded layout with a batch axis of
-            size > 1 on torch.
+            layouts on TensorFlow; (torch) a variable sharded over the batch
+            axis.
 
     Example:
 

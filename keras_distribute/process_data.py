@@ -235,41 +235,42 @@ def _on_batch(engine, method, model, params: dict) -> Any:
 
 
 def _given_whole(engine, batch: int) -> bool:
-    """Whether every process gets the whole of a `batch`-row batch."""
-    return engine.world_size > 1 and all(
-        engine.split_rows(batch, rank=rank) == (0, batch)
-        for rank in range(engine.world_size))
+    """Whether every input pipeline gets the whole of a `batch`-row batch."""
+    return engine.num_input_pipelines > 1 and all(
+        engine.split_rows(batch, pipeline) == (0, batch)
+        for pipeline in range(engine.num_input_pipelines))
 
 
 def _unshard(engine, outputs: Any, batch_sizes: List[int]) -> Any:
-    """Puts every process's predictions back in input order.
+    """Puts every input pipeline's predictions back in input order.
 
-    A batch given whole to every process (see `engine.split_rows`) is taken
-    once, from process 0.
+    A batch given whole to every pipeline (see `engine.split_rows`) is taken
+    once, from pipeline 0. `engine.gather_rows` gives each pipeline's rows
+    once, in pipeline order.
     """
-    world = engine.world_size
+    pipelines = engine.num_input_pipelines
 
-    def sizes_of(rank: int) -> List[int]:
+    def sizes_of(pipeline: int) -> List[int]:
         sizes = []
         for batch in batch_sizes:
-            start, stop = engine.split_rows(batch, rank=rank)
+            start, stop = engine.split_rows(batch, pipeline)
             sizes.append(stop - start)
         return sizes
 
     def gather(local):
         everyone = engine.gather_rows(np.ascontiguousarray(local))
-        per_rank, offset = [], 0
-        for rank in range(world):
-            sizes = sizes_of(rank)
-            per_rank.append(np.split(everyone[offset:offset + sum(sizes)],
-                                     np.cumsum(sizes)[:-1]))
+        per_pipeline, offset = [], 0
+        for pipeline in range(pipelines):
+            sizes = sizes_of(pipeline)
+            per_pipeline.append(np.split(
+                everyone[offset:offset + sum(sizes)], np.cumsum(sizes)[:-1]))
             offset += sum(sizes)
         pieces = []
         for index, batch in enumerate(batch_sizes):
             if _given_whole(engine, batch):
-                pieces.append(per_rank[0][index])  # the same on every rank
+                pieces.append(per_pipeline[0][index])  # the same everywhere
             else:
-                pieces += [per_rank[rank][index] for rank in range(world)]
+                pieces += [per_pipeline[p][index] for p in range(pipelines)]
         return np.concatenate(pieces, axis=0)
 
     return keras.tree.map_structure(gather, outputs)

@@ -382,9 +382,13 @@ def test_sharded_layout_errors_in_one_process():
     mixed = LayoutMap(DeviceMesh((2, 2), ["batch", "model"],
                                  [f"cpu:{i}" for i in range(4)]))
     mixed[".*kernel"] = (None, "model")
-    with pytest.raises(NotImplementedError, match="batch\\) axis must have "
-                       "size 1.*JAX"):
+    with pytest.raises(ValueError, match=r"needs 4 processes"):
         kd.MirroredStrategy(layout_map=mixed)
+    fsdp = LayoutMap(DeviceMesh((2, 2), ["batch", "model"],
+                                [f"cpu:{i}" for i in range(4)]))
+    fsdp[".*kernel"] = ("batch", "model")
+    with pytest.raises(NotImplementedError, match="FSDP-style.*JAX"):
+        kd.MirroredStrategy(layout_map=fsdp)
     replicated = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
                                       ["cpu:0", "cpu:1"]))
     replicated[".*kernel"] = (None, None)  # nothing sharded: plain engine
@@ -408,3 +412,46 @@ def test_backup_and_restore_resumes_mid_epoch_across_processes(tmp_path):
             np.testing.assert_allclose(result["history"][key],
                                        result["expected"][key][1:],
                                        rtol=1e-6)
+
+
+def test_data_times_model_parallel_over_four_processes(tmp_path):
+    import json
+
+    import keras
+
+    results = kd.launch(workers.sharded_data_parallel_fit, num_processes=4,
+                        args=(str(tmp_path),), timeout=TIMEOUT)
+    model, x, y, _ = workers.make_sharded_parts(dropout=False)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                  metrics=["mae"])
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                        verbose=0)
+    for result in results:
+        assert result["replicas"] == 2
+        assert result["local_shapes"][:4] == [(12, 4), (40, 8), (8,), (8, 3)]
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(result["history"][key],
+                                       history.history[key], rtol=1e-5)
+        np.testing.assert_allclose(
+            result["evaluate"], model.evaluate(x, y, batch_size=16,
+                                               verbose=0), rtol=1e-5)
+        np.testing.assert_allclose(
+            result["predict"], model.predict(x, batch_size=16, verbose=0),
+            atol=1e-5)
+    for result in results[1:]:
+        for a, b in zip(result["weights"], results[0]["weights"]):
+            np.testing.assert_array_equal(a, b)
+    # Replica 0's two processes wrote one half each; replica 1 nothing.
+    with open(os.path.join(results[0]["path"], "index.json")) as f:
+        index = json.load(f)
+    kernel = next(entry for entry in index["variables"].values()
+                  if entry["path"].endswith("up/kernel"))
+    assert sorted(p["file"] for p in kernel["pieces"]) == [
+        "shards-00000.h5", "shards-00001.h5"]
+    plain, _, _, _ = workers.make_sharded_parts(seed=5, dropout=False)
+    kd.checkpoint.ShardedCheckpoint(model=plain).read(
+        results[0]["path"]).expect_partial()
+    for a, b in zip(plain.get_weights(), results[0]["weights"]):
+        np.testing.assert_array_equal(a, b)

@@ -369,7 +369,7 @@ def sharded_checkpoints(directory):
 
 
 # ------------------------------------------------- sharded layouts (DTensor)
-def make_sharded_parts(seed=3):
+def make_sharded_parts(seed=3, dropout=True):
     """A model with a sharded Embedding, a column- then row-sharded Dense
     pair and a plain Dense, its data, and the layout map's (key, axes)
     entries."""
@@ -381,7 +381,7 @@ def make_sharded_parts(seed=3):
         keras.layers.Embedding(12, 8, name="embed"),
         keras.layers.Flatten(),
         keras.layers.Dense(16, activation="relu", name="up"),
-        keras.layers.Dropout(0.2),
+        keras.layers.Dropout(0.2 if dropout else 0.0),
         keras.layers.Dense(3, name="down"),
         keras.layers.Dense(3, name="plain"),  # not in the map: stays plain
     ])
@@ -506,3 +506,37 @@ def resume_mid_epoch(directory):
     return {"expected": expected, "history": history,
             "reference": reference.get_weights(),
             "resumed": resumed.get_weights()}
+
+
+def sharded_data_parallel_fit(directory):
+    """2 replicas x 2 model shards (4 processes): fit, predict, checkpoint."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         [f"cpu:{i}" for i in range(4)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    _, x, y, layouts = make_sharded_parts(dropout=False)
+    for key, axes in layouts:
+        layout_map[key] = axes
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model, _, _, _ = make_sharded_parts(dropout=False)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                      metrics=["mae"])
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                        verbose=0)
+    path = kd.checkpoint.ShardedCheckpoint(model=model).write(
+        os.path.join(directory, "ckpt"))
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "history": history.history,
+        "weights": model.get_weights(),
+        "local_shapes": [tuple(v.value.to_local().shape) if hasattr(
+            v.value, "to_local") else None for v in model.weights],
+        "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+        "predict": model.predict(x, batch_size=16, verbose=0),
+        "path": path,
+    }

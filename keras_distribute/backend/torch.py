@@ -191,6 +191,9 @@ class TorchEngine:
         self.local_replica_ids = (self.rank,)
         self.num_input_pipelines = self.world_size
         self.input_pipeline_id = self.rank
+        # The processes a replica-level collective spans (None: all). One
+        # replica per process here; a sharding engine narrows it.
+        self.replica_group = None
         self.device_mesh = DeviceMesh(
             shape=(self.world_size,), axis_names=["batch"],
             devices=[f"{device.type}:{r}" for r in range(self.world_size)])
@@ -251,12 +254,14 @@ class TorchEngine:
 
         return process_data.call_sharded(self, method, model, args, kwargs)
 
-    def split_rows(self, batch: int, rank: Optional[int] = None):
-        """This process's rows of a global batch: balanced slices."""
+    def split_rows(self, batch: int, pipeline: Optional[int] = None):
+        """The rows of a global batch an input pipeline (this process's by
+        default) takes: balanced slices."""
         from keras_distribute.process_data import balanced_bounds
 
-        return balanced_bounds(batch, self.rank if rank is None else rank,
-                               self.world_size)
+        return balanced_bounds(
+            batch, self.input_pipeline_id if pipeline is None else pipeline,
+            self.num_input_pipelines)
 
     def shared_seed(self) -> int:
         """A seed from the global numpy RNG, the same in every process (each
@@ -266,8 +271,11 @@ class TorchEngine:
         return seed[0]
 
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
-        """Every process's rows, concatenated in process order."""
+        """Every input pipeline's rows, concatenated in pipeline order."""
         return self.all_gather(torch.as_tensor(array), axis=0).numpy()
+
+    def sync_gradients(self, variables: Sequence[Any]) -> None:
+        """Nothing to do: the held DDP all-reduced the gradients."""
 
     def ddp(self, model: Any) -> Any:
         """The DistributedDataParallel that wraps `model`, made once."""
@@ -324,7 +332,8 @@ class TorchEngine:
         local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
         call_args = keras.tree.map_structure(local, args)
         call_kwargs = keras.tree.map_structure(local, kwargs)
-        ctx = context.ReplicaContext(strategy, self.rank, _TorchCollectives(self))
+        ctx = context.ReplicaContext(strategy, self.local_replica_ids[0],
+                                     _TorchCollectives(self))
         with context._enter(strategy, ctx):
             result = fn(*call_args, **call_kwargs)
         return keras.tree.map_structure(
@@ -337,7 +346,7 @@ class TorchEngine:
         tensor = _to_tensor(value).to(self.device)
         if axis is None:
             total = self._all_reduce_sum(tensor.clone())
-            return total / self.world_size if op is ReduceOp.MEAN else total
+            return total / self.num_replicas if op is ReduceOp.MEAN else total
         _check_axis(axis, tensor.dim())
         total = self._all_reduce_sum(tensor.sum(dim=axis))
         if op is ReduceOp.SUM:
@@ -356,23 +365,27 @@ class TorchEngine:
         return self.all_gather(tensor, axis)
 
     def _all_reduce_sum(self, tensor):
-        if self.in_group:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        """Sums `tensor` over the replicas, in place."""
+        if self.in_group and self.num_replicas > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
+                            group=self.replica_group)
         return tensor
 
     def all_gather(self, tensor, axis: int):
-        """Concatenates `tensor` of every process along `axis` (sizes may differ)."""
-        if not self.in_group:
+        """Concatenates `tensor` of every replica along `axis` (sizes may
+        differ), in replica order."""
+        if not self.in_group or self.num_replicas == 1:
             return tensor
+        group, count = self.replica_group, self.num_replicas
         axis = axis % tensor.dim()
         size = torch.tensor([tensor.shape[axis]], device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size)
+        sizes = [torch.zeros_like(size) for _ in range(count)]
+        dist.all_gather(sizes, size, group=group)
         longest = int(max(s.item() for s in sizes))
         pad = [0, 0] * (tensor.dim() - axis - 1) + [0, longest - tensor.shape[axis]]
         padded = torch.nn.functional.pad(tensor, pad)
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded.contiguous())
+        parts = [torch.empty_like(padded) for _ in range(count)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
         return torch.cat([p.narrow(axis, 0, int(s.item()))
                           for p, s in zip(parts, sizes)], dim=axis)
 
@@ -437,8 +450,10 @@ def checkpoint_pieces(variable: Any) -> list:
     if _is_dtensor(value):
         from keras_distribute.backend import torch_sharding
 
-        if not torch_sharding.owns_unique_piece(value):
-            return []
+        engine = getattr(variable, "_kd_engine", None)
+        if getattr(engine, "input_pipeline_id", 0) != 0 or not (
+                torch_sharding.owns_unique_piece(value)):
+            return []  # another replica, or another process of this one
         local = keras.ops.convert_to_numpy(value.to_local())
         return [(torch_sharding.local_region(value), local)]
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -532,7 +547,7 @@ class _TorchCollectives:
             if not torch.is_floating_point(tensor) and op is ReduceOp.MEAN:
                 tensor = tensor.float()
             total = self._engine._all_reduce_sum(tensor)
-            return total / self._engine.world_size if op is ReduceOp.MEAN else total
+            return total / self._engine.num_replicas if op is ReduceOp.MEAN else total
 
         return keras.tree.map_structure(reduce, value)
 

@@ -1,20 +1,22 @@
 """Sharded variable layouts on the torch backend, through DTensor.
 
-With a `layout_map` that shards variables, a torch strategy runs one model
-replica over all the processes of the job, one process per logical device of
-the mesh (tensor parallelism). A layer with a sharded variable holds all its
-variables as `torch.distributed.tensor.DTensor`s on a torch `DeviceMesh` of
-the same shape and axis names as the Keras one: sharded where the map says,
-replicated otherwise. Inside such a layer DTensor's own collectives do the
-work; its inputs enter as replicated DTensors and its outputs leave as whole
-tensors (`full_tensor()`), so the rest of Keras — losses, metrics, callbacks —
-only ever sees ordinary tensors. A gradient is brought back to its
-variable's placement as it is accumulated; optimizer slots take their
-variable's placement. Reading a sharded variable whole (`get_weights`,
-`numpy()`) is a collective: every process must do it.
+With a `layout_map` that shards variables, a torch strategy lays its mesh
+over the processes of the job, one process per device. The first mesh axis
+is the batch axis: each position on it is one replica, data parallel with
+the others (gradients averaged over it, as DDP would). The processes along
+the other (model) axes hold one replica between them (tensor parallelism):
+a layer with a sharded variable holds all its variables as
+`torch.distributed.tensor.DTensor`s on that model sub-mesh — sharded where
+the map says, replicated otherwise. Inside such a layer DTensor's own
+collectives do the work; its inputs enter as replicated DTensors and its
+outputs leave as whole tensors (`full_tensor()`), so the rest of Keras —
+losses, metrics, callbacks — only ever sees ordinary tensors. A gradient is
+brought back to its variable's placement as it is accumulated; optimizer
+slots take their variable's placement. Reading a sharded variable whole
+(`get_weights`, `numpy()`) is a collective: every process must do it.
 
-Data × model parallelism (a batch axis of size > 1 next to a sharded axis)
-is not supported here yet: it raises, pointing to the JAX backend.
+Sharding a variable over the batch axis (FSDP-style) is not supported here
+yet: it raises, pointing to the JAX backend.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
@@ -40,22 +43,28 @@ from keras_distribute.backend.torch import TorchEngine
 from keras_distribute.layouts import check_keys_match
 from keras_distribute.layouts import check_layout_fits
 from keras_distribute.layouts import check_layout_map
+from keras_distribute.layouts import sharded_axes
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
 
 
 def check_mesh(layout_map: Any, world_size: int) -> None:
-    """Raises unless the mesh fits a torch job of `world_size` processes."""
+    """Raises unless the mesh and its layouts fit a torch job of
+    `world_size` processes."""
     mesh = layout_map.device_mesh
     size = math.prod(mesh.shape)
-    if len(mesh.shape) > 1 and mesh.shape[0] != 1:
-        raise NotImplementedError(
-            "Sharded layouts on the torch backend run one model replica over "
-            "every process (tensor parallelism): the mesh's first (batch) "
-            f"axis must have size 1. Received: mesh shape "
-            f"{tuple(mesh.shape)}, axes {list(mesh.axis_names)}. Use "
-            f"DeviceMesh((1, {size}), ['batch', 'model'], ...), or the JAX "
-            "backend for data x model parallelism.")
+    if len(mesh.shape) > 1 and mesh.shape[0] > 1:
+        batch_axis = mesh.axis_names[0]
+        for key, layout in layout_map.items():
+            if batch_axis in sharded_axes({key: layout}):
+                raise NotImplementedError(
+                    f"The layout for {key!r} shards a variable over the batch "
+                    f"axis {batch_axis!r} (FSDP-style); on the torch backend "
+                    "variables may be sharded over the model axes only, and "
+                    "are replicated over the batch axis. Received: layout "
+                    f"axes={tuple(layout.axes)}, mesh shape "
+                    f"{tuple(mesh.shape)}. Use None for the batch axis, a "
+                    "batch axis of size 1, or the JAX backend.")
     if size != world_size:
         raise ValueError(
             f"On the torch backend each process is one device of the mesh, "
@@ -66,7 +75,14 @@ def check_mesh(layout_map: Any, world_size: int) -> None:
 
 
 class ShardedTorchEngine(TorchEngine):
-    """One replica over every process, variables laid out by a LayoutMap."""
+    """Variables laid out by a LayoutMap over a (batch, model...) mesh.
+
+    The first mesh axis is the batch axis: each of its positions is one
+    replica (an input pipeline), data parallel with the others; the
+    processes along the other (model) axes hold one replica between them,
+    its sharded variables as DTensors on that model sub-mesh. A 1-D mesh is
+    all model axis: one replica over every process.
+    """
 
     collective_reads = True  # reading a sharded variable whole is collective
 
@@ -77,22 +93,31 @@ class ShardedTorchEngine(TorchEngine):
         mesh = layout_map.device_mesh
         self.layout_map = layout_map
         self.device_mesh = mesh
-        self.torch_mesh = init_device_mesh(
-            device.type, tuple(mesh.shape),
-            mesh_dim_names=tuple(mesh.axis_names))
-        # One replica: every process sees every batch whole.
-        self.num_replicas = 1
-        self.local_replica_ids = (0,)
-        self.num_input_pipelines, self.input_pipeline_id = 1, 0
+        names = list(mesh.axis_names)
+        if len(names) == 1:  # all model: a batch axis of size 1 in front
+            shape, names = (1, mesh.shape[0]), ["kd_replica"] + names
+        else:
+            shape = tuple(mesh.shape)
+        self.model_axes = names[1:]
+        self.torch_mesh = init_device_mesh(device.type, shape,
+                                           mesh_dim_names=tuple(names))
+        self.model_mesh = self.torch_mesh[tuple(self.model_axes)] if len(
+            self.model_axes) > 1 else self.torch_mesh[self.model_axes[0]]
+        replica = self.torch_mesh.get_coordinate()[0]
+        # One replica per position on the batch axis (data parallel).
+        self.num_replicas = shape[0]
+        self.local_replica_ids = (replica,)
+        self.num_input_pipelines, self.input_pipeline_id = shape[0], replica
+        self.replica_group = self.torch_mesh[names[0]].get_group()
         self.process_id, self.process_count = self.rank, self.world_size
         self._keys_checked = weakref.WeakSet()
 
     # ------------------------------------------------------------ variables
     def placements(self, layout: Optional[Any]) -> list:
-        """The torch placement on each mesh dimension of a Keras layout."""
+        """The torch placement on each model-mesh dimension of a layout."""
         axes = list(layout.axes) if layout is not None else []
         placements = []
-        for name in self.device_mesh.axis_names:
+        for name in self.model_axes:
             dims = [d for d, axis in enumerate(axes) if axis == name or (
                 isinstance(axis, (tuple, list)) and name in axis)]
             placements.append(Shard(dims[0]) if dims else Replicate())
@@ -112,6 +137,9 @@ class ShardedTorchEngine(TorchEngine):
         if not any(layout is not None and any(a is not None for a in layout.axes)
                    for layout in layouts):
             return
+        # Values equal everywhere before they are cut (the sub-meshes of
+        # other replicas distribute their own first process's values).
+        self.broadcast_new_variables(only=own)
         for variable, layout in zip(own, layouts):
             if layout is not None:
                 check_layout_fits(layout, variable.path, variable.shape)
@@ -133,7 +161,10 @@ class ShardedTorchEngine(TorchEngine):
 
     def _to_dtensor(self, variable: Any, layout: Any, placements: list):
         local = variable._value.detach()
-        value = distribute_tensor(local, self.torch_mesh, placements,
+        # Every process of the model sub-mesh takes its part of the value
+        # of the sub-mesh's first process (equal across sub-meshes: every
+        # process starts from rank 0's values, broadcast below or here).
+        value = distribute_tensor(local, self.model_mesh, placements,
                                   src_data_rank=0)
         parameter = torch.nn.Parameter(value,
                                        requires_grad=variable.trainable)
@@ -142,8 +173,17 @@ class ShardedTorchEngine(TorchEngine):
         variable._value = parameter
         object.__setattr__(variable, "_layout", layout)
 
-    def broadcast_new_variables(self) -> None:
-        """Rank 0's values for new plain variables (DTensors came from it)."""
+    def broadcast_new_variables(self, only: Optional[list] = None) -> None:
+        """Rank 0's values for new plain variables (DTensors were cut from
+        them), or for the variables `only` (before they are cut)."""
+        if only is not None:
+            with torch.no_grad():
+                for variable in only:
+                    dist.broadcast(variable._value.data, src=0)
+            done = {id(v) for v in only}
+            self._created = [ref for ref in self._created
+                             if id(ref()) not in done]
+            return
         self._created = [ref for ref in self._created if not isinstance(
             getattr(ref(), "_value", None), DTensor)]
         super().broadcast_new_variables()
@@ -162,6 +202,25 @@ class ShardedTorchEngine(TorchEngine):
     def ddp(self, model: Any) -> Any:
         return model  # DTensor's collectives replace DDP's all-reduce
 
+    def sync_gradients(self, variables: Sequence[Any]) -> None:
+        """Averages every gradient over the replicas (the batch axis): one
+        flat all-reduce of this process's parts, as DDP would."""
+        if self.num_replicas == 1:
+            return
+        grads = [v.value.grad for v in variables if v.value.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([t.reshape(-1) for t in local])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_group)
+        flat /= self.num_replicas
+        offset = 0
+        with torch.no_grad():
+            for tensor in local:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(
+                    tensor))
+                offset += tensor.numel()
+
     def train_step(self, model: Any, data: Any) -> Any:
         from keras_distribute.backend import torch_training
 
@@ -170,7 +229,13 @@ class ShardedTorchEngine(TorchEngine):
 
     @contextlib.contextmanager
     def global_metric_states(self, variables: Sequence[Any]):
-        yield  # one replica: every process holds the same metric values
+        """Metric values summed over the replicas (the processes of one
+        replica hold the same values)."""
+        if self.num_replicas == 1:
+            yield
+            return
+        with super().global_metric_states(variables):
+            yield
 
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
@@ -179,9 +244,6 @@ class ShardedTorchEngine(TorchEngine):
             self._keys_checked.add(model)
         return super().call_trainer(method, model, args, kwargs)
 
-    def split_rows(self, batch: int, rank: Optional[int] = None):
-        return 0, batch  # every process takes every batch whole
-
     def sharded_forward(self, forward: Callable, layer: Any, args: tuple,
                         kwargs: dict) -> Any:
         """Calls a sharded layer: replicated DTensors in, whole tensors out."""
@@ -189,8 +251,8 @@ class ShardedTorchEngine(TorchEngine):
             if isinstance(leaf, torch.Tensor) and not isinstance(
                     leaf, DTensor) and leaf.device.type != "meta":
                 return DTensor.from_local(
-                    leaf, self.torch_mesh,
-                    [Replicate()] * self.torch_mesh.ndim, run_check=False)
+                    leaf, self.model_mesh,
+                    [Replicate()] * self.model_mesh.ndim, run_check=False)
             return leaf
 
         if not any(isinstance(leaf, torch.Tensor) and leaf.device.type !=
@@ -201,8 +263,10 @@ class ShardedTorchEngine(TorchEngine):
             outputs = forward(layer, *args, **kwargs)
         return keras.tree.map_structure(whole, outputs)
 
-    # ------------------------------------------------------ one replica
+    # ------------------------------------------- replicas over the batch axis
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.num_replicas > 1:
+            return super().run(strategy, fn, args, kwargs)
         self.broadcast_new_variables()
         local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
         ctx = context.ReplicaContext(strategy, 0, _OneReplica())
@@ -217,8 +281,9 @@ class ShardedTorchEngine(TorchEngine):
         from keras_distribute.backend.torch import _check_axis
         from keras_distribute.backend.torch import _to_tensor
 
-        (value,) = values
-        tensor = whole(_to_tensor(value))
+        tensor = whole(_to_tensor(values[0]))
+        if self.num_replicas > 1:
+            return super().reduce(op, [tensor], axis)
         if axis is None:
             return tensor
         _check_axis(axis, tensor.dim())
@@ -228,7 +293,10 @@ class ShardedTorchEngine(TorchEngine):
     def gather(self, values: Sequence[Any], axis: int) -> Any:
         from keras_distribute.backend.torch import _to_tensor
 
-        return whole(_to_tensor(values[0]))
+        tensor = whole(_to_tensor(values[0]))
+        if self.num_replicas > 1:
+            return super().gather([tensor], axis)
+        return tensor
 
 
 class _OneReplica:

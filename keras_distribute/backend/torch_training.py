@@ -36,10 +36,11 @@ def train_step(engine, model: Any, data: Any) -> Any:
         # global batch so that an uneven split gives the global mean.
         total = engine._all_reduce_sum(
             torch.tensor(float(local), device=engine.device))
-        loss = loss * (engine.world_size * local / total)
+        loss = loss * (engine.num_replicas * local / total)
     if model.trainable_weights:
         loss.backward()
         weights = model.trainable_weights[:]
+        engine.sync_gradients(weights)
         with torch.no_grad():
             model.optimizer.apply([v.value.grad for v in weights], weights)
     else:
@@ -70,7 +71,7 @@ def global_metric_states(engine, variables: Sequence[Any]):
     local = [v.value.detach().clone() for v in variables]
     flat = torch.cat([
         (t.double() if v.aggregation != "only_first_replica" or
-         engine.rank == 0 else torch.zeros_like(t, dtype=torch.float64)
+         engine.input_pipeline_id == 0 else torch.zeros_like(t, dtype=torch.float64)
          ).reshape(-1)
         for v, t in zip(variables, local)]).to(engine.device)
     engine._all_reduce_sum(flat)
@@ -80,7 +81,7 @@ def global_metric_states(engine, variables: Sequence[Any]):
             part = flat[offset:offset + value.numel()].reshape(value.shape)
             offset += value.numel()
             if variable.aggregation == "mean":
-                part = part / engine.world_size
+                part = part / engine.num_replicas
             variable.value.copy_(part.to(value.dtype))
     try:
         yield
