@@ -289,16 +289,36 @@ def sharded_results(tmp_path_factory):
     return results, str(directory / "ckpt")
 
 
-def single_process_sharded_reference():
+def single_process_sharded_reference(dropout=True):
     import keras
 
-    model, x, y, _ = workers.make_sharded_parts()
+    model, x, y, _ = workers.make_sharded_parts(dropout=dropout)
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
                   metrics=["mae"])
     initial = model.get_weights()
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
                         verbose=0)
     return model, initial, history, x, y
+
+
+def assert_like_single_process(results, model, history, x, y, atol):
+    """Every process's weights, logs, evaluate and predict equal the single
+    process run's; every process holds the same weights."""
+    for result in results:
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=atol)
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(result["history"][key],
+                                       history.history[key], rtol=1e-5)
+        np.testing.assert_allclose(
+            result["evaluate"], model.evaluate(x, y, batch_size=16,
+                                               verbose=0), rtol=1e-5)
+        np.testing.assert_allclose(
+            result["predict"], model.predict(x, batch_size=16, verbose=0),
+            atol=1e-5)
+    for result in results[1:]:
+        for a, b in zip(result["weights"], results[0]["weights"]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
@@ -312,22 +332,10 @@ def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
                                           (3,), None, None]
         for a, b in zip(result["initial"], initial):
             np.testing.assert_array_equal(a, b)
-        for a, b in zip(result["weights"], model.get_weights()):
-            np.testing.assert_allclose(a, b, atol=1e-6)
         for a, b in zip(result["optimizer"], expected_optimizer):
             np.testing.assert_allclose(a, b, atol=1e-6)  # slots too
-        for key in ("loss", "mae"):
-            np.testing.assert_allclose(result["history"][key],
-                                       history.history[key], rtol=1e-5)
-        np.testing.assert_allclose(
-            result["evaluate"], model.evaluate(x, y, batch_size=16,
-                                               verbose=0), rtol=1e-5)
-        np.testing.assert_allclose(
-            result["predict"], model.predict(x, batch_size=16, verbose=0),
-            atol=1e-5)
-    first, second = results
-    for a, b in zip(first["weights"], second["weights"]):
-        np.testing.assert_array_equal(a, b)
+    assert_like_single_process(results, model, history, x, y, atol=1e-6)
+    first = results[0]
     for a, b in zip(first["reset"], initial):
         np.testing.assert_array_equal(a, b)  # set_weights on sharded
     assert "size 5, which does not divide" in first["errors"]["indivisible"]
@@ -417,32 +425,13 @@ def test_backup_and_restore_resumes_mid_epoch_across_processes(tmp_path):
 def test_data_times_model_parallel_over_four_processes(tmp_path):
     import json
 
-    import keras
-
     results = kd.launch(workers.sharded_data_parallel_fit, num_processes=4,
                         args=(str(tmp_path),), timeout=TIMEOUT)
-    model, x, y, _ = workers.make_sharded_parts(dropout=False)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
-                  metrics=["mae"])
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
-                        verbose=0)
+    model, _, history, x, y = single_process_sharded_reference(dropout=False)
     for result in results:
         assert result["replicas"] == 2
         assert result["local_shapes"][:4] == [(12, 4), (40, 8), (8,), (8, 3)]
-        for a, b in zip(result["weights"], model.get_weights()):
-            np.testing.assert_allclose(a, b, atol=1e-5)
-        for key in ("loss", "mae"):
-            np.testing.assert_allclose(result["history"][key],
-                                       history.history[key], rtol=1e-5)
-        np.testing.assert_allclose(
-            result["evaluate"], model.evaluate(x, y, batch_size=16,
-                                               verbose=0), rtol=1e-5)
-        np.testing.assert_allclose(
-            result["predict"], model.predict(x, batch_size=16, verbose=0),
-            atol=1e-5)
-    for result in results[1:]:
-        for a, b in zip(result["weights"], results[0]["weights"]):
-            np.testing.assert_array_equal(a, b)
+    assert_like_single_process(results, model, history, x, y, atol=1e-5)
     # Replica 0's two processes wrote one half each; replica 1 nothing.
     with open(os.path.join(results[0]["path"], "index.json")) as f:
         index = json.load(f)
