@@ -444,9 +444,9 @@ class BackupAndRestore(_TrainingStateCallback):
     def _restore_epoch_metrics(self) -> None:
         """Metric state mid-epoch (reset by `fit` at the epoch's start).
 
-        The backup holds all-process values; where processes each keep their
-        share (torch), the chief takes a summed value and the others zero,
-        so that reading them sums to it again.
+        The backup holds all-process values; where each replica's processes
+        keep its share (torch), replica 0 takes a summed value and the others
+        zero, so that reading them sums to it again.
         """
         # The metric variables that exist now (compiled metrics not built
         # yet are restored by `_metrics_builder` from the first batch).
@@ -461,7 +461,7 @@ class BackupAndRestore(_TrainingStateCallback):
         variables = metrics._variables_by_object()["metrics"]
         metrics._restore(self._resume_path, saved, variables)
         if hasattr(engine, "global_metric_states") and not (
-                self._single_process()) and processes_of(engine)[0] != 0:
+                self._single_process()) and engine.input_pipeline_id != 0:
             for variable in variables.values():
                 if getattr(variable, "aggregation", None) == "sum":
                     variable.assign(keras.ops.zeros_like(variable))

@@ -432,6 +432,12 @@ def test_data_times_model_parallel_over_four_processes(tmp_path):
         assert result["replicas"] == 2
         assert result["local_shapes"][:4] == [(12, 4), (40, 8), (8,), (8, 3)]
     assert_like_single_process(results, model, history, x, y, atol=1e-5)
+    for result in results:  # interrupted mid-epoch, resumed: the same run
+        for a, b in zip(result["resumed"], result["weights"]):
+            np.testing.assert_array_equal(a, b)
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(result["resumed_history"][key],
+                                       result["history"][key][1:], rtol=1e-6)
     # Replica 0's two processes wrote one half each; replica 1 nothing.
     with open(os.path.join(results[0]["path"], "index.json")) as f:
         index = json.load(f)

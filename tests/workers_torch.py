@@ -530,7 +530,28 @@ def sharded_data_parallel_fit(directory):
                         verbose=0)
     path = kd.checkpoint.ShardedCheckpoint(model=model).write(
         os.path.join(directory, "ckpt"))
+
+    # Interrupted in epoch 1 (7 steps per epoch), resumed by BackupAndRestore.
+    def fit(callbacks):
+        with strategy.scope():
+            again, _, _, _ = make_sharded_parts(dropout=False)
+            again.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                          metrics=["mae"])
+        logs = again.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                         verbose=0, callbacks=callbacks)
+        return again, logs.history
+
+    backup = os.path.join(directory, "backup")
+    try:
+        fit([kd.callbacks.BackupAndRestore(backup, save_freq=4),
+             interrupt_at(10)])
+    except Interrupt:
+        pass
+    resumed, resumed_history = fit([kd.callbacks.BackupAndRestore(
+        backup, save_freq=4)])
     return {
+        "resumed": resumed.get_weights(),
+        "resumed_history": resumed_history,
         "replicas": strategy.num_replicas_in_sync,
         "history": history.history,
         "weights": model.get_weights(),
