@@ -148,7 +148,7 @@ class ShardedTorchEngine(TorchEngine):
                                       self.device_mesh)
             self._to_dtensor(variable, layout, self.placements(layout))
         object.__setattr__(layer, "_kd_sharded_engine", self)
-        if "_torch_params" in layer.__dict__ or hasattr(layer, "_torch_params"):
+        if hasattr(layer, "_torch_params"):  # tracked already: track again
             layer._track_variables()
 
     def shard_like(self, variable: Any, reference: Any) -> None:
@@ -162,8 +162,8 @@ class ShardedTorchEngine(TorchEngine):
     def _to_dtensor(self, variable: Any, layout: Any, placements: list):
         local = variable._value.detach()
         # Every process of the model sub-mesh takes its part of the value
-        # of the sub-mesh's first process (equal across sub-meshes: every
-        # process starts from rank 0's values, broadcast below or here).
+        # of the sub-mesh's first process (the same in every sub-mesh: the
+        # values were broadcast from rank 0 first, or are optimizer zeros).
         value = distribute_tensor(local, self.model_mesh, placements,
                                   src_data_rank=0)
         parameter = torch.nn.Parameter(value,
