@@ -37,7 +37,10 @@ class CheckpointError(ValueError):
 
 
 def _sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    """The sha256 of an array's bytes, read in place (no copy when it is
+    C-contiguous)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return hashlib.sha256(flat.view(np.uint8)).hexdigest()
 
 
 def _storable(array: np.ndarray) -> np.ndarray:
