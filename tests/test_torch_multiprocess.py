@@ -372,9 +372,10 @@ def test_sharded_checkpoint_restores_onto_sharded_and_one_process(
             source).expect_partial()
         for a, b in zip(plain.get_weights(), first["weights"]):
             np.testing.assert_array_equal(a, b)
-    plain.load_weights(os.path.join(directory, "keras.weights.h5"))
-    for a, b in zip(plain.get_weights(), first["weights"]):
-        np.testing.assert_array_equal(a, b)
+    for name in ("keras.weights.h5", "export.weights.h5"):
+        plain.load_weights(os.path.join(directory, name))
+        for a, b in zip(plain.get_weights(), first["weights"]):
+            np.testing.assert_array_equal(a, b)
     assert os.path.exists(os.path.join(directory, "backup",
                                        "latest.weights.h5"))
 

@@ -431,6 +431,9 @@ def sharded_fit(directory):
     checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
                                                  optimizer=model.optimizer)
     path = checkpoint.write(os.path.join(directory, "ckpt"))
+    # Export reads the sharded weights whole: every process takes part.
+    kd.checkpoint.export_weights(path, model, os.path.join(
+        directory, "export.weights.h5"))
     weights = model.get_weights()
     # A restore into a freshly made sharded model gives the same weights.
     with strategy.scope():

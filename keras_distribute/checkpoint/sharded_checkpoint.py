@@ -462,8 +462,10 @@ def export_weights(checkpoint_path: str, model: Any, filepath: str,
 
     The checkpoint is restored into `model` (built like the saved one), and
     `model.save_weights(filepath)` writes it; in a multi-process job only
-    process 0 writes the file. `model.load_weights(filepath)` reads it
-    back on any backend, without keras_distribute.
+    process 0 writes the file (with a model sharded over the processes,
+    every process must call it: reading the weights whole is a collective).
+    `model.load_weights(filepath)` reads it back on any backend, without
+    keras_distribute.
 
     Args:
         checkpoint_path: A committed checkpoint directory.
