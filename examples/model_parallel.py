@@ -1,21 +1,25 @@
-"""Model parallelism with a LayoutMap (JAX): shard a wide MLP over 2 devices.
+"""Model parallelism with a LayoutMap: shard a wide MLP over 2 devices.
 
-The mesh is 4 replicas x 2 model devices (8 simulated CPU devices). The wide
-layers' kernels are split over the "model" axis; `describe_layout` shows the
-bytes each device holds, and training matches the replicated model.
+JAX: the mesh is 4 replicas x 2 model devices (8 simulated CPU devices).
+PyTorch: 2 replicas x 2 model processes (4 gloo processes through
+`kd.launch`, variables as DTensors). The wide layers' kernels are split over
+the "model" axis; `describe_layout` shows the bytes each device holds.
+TensorFlow refuses sharded layouts.
 
 Usage:
     python examples/model_parallel.py [--epochs 3]
+    KERAS_BACKEND=torch python examples/model_parallel.py --epochs 1
 """
 
 import argparse
 import os
 
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+BACKEND = os.environ.setdefault("KERAS_BACKEND", "jax")
+if BACKEND == "jax":
+    os.environ.setdefault("XLA_FLAGS",
+                          "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 from keras.distribution import DeviceMesh, LayoutMap  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
@@ -37,15 +41,18 @@ def make_model():
     return model
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args(argv)
+def train(epochs):
+    """Runs once (JAX) or in every process (torch)."""
     digits = load_digits()
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int32")
+    if BACKEND == "jax":
+        import jax
 
-    mesh = DeviceMesh((4, 2), ["batch", "model"], jax.devices()[:8])
+        mesh = DeviceMesh((4, 2), ["batch", "model"], jax.devices()[:8])
+    else:  # one process per device
+        mesh = DeviceMesh((2, 2), ["batch", "model"],
+                          [f"cpu:{i}" for i in range(4)])
     layout_map = LayoutMap(mesh)
     layout_map[".*wide_in/kernel"] = (None, "model")   # column-split
     layout_map[".*wide_in/bias"] = ("model",)
@@ -53,10 +60,25 @@ def main(argv=None):
     strategy = kd.MirroredStrategy(layout_map=layout_map)
     with strategy.scope():
         model = make_model()
-    strategy.describe_layout(model)
-    history = model.fit(x, y, batch_size=128, epochs=args.epochs, verbose=2)
-    print(f"final accuracy {history.history['accuracy'][-1]:.4f} on "
-          f"{strategy.num_replicas_in_sync} replicas x 2 model devices")
+    if int(os.environ.get("RANK", "0")) == 0:
+        strategy.describe_layout(model)
+    history = model.fit(x, y, batch_size=128, epochs=epochs,
+                        verbose=2 if int(os.environ.get("RANK", "0")) == 0 else 0)
+    return (history.history["accuracy"][-1],
+            strategy.num_replicas_in_sync)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args(argv)
+    if BACKEND == "torch":
+        accuracy, replicas = kd.launch(train, args=(args.epochs,),
+                                       num_processes=4)[0]
+    else:
+        accuracy, replicas = train(args.epochs)
+    print(f"final accuracy {accuracy:.4f} on {replicas} replicas x 2 "
+          "model devices")
 
 
 if __name__ == "__main__":

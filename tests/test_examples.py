@@ -34,8 +34,8 @@ def run_example(name, args):
 @pytest.mark.parametrize("name, args, expected", RUNS,
                          ids=[r[0] for r in RUNS])
 def test_example_runs(name, args, expected):
-    if name == "model_parallel.py" and BACKEND != "jax":
-        pytest.skip(f"model parallelism needs the JAX backend, not {BACKEND}")
+    if name == "model_parallel.py" and BACKEND == "tensorflow":
+        pytest.skip("sharded layouts: JAX and torch, not tensorflow")
     done = run_example(name, args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert expected in done.stdout
