@@ -203,9 +203,10 @@ class TPUStrategy(Strategy):
                                               logical_device_id: int) -> Any:
         """Places `tensor` on one logical device of its replica.
 
-        XLA's SPMD partitioner on JAX has no single-device placement inside
-        a program, so the tensor is kept replicated across the replica's
-        logical devices (identical values; the id is validated).
+        On TensorFlow this is TPUStrategy's own placement. XLA's SPMD
+        partitioner on JAX has no single-device placement inside a program,
+        so there the tensor is kept replicated across the replica's logical
+        devices (identical values; the id is validated).
 
         Args:
             tensor: A tensor inside a step.
@@ -224,6 +225,9 @@ class TPUStrategy(Strategy):
                 f"`logical_device_id` must be in [0, "
                 f"{self.num_logical_devices}). Received: "
                 f"logical_device_id={logical_device_id!r}.")
+        assign = getattr(self._engine, "assign_to_logical_device", None)
+        if assign is not None:
+            return assign(tensor, logical_device_id)
         return self.experimental_replicate_to_logical_devices(tensor)
 
     def _in_replica(self) -> bool:

@@ -194,3 +194,67 @@ def test_describe_layout_lists_every_variable():
     kernel = next(line for line in text.splitlines() if "d1/kernel" in line)
     assert "(4, 8)" in kernel and expected in kernel and kernel_bytes in kernel
     assert "total per device" in text and lines == [text]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's TPUStrategy path")
+def test_tf_tpu_strategy_wiring_with_a_stand_in_tpu_system(monkeypatch):
+    """No TPU here: TensorFlow's TPU calls are replaced by recorders and the
+    TPUStrategy by a MirroredStrategy, to check what kd passes to them."""
+    import keras
+    import tensorflow as tf
+
+    calls = {}
+    resolver = object()
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster",
+                        lambda r: calls.setdefault("connect", r))
+    monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system",
+                        lambda r: calls.setdefault("init", r) and "topology")
+
+    def build(topology, computation_shape, num_replicas):
+        calls["build"] = (topology, computation_shape, num_replicas)
+        return "tf-assignment"
+
+    class StandIn(tf.distribute.MirroredStrategy):
+        """Takes TPUStrategy's arguments; one CPU device."""
+
+        def __init__(self, r, experimental_device_assignment=None):
+            calls["strategy"] = (r, experimental_device_assignment)
+            super().__init__(["/cpu:0"])
+
+        def experimental_split_to_logical_devices(self, t, parts):
+            calls["split"] = parts
+            return t
+
+        def experimental_replicate_to_logical_devices(self, t):
+            calls["replicate"] = True
+            return t
+
+        def experimental_assign_to_logical_device(self, t, i):
+            calls["assign"] = i
+            return t
+
+    monkeypatch.setattr(tf.tpu.experimental.DeviceAssignment, "build",
+                        staticmethod(build))
+    monkeypatch.setattr(tf.distribute, "TPUStrategy", StandIn)
+    strategy = kd.TPUStrategy(
+        tpu_cluster_resolver=resolver,
+        device_assignment=kd.DeviceAssignment(1, computation_shape=2))
+    assert calls["connect"] is resolver and calls["init"] is resolver
+    assert calls["build"] == ("topology", [1, 1, 1, 2], 1)
+    assert calls["strategy"] == (resolver, "tf-assignment")
+    assert strategy.num_logical_devices == 2
+    x = tf.ones((4, 6))
+    strategy.experimental_split_to_logical_devices(x, [1, 2])
+    strategy.experimental_replicate_to_logical_devices(x)
+    strategy.experimental_assign_to_logical_device(x, 1)
+    assert (calls["split"], calls["replicate"], calls["assign"]) == (
+        [1, 2], True, 1)
+    with strategy.scope():  # fit runs through the (stand-in) tf strategy
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(np.ones((8, 6)), np.ones((8, 2)), batch_size=4,
+                        epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert history.history["loss"][1] < history.history["loss"][0]
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        strategy.experimental_assign_to_logical_device(x, 2)

@@ -114,7 +114,13 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
                     layout_map: Any = None) -> "TfEngine":
-    """`tf.distribute.TPUStrategy` when this host has TPUs."""
+    """`tf.distribute.TPUStrategy` when this host has TPUs.
+
+    Connects to the TPU cluster and initialises its TPU system (the steps of
+    TensorFlow's TPU guide), and turns a `kd.DeviceAssignment` into
+    `tf.tpu.experimental.DeviceAssignment.build(topology, ...)`; the
+    logical-device operations then delegate to TensorFlow's own.
+    """
     _refuse_sharded(layout_map)
     if not tf.config.list_logical_devices("TPU") and tpu_cluster_resolver is None:
         raise RuntimeError(
@@ -125,9 +131,21 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             "kd.DeviceAssignment(..., devices=jax.devices()).")
     resolver = tpu_cluster_resolver or (
         tf.distribute.cluster_resolver.TPUClusterResolver())
-    strategy = tf.distribute.TPUStrategy(resolver)
+    tf.config.experimental_connect_to_cluster(resolver)
+    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    tf_assignment = None
+    if assignment is not None:
+        shape = list(assignment.computation_shape)
+        if len(shape) == 1:  # n cores per replica: the last topology axis
+            shape = [1, 1, 1, shape[0]]
+        tf_assignment = tf.tpu.experimental.DeviceAssignment.build(
+            topology, computation_shape=shape,
+            num_replicas=assignment.num_replicas)
+    strategy = tf.distribute.TPUStrategy(
+        resolver, experimental_device_assignment=tf_assignment)
     engine = TfEngine(None, tf_strategy=strategy)
-    engine.num_logical_devices = 1
+    engine.num_logical_devices = (
+        assignment.num_logical_devices if assignment is not None else 1)
     return engine
 
 
@@ -258,6 +276,21 @@ class TfEngine:
         ):
             return tuple(self.tf_strategy.experimental_local_results(value))
         return None
+
+    def constrain(self, tensor: Any, parts: Sequence[int],
+                  in_replica: bool) -> Any:
+        """TPUStrategy's own split (or replicate) to logical devices."""
+        if all(count == 1 for count in parts):
+            return self.tf_strategy.experimental_replicate_to_logical_devices(
+                tensor)
+        return self.tf_strategy.experimental_split_to_logical_devices(
+            tensor, list(parts))
+
+    def assign_to_logical_device(self, tensor: Any,
+                                 logical_device_id: int) -> Any:
+        """TPUStrategy's own placement on one logical device."""
+        return self.tf_strategy.experimental_assign_to_logical_device(
+            tensor, logical_device_id)
 
     def barrier(self, name: str) -> None:
         if self.multi_worker:  # a one-element all-reduce over every worker
