@@ -229,6 +229,26 @@ def test_manager_keeps_the_last_n_and_one_every_n_steps(tmp_path):
         ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=0)
 
 
+def test_restore_of_none_initializes_as_in_the_tf_checkpoint_guide(
+        tmp_path):
+    # status = ckpt.restore(manager.latest_checkpoint): None on a first run.
+    model = trained()
+    initial = state(model)
+    checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
+    manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=3)
+    assert manager.latest_checkpoint is None
+    status = checkpoint.restore(manager.latest_checkpoint)
+    status.expect_partial()
+    with pytest.raises(AssertionError, match="No checkpoint was given"):
+        status.assert_consumed()
+    for a, b in zip(initial, state(model)):
+        np.testing.assert_array_equal(a, b)  # untouched
+    path = manager.save()
+    again = ckpt.ShardedCheckpoint(model=make_plain_model())
+    again.restore(manager.latest_checkpoint).expect_partial()
+    assert again.save_counter == 1 and path == manager.latest_checkpoint
+
+
 def test_async_save_returns_after_the_copy_and_reraises_failures(
         tmp_path, monkeypatch):
     from keras_distribute.checkpoint import format as ckpt_format

@@ -8,11 +8,12 @@ from keras_distribute.checkpoint.committed import load_variable
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
+from keras_distribute.checkpoint.sharded_checkpoint import InitializationOnlyStatus
 from keras_distribute.checkpoint.sharded_checkpoint import LoadStatus
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.sharded_checkpoint import export_weights
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointOptions",
-           "LoadStatus", "ShardedCheckpoint", "checkpoints_in", "export_weights",
+           "InitializationOnlyStatus", "LoadStatus", "ShardedCheckpoint", "checkpoints_in", "export_weights",
            "latest_checkpoint", "list_variables", "load_variable",
            "read_metadata"]

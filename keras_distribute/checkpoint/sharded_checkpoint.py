@@ -102,6 +102,27 @@ class LoadStatus:
         return self
 
 
+class InitializationOnlyStatus(LoadStatus):
+    """What `read(None)` / `restore(None)` return: nothing was restored
+    (as `tf.train.Checkpoint.restore(None)`, e.g. on a first run where
+    `manager.latest_checkpoint` is `None`); the variables keep their
+    initial values."""
+
+    def __init__(self):
+        super().__init__([], [])
+
+    def assert_consumed(self) -> "LoadStatus":
+        """Raises `AssertionError`: there was no checkpoint to consume."""
+        raise AssertionError(
+            "No checkpoint was given (path=None), so nothing was restored. "
+            "Pass a checkpoint path, e.g. kd.checkpoint.latest_checkpoint("
+            "directory), or skip the assertion on a first run.")
+
+    def assert_existing_objects_matched(self) -> "LoadStatus":
+        """Raises `AssertionError`: no variable was restored."""
+        return self.assert_consumed()
+
+
 # Checkpoints with restores waiting for their variables to be created.
 _waiting: "weakref.WeakSet[ShardedCheckpoint]" = weakref.WeakSet()
 
@@ -342,10 +363,12 @@ class ShardedCheckpoint:
         created (see `LoadStatus.assert_consumed`).
 
         Args:
-            path: A committed checkpoint directory.
+            path: A committed checkpoint directory, or `None` (nothing is
+                restored, as with `tf.train.Checkpoint.restore(None)`).
 
         Returns:
-            A `LoadStatus` (call `assert_consumed()` to require a full match).
+            A `LoadStatus` (call `assert_consumed()` to require a full match);
+            for `None` an `InitializationOnlyStatus`.
 
         Raises:
             CheckpointError: if `path` is not a committed checkpoint, a file
@@ -354,6 +377,8 @@ class ShardedCheckpoint:
         import keras
 
         self.sync()
+        if path is None:
+            return InitializationOnlyStatus()
         path = os.path.abspath(path)
         saved = ckpt_format.read_index(path)["variables"]
         by_object = self._variables_by_object()
@@ -409,12 +434,15 @@ class ShardedCheckpoint:
         """`read`, and take over the checkpoint's `save_counter`.
 
         Args:
-            save_path: A path `save` returned (or `latest_checkpoint`).
+            save_path: A path `save` returned (or `latest_checkpoint`), or
+                `None`: nothing is restored (a first run).
 
         Returns:
             A `LoadStatus`.
         """
         status = self.read(save_path)
+        if save_path is None:
+            return status
         self.save_counter = int(ckpt_format.read_index(save_path).get(
             "save_counter", 0))
         return status
