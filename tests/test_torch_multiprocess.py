@@ -340,6 +340,7 @@ def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
         np.testing.assert_array_equal(a, b)  # set_weights on sharded
     assert "size 5, which does not divide" in first["errors"]["indivisible"]
     assert "matches none of the variables" in first["errors"]["unmatched"]
+    assert "variables were created outs" in first["errors"]["outside"]
     assert "(None, 'model')" in first["layout"]
     assert "up/kernel" in first["layout"] and "1.2 KiB" in first["layout"]
 

@@ -460,6 +460,12 @@ def sharded_fit(directory):
             other.compile(optimizer="sgd", loss="mse")
         except ValueError as error:
             errors["unmatched"] = str(error)
+    outside, _, _, _ = make_sharded_parts()  # built outside the scope
+    try:
+        with strategy.scope():
+            outside.compile(optimizer="sgd", loss="mse")
+    except ValueError as error:
+        errors["outside"] = str(error)
     return {
         "reset": reset,
         "errors": errors,
