@@ -452,3 +452,18 @@ def test_data_times_model_parallel_over_four_processes(tmp_path):
         results[0]["path"]).expect_partial()
     for a, b in zip(plain.get_weights(), results[0]["weights"]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_sharded_transformer_block_matches_one_process():
+    from worker_common import transformer_block
+    from worker_common import transformer_data
+
+    results = kd.launch(workers.sharded_transformer_block, num_processes=2,
+                        timeout=TIMEOUT)
+    reference = transformer_block()
+    x, y = transformer_data()
+    reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    for result in results:
+        assert result["query_local"] == (16, 1, 8)  # 2 heads over 2
+        for a, b in zip(result["weights"], reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)

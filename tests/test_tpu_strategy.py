@@ -6,6 +6,9 @@ import pytest
 import keras
 import keras_distribute as kd
 from conftest import BACKEND
+from worker_common import TRANSFORMER_LAYOUTS
+from worker_common import transformer_block
+from worker_common import transformer_data
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="TPUStrategy: JAX")
 
@@ -45,31 +48,10 @@ def test_device_assignment_errors(args, match):
         kd.DeviceAssignment(*args, devices=jax.devices())
 
 
-def transformer_block(seed=3):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((8, 16))
-    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8,
-                                                name="attention")
-    x = keras.layers.LayerNormalization(name="norm1")(
-        inputs + attention(inputs, inputs))
-    hidden = keras.layers.Dense(32, activation="tanh", name="ffn_in")(x)
-    x = keras.layers.LayerNormalization(name="norm2")(
-        x + keras.layers.Dense(16, name="ffn_out")(hidden))
-    outputs = keras.layers.Dense(3, name="head")(
-        keras.layers.GlobalAveragePooling1D()(x))
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.SGD(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
-    return model
-
-
 def test_transformer_block_sharded_over_model_axis_matches_one_device():
     from keras.distribution import DeviceMesh, LayoutMap
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 8, 16)).astype("float32")
-    y = rng.integers(0, 3, size=(64,))
+    x, y = transformer_data()
     reference = transformer_block()
     reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
 
@@ -77,10 +59,8 @@ def test_transformer_block_sharded_over_model_axis_matches_one_device():
 
     mesh = DeviceMesh((4, 2), ["batch", "model"], jax.devices())
     layout_map = LayoutMap(mesh)
-    layout_map[".*attention/(query|key|value)/kernel"] = (None, "model", None)
-    layout_map[".*attention/attention_output/kernel"] = ("model", None, None)
-    layout_map[".*ffn_in/kernel"] = (None, "model")
-    layout_map[".*ffn_out/kernel"] = ("model", None)
+    for key, axes in TRANSFORMER_LAYOUTS:
+        layout_map[key] = axes
     strategy = kd.TPUStrategy(device_assignment=assignment(),
                               layout_map=layout_map)
     with strategy.scope():

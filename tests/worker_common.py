@@ -130,3 +130,41 @@ def assert_checkpoints_hold(results, directory):
     assert kd.checkpoint.read_metadata(backup)["step"] == 2  # epoch 1, step 2
     assert not [name for name in os.listdir(directory)
                 if name.endswith(".tmp")]
+
+
+# A transformer block (attention + feed-forward) and the layouts that shard
+# it over a "model" axis: the TPUStrategy test (JAX) and the DTensor test
+# (torch) train it sharded and compare with one device.
+TRANSFORMER_LAYOUTS = [
+    (".*attention/(query|key|value)/kernel", (None, "model", None)),
+    (".*attention/attention_output/kernel", ("model", None, None)),
+    (".*ffn_in/kernel", (None, "model")),
+    (".*ffn_out/kernel", ("model", None)),
+]
+
+
+def transformer_block(seed=3):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 16))
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8,
+                                                name="attention")
+    x = keras.layers.LayerNormalization(name="norm1")(
+        inputs + attention(inputs, inputs))
+    hidden = keras.layers.Dense(32, activation="tanh", name="ffn_in")(x)
+    x = keras.layers.LayerNormalization(name="norm2")(
+        x + keras.layers.Dense(16, name="ffn_out")(hidden))
+    outputs = keras.layers.Dense(3, name="head")(
+        keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def transformer_data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(64, 8, 16)).astype("float32"),
+            rng.integers(0, 3, size=(64,)))

@@ -570,3 +570,28 @@ def sharded_data_parallel_fit(directory):
         "predict": model.predict(x, batch_size=16, verbose=0),
         "path": path,
     }
+
+
+def sharded_transformer_block():
+    """The transformer block with its attention and feed-forward kernels
+    sharded over 2 processes (DTensor); returns the trained weights."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+    from worker_common import TRANSFORMER_LAYOUTS
+    from worker_common import transformer_block
+    from worker_common import transformer_data
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         ["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in TRANSFORMER_LAYOUTS:
+        layout_map[key] = axes
+    with kd.MirroredStrategy(layout_map=layout_map).scope():
+        model = transformer_block()
+    x, y = transformer_data()
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    query = model.get_layer("attention")._query_dense.kernel.value
+    return {"weights": model.get_weights(),
+            "query_local": tuple(query.to_local().shape)}
