@@ -294,7 +294,7 @@ def _install_torch_sharding_hooks() -> None:
     from keras.src.layers import layer as keras_layer
     from keras.src.optimizers import base_optimizer
 
-    from keras_distribute.backend import torch as torch_backend
+    from keras_distribute.backend import torch_variables
 
     original_post_build = keras_layer.Layer._post_build
 
@@ -302,7 +302,7 @@ def _install_torch_sharding_hooks() -> None:
     def _post_build(self):
         original_post_build(self)
         if not in_stateless_scope():
-            torch_backend.on_layer_built(self)
+            torch_variables.on_layer_built(self)
 
     original_forward = torch_layer.TorchLayer.forward
 
@@ -317,20 +317,20 @@ def _install_torch_sharding_hooks() -> None:
     @functools.wraps(original_slot)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
         variable = original_slot(self, reference_variable, *args, **kwargs)
-        torch_backend.on_slot_created(variable, reference_variable)
+        torch_variables.on_slot_created(variable, reference_variable)
         return variable
 
     original_numpy = torch_core.convert_to_numpy
 
     @functools.wraps(original_numpy)
     def convert_to_numpy(x):
-        return original_numpy(torch_backend.whole_value(x))
+        return original_numpy(torch_variables.whole_value(x))
 
     original_assign = torch_core.Variable._direct_assign
 
     @functools.wraps(original_assign)
     def _direct_assign(self, value):
-        if not torch_backend.assign_sharded(self, value):
+        if not torch_variables.assign_sharded(self, value):
             original_assign(self, value)
 
     parallel = torch_parallel_optimizer.TorchParallelOptimizer
@@ -339,16 +339,16 @@ def _install_torch_sharding_hooks() -> None:
 
     def _backend_update_step(self, grads, trainable_variables,
                              learning_rate):
-        for variables, group in torch_backend.split_sharded(
+        for variables, group in torch_variables.split_sharded(
                 trainable_variables, grads):
             original_update(self, group, variables, learning_rate)
 
     def _backend_reset_gradient_accumulators(self):
-        torch_backend.zero_variables(
+        torch_variables.zero_variables(
             [v for v in self._accumulated_gradients if v is not None])
 
     def _backend_increment_gradient_accumulators(self, grads, acc_grads):
-        for accumulators, group in torch_backend.split_sharded(acc_grads,
+        for accumulators, group in torch_variables.split_sharded(acc_grads,
                                                                grads):
             original_increment(self, group, accumulators)
 
