@@ -1,4 +1,4 @@
-"""Command-line options shared by the fit benchmarks (imports no framework)."""
+"""Command-line options shared by the benchmarks (imports no framework)."""
 
 import argparse
 
@@ -10,4 +10,13 @@ def fit_benchmark_args(description: str, devices: int):
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=256)
+    return parser.parse_args()
+
+
+def model_parallel_args(description: str, width: int):
+    """`--steps`, `--trials`, `--width` (of the sharded layer), parsed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--width", type=int, default=width)
     return parser.parse_args()

@@ -14,7 +14,6 @@ Usage:
     python benchmarks/bench_model_parallel_jax.py [--steps 20] [--trials 3]
 """
 
-import argparse
 import json
 import os
 import sys
@@ -23,11 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
-    return parser.parse_args()
+    from _args import model_parallel_args
+
+    return model_parallel_args(__doc__.splitlines()[0], width=512)
 
 
 ARGS = parse_args()

@@ -18,7 +18,6 @@ Usage:
     python benchmarks/bench_model_parallel_torch.py [--steps 20] [--width 2048]
 """
 
-import argparse
 import json
 import os
 import sys
@@ -28,11 +27,9 @@ os.environ["KERAS_BACKEND"] = "torch"
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--width", type=int, default=2048)
-    return parser.parse_args()
+    from _args import model_parallel_args
+
+    return model_parallel_args(__doc__.splitlines()[0], width=2048)
 
 
 def local_bytes(variables):
