@@ -71,9 +71,6 @@ class _TrainingStateCallback(keras.callbacks.Callback):
         self._rng_at_epoch_begin: Optional[Dict[str, Any]] = None
 
     # --------------------------------------------------------------- state
-    def _single_process(self) -> bool:
-        return self._checkpoint._engine().num_input_pipelines == 1
-
     def _make_checkpoint(self) -> _Checkpoint:
         model = self.model
         if not model.built:
@@ -171,9 +168,9 @@ class _TrainingStateCallback(keras.callbacks.Callback):
     def _global_metric_states(self):
         """While saving, metric variables hold their all-process values
         (torch processes each keep their own share; a collective)."""
-        engine = self._checkpoint._engine()
-        states = getattr(engine, "global_metric_states", None)
-        if states is None or self._single_process():
+        states = getattr(self._checkpoint._engine(), "global_metric_states",
+                         None)
+        if states is None:
             return contextlib.nullcontext()
         return states(self.model.metrics_variables)
 
@@ -450,21 +447,14 @@ class BackupAndRestore(_TrainingStateCallback):
         """
         # The metric variables that exist now (compiled metrics not built
         # yet are restored by `_metrics_builder` from the first batch).
-        engine = self._checkpoint._engine()
-        pending = getattr(engine, "broadcast_new_variables", None)
-        if pending is not None:
-            # torch: variables made in scope (compiled metrics) still wait
-            # for process 0's values; that must not land on restored ones.
-            pending()
         metrics = _Checkpoint(metrics=self._checkpoint._objects["metrics"])
         saved = ckpt_format.read_index(self._resume_path)["variables"]
         variables = metrics._variables_by_object()["metrics"]
-        metrics._restore(self._resume_path, saved, variables)
-        if hasattr(engine, "global_metric_states") and not (
-                self._single_process()) and engine.input_pipeline_id != 0:
-            for variable in variables.values():
-                if getattr(variable, "aggregation", None) == "sum":
-                    variable.assign(keras.ops.zeros_like(variable))
+        restoring = getattr(self._checkpoint._engine(),
+                            "restoring_metric_states", None)
+        with (restoring(list(variables.values())) if restoring is not None
+              else contextlib.nullcontext()):
+            metrics._restore(self._resume_path, saved, variables)
 
     def _save(self, epoch: int, step: int, logs) -> None:
         self._manager.save(options=self._options(),

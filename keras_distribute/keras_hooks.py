@@ -26,6 +26,8 @@ them, on first use (the first strategy created, never at import), and
 6. Checkpoints (installed on the first deferred restore only): after a
    layer's build, before `fit` & co. start and before an optimizer's first
    slot is made, restores waiting for those variables are applied.
+7. PyTorch sharded layouts (installed by the first sharding engine only):
+   see `install_torch_sharding_hooks`.
 """
 
 import functools
@@ -276,15 +278,29 @@ def _install_torch_hooks() -> None:
     _patch(torch_core.Variable, "_initialize", _initialize)
     _patch(torch_trainer.TorchTrainer, "train_step", train_step)
     _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
-    _install_torch_sharding_hooks()
+
+
+_torch_sharding_hooks_installed = False
+
+
+def install_torch_sharding_hooks() -> None:
+    """7. Sharded layouts on torch (`backend/torch_sharding.py`; installed
+    when the first sharding engine is made, so plain torch runs pay
+    nothing): a built layer's variables become DTensors, an optimizer slot
+    takes its variable's placement, a sharded layer is called with
+    replicated inputs and returns whole outputs, reading or assigning a
+    sharded variable whole works (`get_weights`, `set_weights`), and Keras'
+    torch optimizers update DTensors and tensors in separate `_foreach`
+    groups. `uninstall()` removes them."""
+    global _torch_sharding_hooks_installed
+    with _lock:
+        if _torch_sharding_hooks_installed:
+            return
+        _torch_sharding_hooks_installed = True
+        _install_torch_sharding_hooks()
 
 
 def _install_torch_sharding_hooks() -> None:
-    """Sharded layouts on torch (`backend/torch_sharding.py`): a built
-    layer's variables become DTensors, an optimizer slot takes its
-    variable's placement, a sharded layer is called with replicated inputs
-    and returns whole outputs, and reading or assigning a sharded variable
-    whole works (`get_weights`, `set_weights`)."""
     import keras.src.backend as keras_backend
     from keras.src.backend import torch as torch_package
     from keras.src.backend.common.stateless_scope import in_stateless_scope
@@ -425,9 +441,10 @@ def install() -> None:
 
 def uninstall() -> None:
     """Removes every hook, restoring Keras exactly as it was."""
-    global _checkpoint_hooks_installed
+    global _checkpoint_hooks_installed, _torch_sharding_hooks_installed
     with _lock:
         _checkpoint_hooks_installed = False
+        _torch_sharding_hooks_installed = False
         while _originals:
             owner, name, original, had_own = _originals.pop()
             if had_own:

@@ -305,6 +305,12 @@ class TorchEngine:
 
         return torch_training.global_metric_states(self, variables)
 
+    def restoring_metric_states(self, variables: Sequence[Any]):
+        """Around a restore of all-process metric values (a context)."""
+        from keras_distribute.backend import torch_training
+
+        return torch_training.restoring_metric_states(self, variables)
+
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:
         return value

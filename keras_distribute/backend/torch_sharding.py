@@ -87,9 +87,12 @@ class ShardedTorchEngine(TorchEngine):
     collective_reads = True  # reading a sharded variable whole is collective
 
     def __init__(self, device: Any, layout_map: Any):
+        from keras_distribute import keras_hooks
+
         super().__init__(device)
         check_layout_map(layout_map)
         check_mesh(layout_map, self.world_size)
+        keras_hooks.install_torch_sharding_hooks()
         mesh = layout_map.device_mesh
         self.layout_map = layout_map
         self.device_mesh = mesh

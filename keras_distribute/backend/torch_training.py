@@ -89,3 +89,21 @@ def global_metric_states(engine, variables: Sequence[Any]):
         with torch.no_grad():
             for variable, value in zip(variables, local):
                 variable.value.copy_(value)
+
+
+@contextlib.contextmanager
+def restoring_metric_states(engine, variables: Sequence[Any]):
+    """Around assigning all-process metric values (a restore).
+
+    Pending rank-0 broadcasts of new variables (compiled metrics) land
+    first, not on the restored values; afterwards only replica 0 keeps the
+    summed (`"sum"`) values and the others hold zero, so that reading them
+    sums to the restored values again.
+    """
+    engine.broadcast_new_variables()
+    yield
+    if engine.input_pipeline_id != 0:
+        with torch.no_grad():
+            for variable in variables:
+                if getattr(variable, "aggregation", None) == "sum":
+                    variable.value.zero_()
