@@ -29,6 +29,7 @@ from keras_distribute.values import PerReplica
 # What the checkpoint reads through the backend module (DTensor-aware):
 from keras_distribute.backend.torch_variables import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.torch_variables import checkpoint_pieces  # noqa: F401
+from keras_distribute.backend.torch_variables import whole_value
 
 name = "torch"
 DEFAULT_TIMEOUT_S = 120.0
@@ -439,10 +440,11 @@ def _check_axis(axis: int, rank: int) -> None:
 
 
 def _to_tensor(value: Any) -> Any:
+    """A torch tensor of `value`; a sharded one whole (a collective)."""
     if isinstance(value, keras.Variable):
-        return value.value
+        value = value.value
     if isinstance(value, torch.Tensor):
-        return value
+        return whole_value(value)
     if hasattr(value, "numpy") and not isinstance(value, np.generic):
         value = value.numpy()
     return torch.as_tensor(np.asarray(value))

@@ -38,14 +38,12 @@ from torch.distributed.tensor.experimental import implicit_replication
 import keras
 from keras.distribution import TensorLayout
 
-from keras_distribute import context
 from keras_distribute.backend.torch import TorchEngine
+from keras_distribute.backend.torch_variables import whole_value
 from keras_distribute.layouts import check_keys_match
 from keras_distribute.layouts import check_layout_fits
 from keras_distribute.layouts import check_layout_map
 from keras_distribute.layouts import sharded_axes
-from keras_distribute.reduce_op import ReduceOp
-from keras_distribute.values import PerReplica
 
 
 def check_mesh(layout_map: Any, world_size: int) -> None:
@@ -264,57 +262,7 @@ class ShardedTorchEngine(TorchEngine):
         args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
         with implicit_replication():
             outputs = forward(layer, *args, **kwargs)
-        return keras.tree.map_structure(whole, outputs)
-
-    # ------------------------------------------- replicas over the batch axis
-    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.num_replicas > 1:
-            return super().run(strategy, fn, args, kwargs)
-        self.broadcast_new_variables()
-        local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
-        ctx = context.ReplicaContext(strategy, 0, _OneReplica())
-        with context._enter(strategy, ctx):
-            result = fn(*keras.tree.map_structure(local, args),
-                        **keras.tree.map_structure(local, kwargs))
-        return keras.tree.map_structure(
-            lambda out: out if out is None else PerReplica([out]), result)
-
-    def reduce(self, op: ReduceOp, values: Sequence[Any],
-               axis: Optional[int]) -> Any:
-        from keras_distribute.backend.torch import _check_axis
-        from keras_distribute.backend.torch import _to_tensor
-
-        tensor = whole(_to_tensor(values[0]))
-        if self.num_replicas > 1:
-            return super().reduce(op, [tensor], axis)
-        if axis is None:
-            return tensor
-        _check_axis(axis, tensor.dim())
-        return tensor.sum(dim=axis) if op is ReduceOp.SUM else (
-            tensor.float().mean(dim=axis))
-
-    def gather(self, values: Sequence[Any], axis: int) -> Any:
-        from keras_distribute.backend.torch import _to_tensor
-
-        tensor = whole(_to_tensor(values[0]))
-        if self.num_replicas > 1:
-            return super().gather([tensor], axis)
-        return tensor
-
-
-class _OneReplica:
-    """The collectives of a single replica: nothing to combine."""
-
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        return keras.tree.map_structure(whole, value)
-
-    def all_gather(self, value: Any, axis: int) -> Any:
-        return keras.tree.map_structure(whole, value)
-
-
-def whole(value: Any) -> Any:
-    """A DTensor as the whole tensor (a collective); anything else as is."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+        return keras.tree.map_structure(whole_value, outputs)
 
 
 def _align_gradient(parameter: Any) -> None:
