@@ -25,7 +25,6 @@ from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
 from keras_distribute.checkpoint.sharded_checkpoint import finish_background_saves
-from keras_distribute.checkpoint.sharded_checkpoint import processes_of
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.training_state import CALLBACK_STATE
@@ -319,7 +318,7 @@ class ShardedCheckpoint(_TrainingStateCallback):
     def _after_best(self, path: str) -> None:
         """Links `path` into `best/` once committed; trims `best/`."""
         checkpoint = self._checkpoint
-        is_chief = processes_of(checkpoint._engine())[0] == 0
+        is_chief = checkpoint._engine().process_id == 0
 
         def keep():
             if not is_chief:
@@ -463,6 +462,6 @@ class BackupAndRestore(_TrainingStateCallback):
     def on_train_end(self, logs=None):
         self._checkpoint.sync()
         self.model._initial_epoch = None
-        if self.delete_checkpoint and processes_of(
-                self._checkpoint._engine())[0] == 0:
+        if self.delete_checkpoint and (
+                self._checkpoint._engine().process_id == 0):
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -30,6 +30,7 @@ class _InPlaceEngine:
     num_replicas = 1
     local_replica_ids = (0,)
     num_input_pipelines, input_pipeline_id = 1, 0
+    process_count, process_id = 1, 0
     device_mesh = None
     distribution = None
 

@@ -18,8 +18,10 @@ class ReplicaEngine(Protocol):
     devices: tuple
     num_replicas: int  # replicas in sync, over every process
     local_replica_ids: tuple  # the replicas this process runs
-    num_input_pipelines: int  # one per process
+    num_input_pipelines: int  # one per process (or per replica group)
     input_pipeline_id: int
+    process_count: int  # processes of the job (checkpoint writers)
+    process_id: int  # this process; 0 is the chief
     device_mesh: Any  # keras.distribution.DeviceMesh
     distribution: Any  # keras.distribution.Distribution or None
 

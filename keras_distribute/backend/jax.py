@@ -134,6 +134,7 @@ class JaxEngine:
         self.multi_process = self.world_size > 1
         self.num_input_pipelines = self.world_size
         self.input_pipeline_id = self.rank
+        self.process_count, self.process_id = self.world_size, self.rank
         if self.multi_process:
             # Each process is handed its own rows (process_data.py).
             self.distribution.auto_shard_dataset = False

@@ -232,6 +232,8 @@ class TfEngine:
         self.num_input_pipelines = (
             resolver.num_processes if resolver is not None else 1)
         self.input_pipeline_id = resolver.process_id if resolver else 0
+        self.process_count = self.num_input_pipelines
+        self.process_id = self.input_pipeline_id
         self.device_mesh = DeviceMesh(
             shape=(self.num_replicas,), axis_names=["batch"],
             devices=[f"cpu:{i}" for i in range(self.num_replicas)]

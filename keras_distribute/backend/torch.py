@@ -194,6 +194,7 @@ class TorchEngine:
         self.local_replica_ids = (self.rank,)
         self.num_input_pipelines = self.world_size
         self.input_pipeline_id = self.rank
+        self.process_count, self.process_id = self.world_size, self.rank
         # The processes a replica-level collective spans (None: all). One
         # replica per process here; a sharding engine narrows it.
         self.replica_group = None

@@ -110,7 +110,6 @@ class ShardedTorchEngine(TorchEngine):
         self.local_replica_ids = (replica,)
         self.num_input_pipelines, self.input_pipeline_id = shape[0], replica
         self.replica_group = self.torch_mesh[names[0]].get_group()
-        self.process_id, self.process_count = self.rank, self.world_size
         self._keys_checked = weakref.WeakSet()
 
     # ------------------------------------------------------------ variables

@@ -6,7 +6,6 @@ from typing import Any, Dict, List, Optional
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
-from keras_distribute.checkpoint.sharded_checkpoint import processes_of
 from keras_distribute.checkpoint.committed import checkpoints_in
 
 
@@ -70,7 +69,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.checkpoint_name = checkpoint_name
-        self._is_chief = processes_of(checkpoint._engine())[0] == 0
+        self._is_chief = checkpoint._engine().process_id == 0
         if self._is_chief:
             os.makedirs(self.directory, exist_ok=True)
             ckpt_format.clean_unfinished(self.directory)

@@ -7,7 +7,7 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -264,7 +264,7 @@ class ShardedCheckpoint:
         self.sync()  # one save at a time; re-raises a failed background one
         path = os.path.abspath(path)
         engine = self._engine()
-        process_id, process_count = processes_of(engine)
+        process_id, process_count = engine.process_id, engine.process_count
         if process_id == 0:
             ckpt_format.prepare(path)
         engine.barrier("keras_distribute.checkpoint.prepare")
@@ -525,23 +525,13 @@ def export_weights(checkpoint_path: str, model: Any, filepath: str,
             "The model is not built, so its weights cannot be exported. "
             "Build it first (call it on a batch, or model.build(shape)).")
     engine = checkpoint._engine()
-    if processes_of(engine)[0] == 0:
+    if engine.process_id == 0:
         model.save_weights(filepath, overwrite=True)
     elif getattr(engine, "collective_reads", False):
         # Reading sharded weights whole is a collective: join the chief's.
         with tempfile.TemporaryDirectory(prefix="kd-export-") as scratch:
             model.save_weights(os.path.join(scratch, "w.weights.h5"))
     return filepath
-
-
-def processes_of(engine: Any) -> Tuple[int, int]:
-    """`(this process, number of processes)` writing a checkpoint.
-
-    The input pipelines, except where several processes share one (a model
-    sharded over processes on torch), then the processes themselves.
-    """
-    return (getattr(engine, "process_id", engine.input_pipeline_id),
-            getattr(engine, "process_count", engine.num_input_pipelines))
 
 
 # Checkpoints with a background save that may still run (weakly held).
