@@ -26,12 +26,18 @@ def _redirect(callback: Any, scratch: str, saved: list,
         saved.append((callback, name, callback.__dict__.get(name, _MISSING)))
         setattr(callback, name, value)
 
-    def save_into_scratch(*names: str) -> None:
-        """Saves as the chief does (same reads, same order) into scratch."""
+    def no_save(*paths: str) -> None:
+        """The chief's save writes the file. With collective reads (a model
+        sharded over the processes) it reads every process's part, so the
+        others save too — as the chief does, into scratch (`paths`, the
+        callback's attributes naming files, point there meanwhile)."""
+        if not collective_reads:
+            swap("_save_model", _no_write)
+            return
         save = callback._save_model
 
         def scratch_save(*args, **kwargs):
-            real = {name: getattr(callback, name) for name in names}
+            real = {name: getattr(callback, name) for name in paths}
             for name, path in real.items():
                 setattr(callback, name, os.path.join(
                     scratch, os.path.basename(str(path))))
@@ -43,22 +49,12 @@ def _redirect(callback: Any, scratch: str, saved: list,
 
         swap("_save_model", scratch_save)
 
-    # With collective reads (a model sharded over the processes) the chief's
-    # save reads every process's part, so the others must save too.
     if isinstance(callback, keras.callbacks.BackupAndRestore):
         swap("delete_checkpoint", False)      # the chief deletes it at the end
-        if collective_reads:
-            save_into_scratch("backup_dir", "_weights_path",
-                              "_training_metadata_path",
-                              "_prev_weights_path",
-                              "_prev_training_metadata_path")
-        else:
-            swap("_save_model", _no_write)    # the chief writes the backup
+        no_save("backup_dir", "_weights_path", "_training_metadata_path",
+                "_prev_weights_path", "_prev_training_metadata_path")
     elif isinstance(callback, keras.callbacks.ModelCheckpoint):
-        if collective_reads:
-            save_into_scratch("filepath")
-        else:
-            swap("_save_model", _no_write)
+        no_save("filepath")
     elif isinstance(callback, keras.callbacks.CSVLogger):
         swap("filename", os.path.join(scratch, "log.csv"))
     elif isinstance(callback, keras.callbacks.TensorBoard):
