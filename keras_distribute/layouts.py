@@ -7,24 +7,35 @@ framework.
 """
 
 import re
-from typing import Any, List
+from typing import Any, List, Tuple
+
+
+def axis_names(axis: Any) -> Tuple[str, ...]:
+    """The mesh axes one dimension's entry of a layout names: `None` is
+    none, a name one, a tuple of names several."""
+    names = axis if isinstance(axis, (tuple, list)) else (axis,)
+    return tuple(name for name in names if name is not None)
+
+
+def layout_axes(layout: Any) -> List[str]:
+    """The mesh axes a layout shards over, in order (none: `[]`)."""
+    axes = []
+    for axis in layout.axes:
+        axes += [name for name in axis_names(axis) if name not in axes]
+    return axes
 
 
 def sharded_axes(layout_map: Any) -> List[str]:
     """The mesh axes any layout of `layout_map` shards over (none: `[]`)."""
     axes = []
     for layout in layout_map.values():
-        for axis in layout.axes:
-            for name in axis if isinstance(axis, (tuple, list)) else (axis,):
-                if name is not None and name not in axes:
-                    axes.append(name)
+        axes += [name for name in layout_axes(layout) if name not in axes]
     return axes
 
 
 def axis_size(mesh, axis) -> int:
-    names = axis if isinstance(axis, (tuple, list)) else (axis,)
     size = 1
-    for name in names:
+    for name in axis_names(axis):
         size *= mesh.shape[mesh.axis_names.index(name)]
     return size
 
@@ -71,9 +82,8 @@ def check_layout_map(layout_map) -> None:
     mesh = layout_map.device_mesh
     for key, layout in layout_map.items():
         for axis in layout.axes:
-            names = axis if isinstance(axis, (tuple, list)) else (axis,)
-            unknown = [n for n in names if n is not None and n not in
-                       mesh.axis_names]
+            unknown = [n for n in axis_names(axis)
+                       if n not in mesh.axis_names]
             if unknown:
                 raise ValueError(
                     f"The layout for {key!r} names mesh axis {unknown[0]!r}, "

@@ -21,6 +21,7 @@ from keras_distribute.backend import tf_fit
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.devices import choose_local
 from keras_distribute.devices import parse_device_name
+from keras_distribute.layouts import layout_axes
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
 
@@ -154,7 +155,7 @@ def _refuse_sharded(layout_map: Any) -> None:
         return
     sharded = {
         key: layout.axes for key, layout in layout_map.items()
-        if any(axis is not None for axis in layout.axes)
+        if layout_axes(layout)
     }
     if sharded:
         raise NotImplementedError(

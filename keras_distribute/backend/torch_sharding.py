@@ -43,7 +43,8 @@ from keras_distribute.backend.torch_variables import whole_value
 from keras_distribute.layouts import check_keys_match
 from keras_distribute.layouts import check_layout_fits
 from keras_distribute.layouts import check_layout_map
-from keras_distribute.layouts import sharded_axes
+from keras_distribute.layouts import axis_names
+from keras_distribute.layouts import layout_axes
 
 
 def check_mesh(layout_map: Any, world_size: int) -> None:
@@ -54,7 +55,7 @@ def check_mesh(layout_map: Any, world_size: int) -> None:
     if len(mesh.shape) > 1 and mesh.shape[0] > 1:
         batch_axis = mesh.axis_names[0]
         for key, layout in layout_map.items():
-            if batch_axis in sharded_axes({key: layout}):
+            if batch_axis in layout_axes(layout):
                 raise NotImplementedError(
                     f"The layout for {key!r} shards a variable over the batch "
                     f"axis {batch_axis!r} (FSDP-style); on the torch backend "
@@ -118,8 +119,8 @@ class ShardedTorchEngine(TorchEngine):
         axes = list(layout.axes) if layout is not None else []
         placements = []
         for name in self.model_axes:
-            dims = [d for d, axis in enumerate(axes) if axis == name or (
-                isinstance(axis, (tuple, list)) and name in axis)]
+            dims = [d for d, axis in enumerate(axes)
+                    if name in axis_names(axis)]
             placements.append(Shard(dims[0]) if dims else Replicate())
         return placements
 
@@ -134,7 +135,7 @@ class ShardedTorchEngine(TorchEngine):
                if getattr(v, "_kd_engine", None) is self
                and v._value is not None and not isinstance(v._value, DTensor)]
         layouts = [self.layout_map[v.path] for v in own]
-        if not any(layout is not None and any(a is not None for a in layout.axes)
+        if not any(layout is not None and layout_axes(layout)
                    for layout in layouts):
             return
         # Values equal everywhere before they are cut (the sub-meshes of
@@ -281,11 +282,14 @@ def local_region(value: Any) -> tuple:
     return tuple((o, o + n) for o, n in zip(offset, shape))
 
 
-def owns_unique_piece(value: Any) -> bool:
-    """Whether this process writes its piece (first along replicated dims)."""
+def writes_piece(engine: Any, value: Any) -> bool:
+    """Whether this process writes its piece of `value` to a checkpoint:
+    in replica 0 only, and first along the model dimensions that replicate
+    it (every piece once)."""
     coordinate = value.device_mesh.get_coordinate()
-    return all(c == 0 for c, p in zip(coordinate, value.placements)
-               if not isinstance(p, Shard))
+    return engine.input_pipeline_id == 0 and all(
+        c == 0 for c, p in zip(coordinate, value.placements)
+        if not isinstance(p, Shard))
 
 
 def assign_whole(variable: Any, array: Any) -> None:

@@ -44,10 +44,8 @@ def checkpoint_pieces(variable: Any) -> list:
     if _is_dtensor(value):
         from keras_distribute.backend import torch_sharding
 
-        engine = getattr(variable, "_kd_engine", None)
-        if getattr(engine, "input_pipeline_id", 0) != 0 or not (
-                torch_sharding.owns_unique_piece(value)):
-            return []  # another replica, or another process of this one
+        if not torch_sharding.writes_piece(variable._kd_engine, value):
+            return []  # another replica's, or another process's of this one
         local = keras.ops.convert_to_numpy(value.to_local())
         return [(torch_sharding.local_region(value), local)]
     if dist.is_initialized() and dist.get_rank() != 0:
