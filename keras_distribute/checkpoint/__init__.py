@@ -8,8 +8,8 @@ from keras_distribute.checkpoint.committed import load_variable
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
-from keras_distribute.checkpoint.sharded_checkpoint import InitializationOnlyStatus
-from keras_distribute.checkpoint.sharded_checkpoint import LoadStatus
+from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
+from keras_distribute.checkpoint.load_status import LoadStatus
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.sharded_checkpoint import export_weights
 
