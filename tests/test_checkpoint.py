@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -95,6 +96,48 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         checkpoint.write(path)
     assert open(os.path.join(path, "index.json")).read() == before
     assert sorted(os.listdir(tmp_path)) == ["c"]  # no temporary left over
+
+
+def test_commit_never_reads_a_part_still_being_written(tmp_path,
+                                                     monkeypatch):
+    # Regression (seen in CI, 2 TF workers): the chief polled for the other
+    # process's part by name and read it while it was still empty.
+    import threading
+
+    fmt = ckpt.format
+    path = str(tmp_path / "c")
+    temporary = fmt.prepare(path)
+    piece = ((2,), "float32", (None,), [(((0, 2),), np.ones(2, "f4"))], "w")
+    fmt.write_process_shards(temporary, {"w": piece}, 0)
+    outcome = []
+
+    def chief():
+        try:
+            fmt.commit(path, 2, {"backend": BACKEND}, timeout_s=10)
+            outcome.append("committed")
+        except Exception as error:  # reported by the assertion below
+            outcome.append(error)
+
+    committing = threading.Thread(target=chief)
+    real_dump, real_dumps = fmt.json.dump, fmt.json.dumps
+
+    def while_serialising(serialise):
+        def slowly(*args, **kwargs):
+            if not committing.is_alive() and not outcome:
+                committing.start()  # the chief polls while process 1 writes
+                time.sleep(0.3)
+            return serialise(*args, **kwargs)
+        return slowly
+
+    monkeypatch.setattr(fmt.json, "dump", while_serialising(real_dump))
+    monkeypatch.setattr(fmt.json, "dumps", while_serialising(real_dumps))
+    fmt.write_process_shards(temporary, {"v": piece}, 1)
+    monkeypatch.undo()
+    committing.join(15)
+    assert outcome == ["committed"]
+    assert sorted(os.listdir(path)) == ["index.json", "shards-00000.h5",
+                                        "shards-00001.h5"]
+    assert ckpt.list_variables(path) == [("v", (2,)), ("w", (2,))]
 
 
 def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path):

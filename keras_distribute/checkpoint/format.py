@@ -157,16 +157,16 @@ def report_failure(temporary: str, process_id: int,
                    error: BaseException) -> None:
     """Leaves a note for the chief that this process's write failed."""
     try:
-        with open(os.path.join(temporary, f"failed-{process_id:05d}.txt"),
-                  "w") as f:
-            f.write(f"{type(error).__name__}: {error}")
+        _write_atomically(
+            os.path.join(temporary, f"failed-{process_id:05d}.txt"),
+            f"{type(error).__name__}: {error}")
     except OSError:
         pass  # the chief then times out instead
 
 
 def _raise_reported_failures(temporary: str, path: str) -> None:
     for name in sorted(os.listdir(temporary)):
-        if name.startswith("failed-"):
+        if name.startswith("failed-") and name.endswith(".txt"):
             with open(os.path.join(temporary, name)) as f:
                 reason = f.read()
             raise CheckpointError(
@@ -180,10 +180,18 @@ def abandon(path: str) -> None:
 
 
 def _write_json(file_path: str, content: dict) -> None:
-    with open(file_path, "w") as f:
-        json.dump(content, f, indent=1, sort_keys=True)
+    # Written under another name and renamed: the chief polls for the parts
+    # by name and must never open one that is still being written.
+    _write_atomically(file_path, json.dumps(content, indent=1, sort_keys=True))
+
+
+def _write_atomically(file_path: str, text: str) -> None:
+    writing = file_path + ".writing"
+    with open(writing, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(writing, file_path)
 
 
 def _write_shards(directory: str, entries, process_id: int) -> dict:
