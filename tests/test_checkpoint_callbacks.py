@@ -249,6 +249,92 @@ def test_restore_of_none_initializes_as_in_the_tf_checkpoint_guide(
     assert again.save_counter == 1 and path == manager.latest_checkpoint
 
 
+def guide_loop(directory, steps, make_iterator):
+    """The TF "Training checkpoints" guide's train_and_checkpoint, ported:
+    a step variable, the net, its optimizer and the input iterator."""
+    net = make_plain_model()
+    checkpoint = ckpt.ShardedCheckpoint(
+        step=keras.Variable(1, trainable=False), optimizer=net.optimizer,
+        net=net,
+        iterator=make_iterator())
+    manager = ckpt.CheckpointManager(checkpoint, directory, max_to_keep=3)
+    checkpoint.restore(manager.latest_checkpoint)
+    first_inputs = []
+    for _ in range(steps):
+        x, y = (t.numpy() for t in next(checkpoint.iterator))
+        first_inputs.append(float(x[0, 0]))
+        net.train_on_batch(x, y)
+        checkpoint.step.assign_add(1)
+        if int(checkpoint.step) % 5 == 0:
+            manager.save()
+    return net, checkpoint, manager, first_inputs
+
+
+def test_training_checkpoints_guide_loop_resumes_the_iterator(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    x, y = data()
+
+    def make_iterator():  # the pipeline a restarted program builds again
+        return iter(tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+                    .shuffle(64, seed=3).batch(8))
+
+    whole, _, _, whole_inputs = guide_loop(
+        str(tmp_path / "whole"), 14, make_iterator)
+    # Interrupted after 11 steps (last save at step 10 = 9 batches read) ...
+    guide_loop(str(tmp_path / "cut"), 11, make_iterator)
+    # ... and started again: step, optimizer, net and input position return.
+    resumed, checkpoint, manager, resumed_inputs = guide_loop(
+        str(tmp_path / "cut"), 5, make_iterator)
+    assert int(checkpoint.step) == 15
+    assert resumed_inputs == whole_inputs[9:]
+    for a, b in zip(state(whole), state(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert [os.path.basename(p) for p in manager.checkpoints] == [
+        "ckpt-1", "ckpt-2", "ckpt-3"]
+    assert sorted(k for k, _ in ckpt.list_variables(
+        manager.latest_checkpoint) if k.startswith("iterator")) == [
+        "iterator/process-00000"]
+
+
+def test_checkpoint_objects_are_attributes(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    assert checkpoint.model is model
+    checkpoint.step = keras.Variable(7, trainable=False)  # now tracked
+    checkpoint.iterator = iter(tf.data.Dataset.range(10))
+    next(checkpoint.iterator)
+    path = checkpoint.save(str(tmp_path / "c"))
+    assert {k for k, _ in ckpt.list_variables(path)} >= {
+        "step", "iterator/process-00000"}
+    other = ckpt.ShardedCheckpoint(model=make_plain_model(),
+                                   step=keras.Variable(0, trainable=False),
+                                   iterator=iter(tf.data.Dataset.range(10)))
+    other.restore(path).assert_consumed()
+    assert int(other.step) == 7 and int(next(other.iterator)) == 1
+    # Without the iterator: reported, accepted by expect_partial.
+    partial = ckpt.ShardedCheckpoint(model=make_plain_model(),
+                                     step=keras.Variable(0, trainable=False))
+    status = partial.restore(path)
+    with pytest.raises(AssertionError, match="iterator/process-00000"):
+        status.assert_consumed()
+    status.expect_partial()
+    del other.iterator
+    with pytest.raises(AttributeError, match="no object 'iterator'.*'model'"):
+        other.iterator
+    with pytest.raises(ValueError, match="'save' is a ShardedCheckpoint "
+                                         "method"):
+        ckpt.ShardedCheckpoint(save=keras.Variable(1.0))
+    with pytest.raises(ValueError, match="tf.data iterators. Received: "
+                                         "data=list"):
+        checkpoint.data = [1, 2]
+    # An iterator of another pipeline does not fit the saved state.
+    wrong = ckpt.ShardedCheckpoint(
+        iterator=iter(tf.data.Dataset.range(10).map(lambda v: (v, v))))
+    with pytest.raises(ckpt.CheckpointError, match="does not fit"):
+        wrong.restore(path)
+
+
 def test_async_save_returns_after_the_copy_and_reraises_failures(
         tmp_path, monkeypatch):
     from keras_distribute.checkpoint import format as ckpt_format

@@ -104,7 +104,33 @@ def fit_with_sharded_checkpoints(strategy, directory):
                   kd.callbacks.BackupAndRestore(
                       directory + "-backup", save_freq=3,
                       delete_checkpoint=False)])
-    return {"weights": model.get_weights()}
+    return {"weights": model.get_weights(),
+            "next_input": save_and_resume_input_iterator(
+                strategy, model, directory + "-iterator")}
+
+
+def save_and_resume_input_iterator(strategy, model, directory):
+    """Each process saves its own tf.data iterator (at another position)
+    and resumes it: returns the element after the saved position."""
+    import tensorflow as tf
+
+    import keras_distribute as kd
+
+    process = strategy._engine.process_id
+
+    def input_iterator():  # each process reads its own shard of the input
+        return iter(tf.data.Dataset.range(20).shard(2, process))
+
+    iterator = input_iterator()
+    for _ in range(process + 1):
+        next(iterator)
+    path = kd.checkpoint.ShardedCheckpoint(
+        model=model, iterator=iterator).write(directory)
+    next(iterator)  # moves on; the restore takes it back
+    resumed = input_iterator()
+    kd.checkpoint.ShardedCheckpoint(model=model, iterator=resumed).read(
+        path).assert_consumed()
+    return int(next(resumed))
 
 
 def assert_checkpoints_hold(results, directory):
@@ -130,6 +156,17 @@ def assert_checkpoints_hold(results, directory):
     assert kd.checkpoint.read_metadata(backup)["step"] == 2  # epoch 1, step 2
     assert not [name for name in os.listdir(directory)
                 if name.endswith(".tmp")]
+    # Process 0 read 0 (next: 2), process 1 read 1, 3 (next: 5).
+    assert [result["next_input"] for result in results] == [2, 5]
+    import pytest
+    import tensorflow as tf
+
+    one_process = kd.checkpoint.ShardedCheckpoint(
+        iterator=iter(tf.data.Dataset.range(20)))
+    with pytest.raises(kd.checkpoint.CheckpointError,
+                       match="iterator 'iterator' of 2 processes, but this "
+                             "run has 1"):
+        one_process.read(directory + "-iterator")
 
 
 # A transformer block (attention + feed-forward) and the layouts that shard

@@ -58,6 +58,19 @@ def checkpoint_value(variable: Any) -> np.ndarray:
     return keras.ops.convert_to_numpy(variable.value)
 
 
+def checkpoint_assign(variable: Any, read_regions) -> None:
+    """Assigns a variable's restored value, now.
+
+    A deferred restore can fire inside a `tf.function` trace: without a
+    strategy, `train_on_batch` builds the optimizer in its first traced
+    step. An assignment there would be an op of the step (run later, or
+    pruned), so it is lifted out of the trace and runs eagerly, once.
+    """
+    with tf.init_scope():
+        (value,) = read_regions([tuple((0, n) for n in variable.shape)])
+        variable.assign(value)
+
+
 def device_name(device: Any) -> str:
     """`"cpu:0"`-style name of a `tf.config.LogicalDevice`."""
     spec = parse_device_name(device.name)

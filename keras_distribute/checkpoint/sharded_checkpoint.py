@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
@@ -82,13 +83,20 @@ class ShardedCheckpoint:
     built, an optimizer before its first step) is deferred until they are
     created, as `tf.train.Checkpoint` does.
 
+    A `tf.data` iterator (`iter(dataset)`) can be saved too, on every
+    backend: its position is stored (per process), so a resumed loop
+    continues with the next batch. As on `tf.train.Checkpoint`, the objects
+    are attributes (`checkpoint.step`), and assigning a new attribute adds
+    an object (`checkpoint.model = model`).
+
     Args:
         root: An optional object saved under the name `"root"`.
-        **objects: Named Keras models, layers, optimizers, metrics or
-            variables, e.g. `model=model, optimizer=optimizer`.
+        **objects: Named Keras models, layers, optimizers, metrics,
+            variables or `tf.data` iterators, e.g.
+            `model=model, optimizer=optimizer`.
 
     Raises:
-        ValueError: for an object that holds no Keras variables.
+        ValueError: for an object that is none of these.
 
     Example:
 
@@ -98,22 +106,28 @@ class ShardedCheckpoint:
     path = checkpoint.save("/tmp/ckpt/run")      # /tmp/ckpt/run-1
     checkpoint.restore(path).assert_consumed()
     ```
+
+    The TF "Training checkpoints" guide's loop, ported:
+
+    ```python
+    ckpt = kd.checkpoint.ShardedCheckpoint(
+        step=keras.Variable(1), optimizer=optimizer, net=net,
+        iterator=iter(dataset))
+    manager = kd.checkpoint.CheckpointManager(ckpt, "./ckpts", max_to_keep=3)
+    ckpt.restore(manager.latest_checkpoint)
+    for _ in range(50):
+        train_step(net, next(ckpt.iterator), optimizer)
+        ckpt.step.assign_add(1)
+        if int(ckpt.step) % 10 == 0:
+            manager.save()
+    ```
     """
 
     def __init__(self, root: Any = None, **objects: Any):
-        import keras
-
         if root is not None:
             objects = {"root": root, **objects}
         for name, obj in objects.items():
-            if not isinstance(obj, keras.Variable) and not hasattr(
-                    obj, "variables"):
-                raise ValueError(
-                    f"Expected Keras models, layers, optimizers, metrics or "
-                    f"variables. Received: {name}={type(obj).__name__}.")
-            if "/" in name:
-                raise ValueError(
-                    f"Object names cannot contain '/'. Received: {name!r}.")
+            _check_object(name, obj)
         self._objects = objects
         self.save_counter = 0
         self._pending: Optional[concurrent.futures.Future] = None
@@ -121,6 +135,33 @@ class ShardedCheckpoint:
         # object name -> (checkpoint path, its parsed variables index)
         self._deferred: Dict[str, tuple] = {}
         self._lock = threading.Lock()
+
+    # -------------------------------------------- objects as attributes
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: the saved objects.
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(
+            f"This ShardedCheckpoint has no object {name!r}. Its objects: "
+            f"{sorted(objects)}.")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name == "save_counter":
+            object.__setattr__(self, name, value)
+            return
+        _check_object(name, value)
+        self._objects[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__.get("_objects", {}):
+            del self._objects[name]
+        else:
+            object.__delattr__(self, name)
+
+    def _iterators(self) -> Dict[str, Any]:
+        return {name: obj for name, obj in self._objects.items()
+                if iterator_state.is_data_iterator(obj)}
 
     # ------------------------------------------------------------ variables
     def _variables_by_object(self) -> Dict[str, Dict[str, Any]]:
@@ -133,6 +174,8 @@ class ShardedCheckpoint:
 
         found, seen = {}, set()
         for name, obj in self._objects.items():
+            if iterator_state.is_data_iterator(obj):
+                continue
             if isinstance(obj, keras.Variable):
                 found[name] = {name: obj}
                 continue
@@ -215,6 +258,11 @@ class ShardedCheckpoint:
                           for region, array in pieces]
             entries[key] = (tuple(variable.shape), _dtype_name(variable),
                              _layout(variable), pieces, variable.path)
+        for name, iterator in self._iterators().items():
+            state = iterator_state.serialize(iterator)  # a fresh copy
+            entries[iterator_state.state_key(name, process_id)] = (
+                state.shape, "uint8", [None], [(((0, state.size),), state)],
+                f"{name} (tf.data iterator)")
         mesh = getattr(engine, "device_mesh", None)
         index_metadata = {
             "save_counter": self.save_counter,
@@ -324,6 +372,7 @@ class ShardedCheckpoint:
             self._restore(path, saved, variables)
         restored = {key for name, variables in by_object.items()
                     if name not in self._deferred for key in variables}
+        restored |= self._restore_iterators(path, saved)
         deferred_keys = {key for name in self._deferred
                          for key in _saved_keys_of(saved, name)}
         return LoadStatus(
@@ -346,6 +395,33 @@ class ShardedCheckpoint:
                     "model as it was when saved.")
             assign(variable, lambda regions, record=record: (
                 ckpt_format.read_regions(path, record, regions)))
+
+    def _restore_iterators(self, path: str, saved: dict) -> set:
+        """Restores this process's iterators; returns the keys consumed (a
+        process takes its own state; the others' are theirs)."""
+        consumed = set()
+        process_id = self._engine().process_id
+        process_count = self._engine().process_count
+        for name, iterator in self._iterators().items():
+            key = iterator_state.state_key(name, process_id)
+            saved_count = iterator_state.saved_processes(saved, name)
+            if saved_count == 0:
+                consumed.add(key)  # reported as missing below
+                continue
+            if saved_count != process_count:
+                raise CheckpointError(
+                    f"The checkpoint holds the input iterator {name!r} of "
+                    f"{saved_count} processes, but this run has "
+                    f"{process_count}: each process resumes its own input. "
+                    "Restore with the same number of processes, or leave "
+                    "the iterator out of the ShardedCheckpoint and call "
+                    "expect_partial().")
+            record = saved[key]
+            (state,) = ckpt_format.read_regions(
+                path, record, [((0, record["shape"][0]),)])
+            iterator_state.restore(iterator, state, name)
+            consumed |= {k for k in saved if k.startswith(name + "/process-")}
+        return consumed
 
     def _apply_deferred(self) -> None:
         with self._lock:
@@ -400,6 +476,24 @@ def _finish_save(path: str, entries: dict, process_id: int,
             raise CheckpointError(
                 f"Saving {path!r} failed on the chief (process 0); see its "
                 "error. The previous checkpoint is kept.")
+
+
+def _check_object(name: str, obj: Any) -> None:
+    """Raises `ValueError` unless `obj` can be saved under `name`."""
+    import keras
+
+    if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
+            or iterator_state.is_data_iterator(obj)):
+        raise ValueError(
+            "Expected Keras models, layers, optimizers, metrics, variables "
+            f"or tf.data iterators. Received: {name}={type(obj).__name__}.")
+    if "/" in name:
+        raise ValueError(
+            f"Object names cannot contain '/'. Received: {name!r}.")
+    if hasattr(ShardedCheckpoint, name):
+        raise ValueError(
+            f"{name!r} is a ShardedCheckpoint method or property; choose "
+            f"another name for the object. Received: {name}=...")
 
 
 def _saved_keys_of(saved: dict, name: str) -> List[str]:

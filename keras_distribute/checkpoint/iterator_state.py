@@ -1,0 +1,84 @@
+"""Input iterators in a checkpoint: a `tf.data` iterator's position.
+
+`tf.train.Checkpoint(iterator=iterator)` (the TF "Training checkpoints"
+guide) saves where a `tf.data` iterator is, so a resumed loop reads the
+next batch, not the first. `ShardedCheckpoint` does the same on every
+Keras backend (`tf.data` feeds JAX and PyTorch too): the iterator's state is
+serialised by tf.data itself (`SerializeIterator`, the op
+`tf.train.Checkpoint` uses) and stored as a byte array, one per process —
+each process reads its own input — under `<name>/process-<id>`.
+"""
+
+from typing import Any, Dict
+
+import numpy as np
+
+from keras_distribute.checkpoint.format import CheckpointError
+
+_PROCESS_KEY = "{name}/process-{process_id:05d}"
+
+# tf.data's ExternalStatePolicy values (WARN, IGNORE, FAIL).
+_POLICY_VALUES = {"WARN": 0, "IGNORE": 1, "FAIL": 2}
+
+
+def is_data_iterator(obj: Any) -> bool:
+    """Whether `obj` is a `tf.data` iterator (`iter(dataset)`).
+
+    Tested without importing TensorFlow: a process that never imported it
+    holds no `tf.data` iterator.
+    """
+    return (type(obj).__module__.startswith("tensorflow.")
+            and hasattr(obj, "_iterator_resource"))
+
+
+def state_key(name: str, process_id: int) -> str:
+    """The checkpoint key of process `process_id`'s iterator `name`."""
+    return _PROCESS_KEY.format(name=name, process_id=process_id)
+
+
+def serialize(iterator: Any) -> np.ndarray:
+    """The iterator's state as a `uint8` array.
+
+    The dataset's `experimental_external_state_policy` is honoured (as in
+    `tf.train.Checkpoint`): with `FAIL`, a pipeline holding state tf.data
+    cannot save (e.g. a `py_function`) raises here.
+    """
+    import tensorflow as tf
+
+    policy = _POLICY_VALUES["WARN"]
+    dataset = getattr(iterator, "_dataset", None)
+    if dataset is not None:
+        chosen = dataset.options().experimental_external_state_policy
+        if chosen is not None:
+            policy = chosen.value
+    state = tf.raw_ops.SerializeIterator(
+        resource_handle=iterator._iterator_resource,
+        external_state_policy=policy)
+    data = tf.io.serialize_tensor(state).numpy()
+    return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+def restore(iterator: Any, state: np.ndarray, name: str) -> None:
+    """Puts `iterator` where the saved `state` was.
+
+    Raises:
+        CheckpointError: if the state does not fit this iterator's dataset.
+    """
+    import tensorflow as tf
+
+    try:
+        variant = tf.io.parse_tensor(np.asarray(state, np.uint8).tobytes(),
+                                     out_type=tf.variant)
+        tf.raw_ops.DeserializeIterator(
+            resource_handle=iterator._iterator_resource, serialized=variant)
+    except (tf.errors.OpError, ValueError) as error:
+        raise CheckpointError(
+            f"The checkpoint's iterator {name!r} does not fit the iterator "
+            f"given: {error}. Pass an iterator of the same dataset pipeline "
+            "as when saving.") from error
+
+
+def saved_processes(saved: Dict[str, Any], name: str) -> int:
+    """How many processes saved an iterator `name` (0: none)."""
+    prefix = name + "/process-"
+    return sum(1 for key in saved if key.startswith(prefix))
