@@ -399,6 +399,33 @@ def test_list_and_load_variables(tmp_path):
         ckpt.export_weights(path, model, str(tmp_path / "w.h5"))
 
 
+def test_load_checkpoint_reader_as_in_the_tf_guide(tmp_path):
+    # reader = tf.train.load_checkpoint('./tf_ckpts/'): a directory of
+    # numbered checkpoints means its latest one.
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model,
+                                        step=keras.Variable(3.0))
+    checkpoint.save(str(tmp_path / "ckpt"))
+    checkpoint.step.assign(4.0)
+    checkpoint.save(str(tmp_path / "ckpt"))
+    reader = ckpt.load_checkpoint(str(tmp_path))
+    assert reader.path.endswith("ckpt-2")
+    shapes = reader.get_variable_to_shape_map()
+    assert shapes["step"] == () and shapes["model/0"] == (6, 5)
+    assert reader.get_variable_to_dtype_map()["step"] == np.float32
+    assert reader.has_tensor("model/3") and not reader.has_tensor("x")
+    assert reader.get_tensor("step") == 4.0
+    np.testing.assert_array_equal(reader.get_tensor("model/0"),
+                                  model.get_weights()[0])
+    assert ckpt.list_variables(str(tmp_path)) == sorted(shapes.items())
+    assert ckpt.load_variable(str(tmp_path), "step") == 4.0
+    assert ckpt.read_metadata(str(tmp_path))["save_counter"] == 2
+    with pytest.raises(KeyError, match="no variable 'x'"):
+        reader.get_tensor("x")
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load_checkpoint(str(tmp_path / "nothing"))
+
+
 def test_an_interrupted_commit_is_recovered(tmp_path):
     model = trained()
     path = ckpt.ShardedCheckpoint(model=model).save(str(tmp_path / "c"))

@@ -56,11 +56,21 @@ def checkpoints_in(directory: str) -> List[str]:
     return [path for _, path in sorted(found)]
 
 
+def _resolve(path: str) -> str:
+    """`path`, or for a directory of numbered checkpoints (as
+    `tf.train.list_variables` accepts) its latest one."""
+    if os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
+        return path
+    latest = latest_checkpoint(path)
+    return latest if latest is not None else path  # read_index explains
+
+
 def read_metadata(path: str) -> Dict[str, Any]:
     """The `metadata` a checkpoint was written with, and its save counter.
 
     Args:
-        path: A committed checkpoint directory.
+        path: A committed checkpoint directory, or a directory of numbered
+            checkpoints (its latest one is read).
 
     Returns:
         A dict: the `metadata` given to `write`/`save`, plus
@@ -69,7 +79,7 @@ def read_metadata(path: str) -> Dict[str, Any]:
     Raises:
         CheckpointError: if `path` is not a committed checkpoint.
     """
-    index = ckpt_format.read_index(path)
+    index = ckpt_format.read_index(_resolve(path))
     return dict(index.get("metadata", {}),
                 save_counter=index.get("save_counter", 0),
                 backend=index.get("backend"), mesh_shape=index.get("mesh_shape"))
@@ -80,7 +90,8 @@ def list_variables(path: str) -> List[tuple]:
     `tf.train.list_variables`.
 
     Args:
-        path: A committed checkpoint directory.
+        path: A committed checkpoint directory, or a directory of numbered
+            checkpoints (its latest one is read).
 
     Returns:
         A sorted list of `(key, shape)`.
@@ -92,7 +103,7 @@ def list_variables(path: str) -> List[tuple]:
         print(key, shape)
     ```
     """
-    variables = ckpt_format.read_index(path)["variables"]
+    variables = ckpt_format.read_index(_resolve(path))["variables"]
     return [(key, tuple(record["shape"]))
             for key, record in sorted(variables.items())]
 
@@ -102,7 +113,8 @@ def load_variable(path: str, key: str) -> np.ndarray:
     `tf.train.load_variable`.
 
     Args:
-        path: A committed checkpoint directory.
+        path: A committed checkpoint directory, or a directory of numbered
+            checkpoints (its latest one is read).
         key: A key `list_variables` returned, e.g. `"model/0"`.
 
     Returns:
@@ -111,12 +123,73 @@ def load_variable(path: str, key: str) -> np.ndarray:
     Raises:
         KeyError: if the checkpoint has no such key.
     """
-    variables = ckpt_format.read_index(path)["variables"]
-    if key not in variables:
-        raise KeyError(
-            f"The checkpoint {path!r} has no variable {key!r}. It has: "
-            f"{sorted(variables)[:10]}... (kd.checkpoint.list_variables).")
-    record = variables[key]
-    (value,) = ckpt_format.read_regions(
-        path, record, [tuple((0, n) for n in record["shape"])])
-    return value
+    return load_checkpoint(path).get_tensor(key)
+
+
+class CheckpointReader:
+    """Reads a committed checkpoint's variables by key, as the reader
+    `tf.train.load_checkpoint` returns. Made by `load_checkpoint`.
+
+    Args:
+        path: A committed checkpoint directory.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._variables = ckpt_format.read_index(path)["variables"]
+
+    def get_variable_to_shape_map(self) -> Dict[str, tuple]:
+        """`key -> shape` of every variable."""
+        return {key: tuple(record["shape"])
+                for key, record in self._variables.items()}
+
+    def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
+        """`key -> numpy dtype` of every variable (bfloat16 & co. through
+        ml_dtypes)."""
+        return {key: ckpt_format._dtype(record["dtype"])
+                for key, record in self._variables.items()}
+
+    def has_tensor(self, key: str) -> bool:
+        """Whether the checkpoint holds `key`."""
+        return key in self._variables
+
+    def get_tensor(self, key: str) -> np.ndarray:
+        """The whole variable `key`, assembled from its pieces (each
+        checked against its sha256).
+
+        Raises:
+            KeyError: if the checkpoint has no such key.
+        """
+        if key not in self._variables:
+            raise KeyError(
+                f"The checkpoint {self.path!r} has no variable {key!r}. It "
+                f"has: {sorted(self._variables)[:10]}... "
+                "(get_variable_to_shape_map lists them all).")
+        record = self._variables[key]
+        (value,) = ckpt_format.read_regions(
+            self.path, record, [tuple((0, n) for n in record["shape"])])
+        return value
+
+
+def load_checkpoint(path: str) -> CheckpointReader:
+    """A reader of a checkpoint's variables, like `tf.train.load_checkpoint`.
+
+    Args:
+        path: A committed checkpoint directory, or a directory of numbered
+            checkpoints (its latest one is read).
+
+    Returns:
+        A `CheckpointReader`.
+
+    Raises:
+        CheckpointError: if `path` holds no committed checkpoint.
+
+    Example:
+
+    ```python
+    reader = kd.checkpoint.load_checkpoint("./tf_ckpts")
+    for key, shape in sorted(reader.get_variable_to_shape_map().items()):
+        print(key, shape, reader.get_tensor(key).dtype)
+    ```
+    """
+    return CheckpointReader(_resolve(path))
