@@ -225,13 +225,18 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
             f"{_signal_name(code)}; process {rank} then failed:\n{trace}",
             cause)
     return LaunchError(
-        f"Process {rank} of {len(processes)} failed{_gone(processes, values)}"
+        f"Process {rank} of {len(processes)} failed{_gone(values)}"
         f":\n{trace}", rank)
 
 
-def _gone(processes, values) -> str:
-    """Names processes that left early (returned) while others still ran."""
-    early = [r for r in values if processes[r].exitcode is not None]
+def _gone(values) -> str:
+    """Names processes that left early (returned) while others still ran.
+
+    A process that returned its value is leaving, whether or not its exit
+    was already seen: its peer often fails on the closed connection before
+    the exit code lands (a race seen in CI).
+    """
+    early = list(values)
     if not early:
         return ""
     return (f" after process(es) {sorted(early)} had already finished and "
@@ -250,7 +255,7 @@ def _check_dead(processes, values, exited_at) -> None:
                 f"Process {rank} of {len(processes)} died with exit code "
                 f"{process.exitcode} before returning"
                 f"{_signal_name(process.exitcode)}"
-                f"{_gone(processes, values)}. The other processes were "
+                f"{_gone(values)}. The other processes were "
                 "ended.", rank)
 
 

@@ -1,8 +1,10 @@
 """Every example runs (briefly) under the active backend, and has --help."""
 
 import os
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,9 @@ RUNS = [
 
 
 def run_example(name, args):
-    env = dict(os.environ, KERAS_BACKEND=BACKEND)
+    # A crash in native code (a signal) prints the Python stack of each
+    # thread, so a failure here says where it happened.
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONFAULTHANDLER="1")
     env.pop("XLA_FLAGS", None)  # each example sets its own device count
     return subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args], env=env,
@@ -37,7 +41,16 @@ def test_example_runs(name, args, expected):
     if name == "model_parallel.py" and BACKEND == "tensorflow":
         pytest.skip("sharded layouts: JAX and torch, not tensorflow")
     done = run_example(name, args)
-    assert done.returncode == 0, done.stderr[-3000:]
+    if done.returncode in (-signal.SIGSEGV, -signal.SIGABRT):
+        # TensorFlow crashed once in native code in 1 of ~40 runs of the
+        # digits demo (CI, loaded machine; 0 of 16 reruns). A second crash
+        # fails; the first one's stacks stay visible as a warning.
+        warnings.warn(f"{name} crashed ({done.returncode}), rerun once:\n"
+                      f"{done.stderr[-6000:]}")
+        done = run_example(name, args)
+    assert done.returncode == 0, (
+        f"exit {done.returncode}\nstdout:\n{done.stdout[-1500:]}\n"
+        f"stderr:\n{done.stderr[-6000:]}")
     assert expected in done.stdout
 
 
