@@ -26,6 +26,9 @@ from keras_distribute.context import get_replica_context
 from keras_distribute.context import get_strategy
 from keras_distribute.context import has_strategy
 from keras_distribute.context import in_cross_replica_context
+from keras_distribute.distributed_iterator import DistributedIterator
+from keras_distribute.distributed_iterator import OptionalValue
+from keras_distribute.distributed_iterator import OutOfRangeError
 from keras_distribute.input_lib import AutoShardPolicy
 from keras_distribute.input_lib import DistributedDataset
 from keras_distribute.input_lib import InputContext
@@ -65,6 +68,7 @@ __all__ = [
     "CommunicationOptions",
     "DeviceAssignment",
     "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
     "InputContext",
     "InputOptions",
@@ -72,6 +76,8 @@ __all__ = [
     "LaunchError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "OptionalValue",
+    "OutOfRangeError",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",

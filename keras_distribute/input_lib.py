@@ -10,9 +10,14 @@ splits it.
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-import numpy as np
+from keras_distribute.data_sources import batch_size_of
+from keras_distribute.data_sources import check_source
+from keras_distribute.data_sources import open_source
+from keras_distribute.data_sources import per_replica_spec
+from keras_distribute.data_sources import split_batch
+from keras_distribute.distributed_iterator import DistributedIterator
 
 
 class AutoShardPolicy(enum.IntEnum):
@@ -173,86 +178,6 @@ class InputContext:
         )
 
 
-def _to_numpy(leaf: Any) -> Any:
-    if leaf is None or isinstance(leaf, (str, bytes)):
-        return leaf
-    if hasattr(leaf, "detach") and hasattr(leaf, "cpu"):
-        leaf = leaf.detach().cpu()  # a torch.Tensor, maybe on a GPU
-    if hasattr(leaf, "numpy") and not isinstance(leaf, np.ndarray):
-        leaf = leaf.numpy()  # tf.Tensor, torch.Tensor
-    return np.asarray(leaf)
-
-
-def check_source(source: Any) -> None:
-    """Raises `ValueError` unless `source` is a dataset we can iterate."""
-    import keras
-
-    if not isinstance(source, (Iterable, keras.utils.PyDataset)):
-        raise ValueError(
-            "Expected a `tf.data.Dataset`, a `keras.utils.PyDataset` or an "
-            "iterable of (nested) arrays whose leading dimension is the "
-            f"batch. Received: dataset of type {type(source).__name__}."
-        )
-
-
-def iterate_source(source: Any) -> Iterator[Any]:
-    """Yields the elements of a dataset as nested numpy arrays.
-
-    Accepts a `tf.data.Dataset`, a `keras.utils.PyDataset`, or any iterable
-    (list, generator, `torch.utils.data.DataLoader`) of nested arrays.
-    """
-    import keras
-
-    check_source(source)
-    if hasattr(source, "as_numpy_iterator") and hasattr(source, "element_spec"):
-        elements = source.as_numpy_iterator()
-    elif isinstance(source, keras.utils.PyDataset):
-        elements = (source[i] for i in range(len(source)))
-    else:
-        elements = iter(source)
-    for element in elements:
-        yield keras.tree.map_structure(_to_numpy, element)
-
-
-def _batch_size(element: Any) -> int:
-    import keras
-
-    sizes = {
-        np.shape(leaf)[0]
-        for leaf in keras.tree.flatten(element)
-        if leaf is not None and np.ndim(leaf) > 0
-    }
-    if len(sizes) != 1:
-        raise ValueError(
-            "Every array of a dataset element must share the same leading "
-            "(batch) dimension to be split across replicas. Received "
-            f"leading dimensions {sorted(sizes) or 'none (scalars only)'}. "
-            "Batch the dataset (e.g. `dataset.batch(global_batch_size)`)."
-        )
-    return sizes.pop()
-
-
-def split_batch(element: Any, num_replicas: int, per_replica: int) -> list:
-    """Splits one global batch into `num_replicas` slices, in replica order.
-
-    Replica `i` gets rows `[i * per_replica, (i + 1) * per_replica)`; on a
-    short batch the last replicas get fewer rows, or none.
-    """
-    import keras
-
-    slices = []
-    for replica in range(num_replicas):
-        start = min(replica * per_replica, _batch_size(element))
-        stop = min(start + per_replica, _batch_size(element))
-        slices.append(
-            keras.tree.map_structure(
-                lambda leaf: leaf if leaf is None else leaf[start:stop],
-                element,
-            )
-        )
-    return slices
-
-
 def shard_policy(dataset: Any) -> AutoShardPolicy:
     """The `AutoShardPolicy` a `tf.data` dataset's options ask for (else AUTO)."""
     if hasattr(dataset, "options") and hasattr(dataset, "element_spec"):
@@ -299,7 +224,20 @@ class DistributedDataset:
         self._dataset = dataset
         self._options = options or InputOptions()
 
-    def __iter__(self) -> Iterator[Any]:
+    @property
+    def element_spec(self) -> Any:
+        """The spec of each step's values: the `tf.data` element spec with
+        an unknown batch dimension, each leaf a `PerReplica` of the local
+        replicas' specs when there are several (as tf.distribute's
+        `PerReplicaSpec`).
+
+        Raises:
+            ValueError: if the dataset is not a `tf.data.Dataset`.
+        """
+        return per_replica_spec(
+            self._dataset, len(self._strategy._engine.local_replica_ids))
+
+    def __iter__(self) -> "DistributedIterator":
         engine = self._strategy._engine
         dataset, local_ids = self._dataset, engine.local_replica_ids
         per_worker = False
@@ -314,16 +252,26 @@ class DistributedDataset:
         num_replicas = len(local_ids) if per_worker else (
             self._strategy.num_replicas_in_sync)
         positions = range(len(local_ids)) if per_worker else local_ids
-        per_replica = None
-        for element in iterate_source(dataset):
-            batch = _batch_size(element)
-            if per_replica is None or batch > per_replica * num_replicas:
-                per_replica = math.ceil(batch / num_replicas)
-            slices = split_batch(element, num_replicas, per_replica)
-            yield engine.put_per_replica(
-                [slices[i] for i in positions],
-                on_device=self._options.fetch_to_device,
-            )
+        elements, data_iterator = open_source(dataset)
+        # The per-replica batch size a short last batch is split with: kept
+        # in a dict a checkpoint of the iterator saves and restores.
+        split = {"per_replica": None}
+
+        def steps():
+            for element in elements:
+                batch, per_replica = batch_size_of(element), split["per_replica"]
+                if per_replica is None or batch > per_replica * num_replicas:
+                    per_replica = split["per_replica"] = math.ceil(
+                        batch / num_replicas)
+                slices = split_batch(element, num_replicas, per_replica)
+                yield engine.put_per_replica(
+                    [slices[i] for i in positions],
+                    on_device=self._options.fetch_to_device,
+                )
+
+        return DistributedIterator(
+            steps(), data_iterator, split,
+            lambda: per_replica_spec(dataset, len(positions)))
 
     def __repr__(self) -> str:
         return (
@@ -356,12 +304,24 @@ class DistributedDatasetsFromFunction:
         check_source(self._dataset)
         self._options = options or InputOptions()
 
-    def __iter__(self) -> Iterator[Any]:
+    @property
+    def element_spec(self) -> Any:
+        """The spec of each step's values (see
+        `DistributedDataset.element_spec`)."""
+        return per_replica_spec(
+            self._dataset, len(self._strategy._engine.local_replica_ids))
+
+    def __iter__(self) -> "DistributedIterator":
+        elements, data_iterator = open_source(self._dataset)
+        return DistributedIterator(self._steps(elements), data_iterator, {},
+                                   lambda: self.element_spec)
+
+    def _steps(self, elements: Iterator[Any]) -> Iterator[Any]:
         import keras
 
         num_replicas = len(self._strategy._engine.local_replica_ids)
         group = []
-        for element in iterate_source(self._dataset):
+        for element in elements:
             group.append(element)
             if len(group) == num_replicas:
                 yield self._strategy._engine.put_per_replica(

@@ -19,7 +19,7 @@ import keras
 from keras.src.trainers.data_adapters import array_slicing
 
 from keras_distribute import worker_callbacks
-from keras_distribute.input_lib import iterate_source
+from keras_distribute.data_sources import iterate_source
 
 
 def balanced_bounds(batch: int, rank: int, world_size: int):

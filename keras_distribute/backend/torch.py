@@ -448,7 +448,10 @@ def _to_tensor(value: Any) -> Any:
         return whole_value(value)
     if hasattr(value, "numpy") and not isinstance(value, np.generic):
         value = value.numpy()
-    return torch.as_tensor(np.asarray(value))
+    value = np.asarray(value)
+    if not value.flags.writeable:  # e.g. tf.data's arrays: torch would warn
+        value = value.copy()
+    return torch.as_tensor(value)
 
 
 class _TorchCollectives:

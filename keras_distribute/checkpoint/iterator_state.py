@@ -1,4 +1,5 @@
-"""Input iterators in a checkpoint: a `tf.data` iterator's position.
+"""Input iterators in a checkpoint: a `tf.data` iterator's position, or a
+distributed dataset's iterator over a `tf.data` pipeline.
 
 `tf.train.Checkpoint(iterator=iterator)` (the TF "Training checkpoints"
 guide) saves where a `tf.data` iterator is, so a resumed loop reads the
@@ -22,13 +23,40 @@ _POLICY_VALUES = {"WARN": 0, "IGNORE": 1, "FAIL": 2}
 
 
 def is_data_iterator(obj: Any) -> bool:
-    """Whether `obj` is a `tf.data` iterator (`iter(dataset)`).
+    """Whether `obj` is an input iterator a checkpoint can hold: a `tf.data`
+    iterator (`iter(dataset)`) or a `kd.DistributedIterator`.
 
     Tested without importing TensorFlow: a process that never imported it
     holds no `tf.data` iterator.
     """
+    return _is_tf_data_iterator(obj) or hasattr(obj, "_save_input_state")
+
+
+def _is_tf_data_iterator(obj: Any) -> bool:
     return (type(obj).__module__.startswith("tensorflow.")
             and hasattr(obj, "_iterator_resource"))
+
+
+def save(iterator: Any) -> np.ndarray:
+    """The state of an input iterator (`is_data_iterator`) as bytes."""
+    if _is_tf_data_iterator(iterator):
+        return serialize(iterator)
+    return iterator._save_input_state()
+
+
+def load(iterator: Any, state: np.ndarray, name: str) -> None:
+    """Puts an input iterator where `save` found it.
+
+    Raises:
+        CheckpointError: if the state does not fit the iterator.
+    """
+    if _is_tf_data_iterator(iterator):
+        restore(iterator, state, name)
+        return
+    try:
+        iterator._restore_input_state(state, name)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from error
 
 
 def state_key(name: str, process_id: int) -> str:

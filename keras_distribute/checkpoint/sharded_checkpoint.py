@@ -259,7 +259,7 @@ class ShardedCheckpoint:
             entries[key] = (tuple(variable.shape), _dtype_name(variable),
                              _layout(variable), pieces, variable.path)
         for name, iterator in self._iterators().items():
-            state = iterator_state.serialize(iterator)  # a fresh copy
+            state = iterator_state.save(iterator)  # a fresh copy
             entries[iterator_state.state_key(name, process_id)] = (
                 state.shape, "uint8", [None], [(((0, state.size),), state)],
                 f"{name} (tf.data iterator)")
@@ -419,7 +419,7 @@ class ShardedCheckpoint:
             record = saved[key]
             (state,) = ckpt_format.read_regions(
                 path, record, [((0, record["shape"][0]),)])
-            iterator_state.restore(iterator, state, name)
+            iterator_state.load(iterator, state, name)
             consumed |= {k for k in saved if k.startswith(name + "/process-")}
         return consumed
 
@@ -482,11 +482,22 @@ def _check_object(name: str, obj: Any) -> None:
     """Raises `ValueError` unless `obj` can be saved under `name`."""
     import keras
 
+    if type(obj).__name__ == "DistributedIterator" and type(
+            obj).__module__.startswith("tensorflow."):
+        raise ValueError(
+            "tf.distribute's own distributed iterators (what "
+            "experimental_distribute_dataset returns on the TensorFlow "
+            "backend) cannot be saved; tf.train.Checkpoint refuses them too. "
+            f"Received: {name}=a tf.distribute DistributedIterator. Save the "
+            "step number instead and skip that many steps on restore, or "
+            "save the iterator of the dataset before distribution.")
     if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
             or iterator_state.is_data_iterator(obj)):
         raise ValueError(
             "Expected Keras models, layers, optimizers, metrics, variables "
             f"or tf.data iterators. Received: {name}={type(obj).__name__}.")
+    if hasattr(obj, "_check_saveable"):  # a kd.DistributedIterator
+        obj._check_saveable(name)
     if "/" in name:
         raise ValueError(
             f"Object names cannot contain '/'. Received: {name!r}.")
