@@ -49,6 +49,7 @@ class DistributedIterator:
     time. Made by `iter(dist_dataset)`.
 
     Args:
+        strategy: The strategy whose replicas the values are for.
         steps: The per-replica values of each step.
         data_iterator: The `tf.data` iterator `steps` reads, when the
             dataset is a `tf.data` pipeline (its position is what a
@@ -70,9 +71,10 @@ class DistributedIterator:
     ```
     """
 
-    def __init__(self, steps: Iterator[Any], data_iterator: Optional[Any],
-                 split_state: Dict[str, Any],
+    def __init__(self, strategy: Any, steps: Iterator[Any],
+                 data_iterator: Optional[Any], split_state: Dict[str, Any],
                  element_spec: Callable[[], Any]):
+        self._strategy = strategy
         self._steps = steps
         self._data_iterator = data_iterator
         self._split_state = split_state

@@ -270,7 +270,7 @@ class DistributedDataset:
                 )
 
         return DistributedIterator(
-            steps(), data_iterator, split,
+            self._strategy, steps(), data_iterator, split,
             lambda: per_replica_spec(dataset, len(positions)))
 
     def __repr__(self) -> str:
@@ -313,7 +313,8 @@ class DistributedDatasetsFromFunction:
 
     def __iter__(self) -> "DistributedIterator":
         elements, data_iterator = open_source(self._dataset)
-        return DistributedIterator(self._steps(elements), data_iterator, {},
+        return DistributedIterator(self._strategy, self._steps(elements),
+                                   data_iterator, {},
                                    lambda: self.element_spec)
 
     def _steps(self, elements: Iterator[Any]) -> Iterator[Any]:

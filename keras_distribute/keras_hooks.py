@@ -15,6 +15,9 @@ them, on first use (the first strategy created, never at import), and
    `1 / num_replicas`, wrong when a short last batch is split unevenly; the
    hook on `Loss.__call__` scales it by `local_batch / global_batch` instead
    (and `unscale_loss_for_distribution` undoes that for the logged loss).
+   `int(v)` / `float(v)` of a scalar variable made in a strategy's scope
+   (a tf.distribute `MirroredVariable` inside) read its value, as they do
+   outside (`int(ckpt.step)` in the TF checkpoint guide's loop).
 4. PyTorch only (in a process group): new variables are recorded for the
    rank-0 broadcast; `TorchTrainer.train_step` forwards through a held
    `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
@@ -181,7 +184,30 @@ def _install_tf_hooks() -> None:
     _patch(loss_module.Loss, "__call__", __call__)
     _patch(loss_module, "unscale_loss_for_distribution",
            unscale_loss_for_distribution)
+    _install_tf_scalar_conversions()
     _install_tf_multi_worker_fixes()
+
+
+def _install_tf_scalar_conversions() -> None:
+    """`int()` / `float()` of a Keras variable holding a tf.distribute
+    variable (Keras calls `int(self.value)`, which TF refuses for it)."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import core as tf_core
+
+    def conversion(name, convert):
+        original = getattr(tf_core.Variable, name)
+
+        @functools.wraps(original)
+        def method(self):
+            if self.ndim == 0 and isinstance(
+                    getattr(self, "_value", None),
+                    tf.distribute.DistributedValues):
+                return convert(self.numpy())
+            return original(self)
+        return method
+
+    _patch(tf_core.Variable, "__int__", conversion("__int__", int))
+    _patch(tf_core.Variable, "__float__", conversion("__float__", float))
 
 
 def _install_tf_multi_worker_fixes() -> None:

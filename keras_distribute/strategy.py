@@ -1,6 +1,7 @@
 """`Strategy`: the backend-neutral half of every distribution strategy."""
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from keras_distribute import context
@@ -13,6 +14,24 @@ def _tree():
     import keras
 
     return keras.tree
+
+
+_job_strategies: list = []  # weak references, oldest first
+
+
+def latest_job_strategy() -> Optional["Strategy"]:
+    """The most recent live strategy spanning several processes, if any.
+
+    A collective over the job (e.g. a checkpoint of objects that carry no
+    strategy, saved outside every scope) runs on it rather than on the
+    single-process default strategy, whose every process would act as the
+    chief.
+    """
+    for reference in reversed(_job_strategies):
+        strategy = reference()
+        if strategy is not None:
+            return strategy
+    return None
 
 
 class Strategy:
@@ -32,6 +51,9 @@ class Strategy:
         from keras_distribute import keras_hooks
 
         keras_hooks.install()
+        if getattr(engine, "process_count", 1) > 1:
+            _job_strategies[:] = [r for r in _job_strategies
+                                  if r() is not None] + [weakref.ref(self)]
 
     # ------------------------------------------------------------------ info
     @property

@@ -296,6 +296,18 @@ def test_training_checkpoints_guide_loop_resumes_the_iterator(tmp_path):
         "iterator/process-00000"]
 
 
+def test_int_and_float_of_scalar_variables_made_in_scope():
+    # `if int(ckpt.step) % 10 == 0` with the step made in a strategy's
+    # scope: on TF the Keras variable holds a MirroredVariable.
+    with strategy_scope():
+        step = keras.Variable(1, trainable=False)
+        rate = keras.Variable(0.5)
+    step.assign_add(1)
+    assert int(step) == 2 and float(rate) == 0.5 and int(rate) == 0
+    with pytest.raises(TypeError):
+        int(keras.Variable(np.ones(2, "float32")))
+
+
 def test_checkpoint_objects_are_attributes(tmp_path):
     tf = pytest.importorskip("tensorflow")
     model = trained()

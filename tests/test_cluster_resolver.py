@@ -23,6 +23,15 @@ def test_tf_config_chief_is_process_zero():
     assert worker.coordinator_address == "c:2222"
     assert worker.cluster_spec() == cluster
     assert not worker.is_chief
+    # The CTL multi-worker tutorial's _is_chief reads it as TF's ClusterSpec.
+    spec = worker.cluster_spec()
+    assert "chief" in spec.as_dict() and spec.jobs == ["chief", "worker"]
+    assert spec.num_tasks("worker") == 2
+    assert spec.task_address("worker", 1) == "w1:2222"
+    with pytest.raises(ValueError, match="No job 'ps'.*'chief', 'worker'"):
+        spec.num_tasks("ps")
+    with pytest.raises(ValueError, match="tasks 0..1. Received: task_index=2"):
+        spec.task_address("worker", 2)
 
 
 def test_tf_config_without_chief_worker_zero_leads():

@@ -4,6 +4,8 @@ No framework is imported at module level: a worker sets up its devices
 first, then these helpers import Keras.
 """
 
+import os
+
 import numpy as np
 
 
@@ -106,7 +108,64 @@ def fit_with_sharded_checkpoints(strategy, directory):
                       delete_checkpoint=False)])
     return {"weights": model.get_weights(),
             "next_input": save_and_resume_input_iterator(
-                strategy, model, directory + "-iterator")}
+                strategy, model, directory + "-iterator"),
+            "tutorial": tutorial_checkpointing(
+                strategy, model, os.path.join(directory + "-tutorial",
+                                              "ckpt"))}
+
+
+def tutorial_checkpointing(strategy, model, checkpoint_dir):
+    """The checkpointing of the "Custom training loop with Keras and
+    MultiWorkerMirroredStrategy" tutorial, ported: non-chief workers save
+    into their own temporary directory and delete it after each save."""
+    import shutil
+
+    import keras
+
+    import keras_distribute as kd
+
+    def _is_chief(task_type, task_id, cluster_spec):
+        return (task_type is None or task_type == "chief"
+                or (task_type == "worker" and task_id == 0
+                    and "chief" not in cluster_spec.as_dict()))
+
+    def _get_temp_dir(dirpath, task_id):
+        temp_dir = os.path.join(dirpath, "workertemp_" + str(task_id))
+        os.makedirs(temp_dir, exist_ok=True)
+        return temp_dir
+
+    def write_filepath(filepath, task_type, task_id, cluster_spec):
+        dirpath, base = os.path.dirname(filepath), os.path.basename(filepath)
+        if not _is_chief(task_type, task_id, cluster_spec):
+            dirpath = _get_temp_dir(dirpath, task_id)
+        return os.path.join(dirpath, base)
+
+    resolver = strategy.cluster_resolver
+    task_type, task_id, cluster_spec = (
+        resolver.task_type, resolver.task_id, resolver.cluster_spec())
+    with strategy.scope():
+        epoch = keras.Variable(0, dtype="int32", trainable=False)
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model, epoch=epoch)
+    write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id,
+                                          cluster_spec)
+    manager = kd.checkpoint.CheckpointManager(
+        checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    returned = []
+    while int(epoch) < 2:
+        returned.append(manager.save())
+        if not _is_chief(task_type, task_id, cluster_spec):
+            shutil.rmtree(write_checkpoint_dir)  # fails if it was not made
+        epoch.assign_add(1)
+    # The Keras multi-worker tutorial: every worker saves the model, the
+    # non-chief ones to a temporary directory they delete.
+    model_path = os.path.join(os.path.dirname(checkpoint_dir), "model.keras")
+    write_model_path = write_filepath(model_path, task_type, task_id,
+                                      cluster_spec)
+    model.save(write_model_path)
+    if not _is_chief(task_type, task_id, cluster_spec):
+        shutil.rmtree(os.path.dirname(write_model_path))
+    return {"returned": returned, "chief": _is_chief(task_type, task_id,
+                                                     cluster_spec)}
 
 
 def save_and_resume_input_iterator(strategy, model, directory):
@@ -151,12 +210,21 @@ def save_and_resume_input_iterator(strategy, model, directory):
             path).assert_consumed()
         assert local(next(resumed)) == expected, (local(next(resumed)),
                                                   expected)
+    # Objects that carry no strategy, saved outside every scope: still one
+    # collective save with one chief (the job's strategy), not one per
+    # process racing on the same directory.
+    path = kd.checkpoint.ShardedCheckpoint(
+        counter=keras.Variable(5.0)).write(directory + "-outside-scope")
+    import json
+
+    with open(os.path.join(path, "index.json")) as f:
+        assert json.load(f)["num_processes"] == 2
     return next_input
 
 
 def assert_checkpoints_hold(results, directory):
     """The checkpoints the processes wrote restore into one process."""
-    import os
+    import keras
 
     import keras_distribute as kd
 
@@ -177,6 +245,23 @@ def assert_checkpoints_hold(results, directory):
     assert kd.checkpoint.read_metadata(backup)["step"] == 2  # epoch 1, step 2
     assert not [name for name in os.listdir(directory)
                 if name.endswith(".tmp")]
+    # The tutorial's saves: one checkpoint (max_to_keep=1) in the chief's
+    # directory, every process told where it is; the non-chief's own
+    # directory was made and deleted.
+    tutorial_dir = os.path.join(directory + "-tutorial", "ckpt")
+    assert [r["tutorial"]["chief"] for r in results] == [True, False]
+    for result in results:
+        assert result["tutorial"]["returned"] == [
+            os.path.join(tutorial_dir, "ckpt-1"),
+            os.path.join(tutorial_dir, "ckpt-2")]
+    assert os.listdir(tutorial_dir) == ["ckpt-2"]
+    assert sorted(os.listdir(directory + "-tutorial")) == [
+        "ckpt", "model.keras"]  # workertemp_1 deleted with the model save
+    loaded = keras.models.load_model(
+        os.path.join(directory + "-tutorial", "model.keras"))
+    for a, b in zip(loaded.get_weights(), results[0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert int(kd.checkpoint.load_variable(tutorial_dir, "epoch")) == 1
     # Process 0 read 0 (next: 2), process 1 read 1, 3 (next: 5).
     assert [result["next_input"] for result in results] == [2, 5]
     import pytest

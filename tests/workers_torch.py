@@ -365,7 +365,8 @@ def sharded_checkpoints(directory):
     import keras_distribute as kd
     from worker_common import fit_with_sharded_checkpoints
 
-    return fit_with_sharded_checkpoints(kd.MirroredStrategy(), directory)
+    return fit_with_sharded_checkpoints(kd.MultiWorkerMirroredStrategy(),
+                                        directory)
 
 
 # ------------------------------------------------- sharded layouts (DTensor)

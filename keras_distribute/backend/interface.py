@@ -68,6 +68,9 @@ class ReplicaEngine(Protocol):
     def barrier(self, name: str) -> None:
         """Returns once every process of the job called it (no-op alone)."""
 
+    def broadcast_text(self, text: str) -> str:
+        """Process 0's `text`, in every process (a collective; alone: `text`)."""
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         """Calls a Keras `fit`/`evaluate`/... method under the engine."""

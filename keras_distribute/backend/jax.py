@@ -204,6 +204,18 @@ class JaxEngine:
 
             multihost_utils.sync_global_devices(name)
 
+    def broadcast_text(self, text: str) -> str:
+        if not self.multi_process:
+            return text
+        from jax.experimental import multihost_utils
+
+        data = np.frombuffer(text.encode(), np.uint8)
+        size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+        padded = np.zeros(size, np.uint8)  # every process: process 0's size
+        padded[:min(size, data.size)] = data[:size]
+        return np.asarray(multihost_utils.broadcast_one_to_all(
+            padded)).tobytes().decode()
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         # Keras' JAX trainer detaches variable values during `fit`; if the

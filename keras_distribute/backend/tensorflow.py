@@ -313,6 +313,30 @@ class TfEngine:
             self.tf_strategy.run(lambda: tf.distribute.get_replica_context(
             ).all_reduce("SUM", tf.constant(1.0)))
 
+    def broadcast_text(self, text: str) -> str:
+        if not self.multi_worker:
+            return text
+        # Sums in which only the chief's first replica contributes: first
+        # the length, then the bytes.
+        data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+        size = int(self._sum_from_chief(np.array([data.size], np.int32))[0])
+        padded = np.zeros(size, np.int32)
+        padded[:min(size, data.size)] = data[:size]
+        return self._sum_from_chief(padded).astype(np.uint8).tobytes().decode()
+
+    def _sum_from_chief(self, array: np.ndarray) -> np.ndarray:
+        chief = self.process_id == 0
+
+        def contribute():
+            context_ = tf.distribute.get_replica_context()
+            first = tf.equal(context_.replica_id_in_sync_group, 0)
+            own = tf.constant(array) if chief else tf.zeros_like(array)
+            return context_.all_reduce("SUM", tf.where(
+                first, own, tf.zeros_like(own)))
+
+        result = self.tf_strategy.run(contribute)
+        return self.tf_strategy.experimental_local_results(result)[0].numpy()
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         if method.__name__ == "predict_on_batch":

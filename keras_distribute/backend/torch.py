@@ -250,6 +250,13 @@ class TorchEngine:
         if self.in_group:
             dist.barrier()
 
+    def broadcast_text(self, text: str) -> str:
+        if not self.in_group:
+            return text
+        box = [text]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         if not self.in_group:

@@ -16,6 +16,7 @@ from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
+from keras_distribute.distributed_iterator import DistributedIterator
 
 
 @dataclasses.dataclass
@@ -192,16 +193,27 @@ class ShardedCheckpoint:
                 for key, variable in variables.items()}
 
     def _engine(self) -> Any:
-        """The engine of the strategy the objects were created under."""
+        """The engine of the strategy the objects were created under (a
+        model's, a distributed iterator's), else the current one; outside
+        every scope in a multi-process job, the job's strategy: a save is
+        a collective with one chief, never one chief per process."""
         from keras_distribute import context
         from keras_distribute import keras_hooks
+        from keras_distribute import strategy as strategy_module
 
         for obj in self._objects.values():
             strategy = keras_hooks.model_strategy(obj) if hasattr(
                 obj, "__dict__") else None
+            if isinstance(obj, DistributedIterator):
+                strategy = obj._strategy
             if strategy is not None:
                 return strategy._engine
-        return context.get_strategy()._engine
+        engine = context.get_strategy()._engine
+        if engine.process_count == 1:
+            job = strategy_module.latest_job_strategy()
+            if job is not None:
+                return job._engine
+        return engine
 
     # ---------------------------------------------------------------- write
     def write(self, path: str, options: Optional[CheckpointOptions] = None,
@@ -209,7 +221,10 @@ class ShardedCheckpoint:
         """Writes a checkpoint at `path` (replacing one there, atomically).
 
         In a multi-process job every process must call it (as with any
-        collective); each writes the pieces it owns, the chief commits.
+        collective); each writes the pieces it owns, the chief commits. The
+        checkpoint goes to the chief's `path`: other processes may pass
+        their own temporary directory, as the tf.distribute multi-worker
+        tutorials do (it is created, and holds nothing).
 
         Args:
             path: The checkpoint directory.
@@ -218,7 +233,7 @@ class ShardedCheckpoint:
                 `kd.checkpoint.read_metadata(path)` returns them.
 
         Returns:
-            `path`.
+            The path written: `path`, or in a multi-process job the chief's.
 
         Raises:
             CheckpointError: if another process failed to write its shards;
@@ -237,6 +252,8 @@ class ShardedCheckpoint:
         path = os.path.abspath(path)
         engine = self._engine()
         process_id, process_count = engine.process_id, engine.process_count
+        if process_count > 1:
+            path = _chief_path(engine, path)
         if process_id == 0:
             ckpt_format.prepare(path)
         engine.barrier("keras_distribute.checkpoint.prepare")
@@ -451,6 +468,20 @@ class ShardedCheckpoint:
         self.save_counter = int(ckpt_format.read_index(save_path).get(
             "save_counter", 0))
         return status
+
+
+def _chief_path(engine: Any, path: str) -> str:
+    """Where a multi-process save goes: the chief's `path`.
+
+    As the tf.distribute multi-worker tutorials do, other processes may
+    pass their own (temporary) directory: their part of the checkpoint
+    goes into the chief's, and their own directory is only created (the
+    tutorials delete it after each save).
+    """
+    chief_path = engine.broadcast_text(path)
+    if chief_path != path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    return chief_path
 
 
 def _finish_save(path: str, entries: dict, process_id: int,
