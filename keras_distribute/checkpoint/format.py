@@ -240,7 +240,13 @@ def recover(path: str) -> None:
     """Undoes a commit that died between its two renames."""
     old = f"{os.path.abspath(path)}.old"
     if os.path.isfile(os.path.join(old, INDEX)) and not os.path.exists(path):
-        os.replace(old, path)
+        try:
+            os.replace(old, path)
+        except OSError:
+            # Another process (every worker looks for the latest
+            # checkpoint) put it back first.
+            if not os.path.isfile(os.path.join(path, INDEX)):
+                raise
 
 
 def remove(path: str) -> None:
