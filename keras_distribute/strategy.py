@@ -523,3 +523,24 @@ class StrategyExtended:
         )
 
     parameter_devices = worker_devices
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process is the one that writes checkpoints and
+        other files (the chief, process 0), as in tf.distribute. A
+        `kd.checkpoint.ShardedCheckpoint` save is still called by every
+        process (each writes its own pieces)."""
+        return self._strategy._engine.process_id == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process writes summaries (TensorBoard): the chief."""
+        return self._strategy._engine.process_id == 0
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether this process initialises variables: every process does
+        (values are then made equal across processes)."""
+        return True
+
+    should_init = experimental_should_init

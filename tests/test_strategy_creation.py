@@ -25,6 +25,9 @@ def test_default_devices_are_all_local_devices():
 def test_device_name_forms(devices):
     strategy = kd.MirroredStrategy(devices)
     assert strategy.extended.worker_devices == ("cpu:0", "cpu:1")
+    extended = strategy.extended  # one process: it is the chief
+    assert extended.should_checkpoint and extended.should_save_summary
+    assert extended.should_init
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.Device objects: JAX only")

@@ -165,7 +165,8 @@ def tutorial_checkpointing(strategy, model, checkpoint_dir):
     if not _is_chief(task_type, task_id, cluster_spec):
         shutil.rmtree(os.path.dirname(write_model_path))
     return {"returned": returned, "chief": _is_chief(task_type, task_id,
-                                                     cluster_spec)}
+                                                     cluster_spec),
+            "should_checkpoint": strategy.extended.should_checkpoint}
 
 
 def save_and_resume_input_iterator(strategy, model, directory):
@@ -250,6 +251,8 @@ def assert_checkpoints_hold(results, directory):
     # directory was made and deleted.
     tutorial_dir = os.path.join(directory + "-tutorial", "ckpt")
     assert [r["tutorial"]["chief"] for r in results] == [True, False]
+    assert [r["tutorial"]["should_checkpoint"] for r in results] == [
+        True, False]
     for result in results:
         assert result["tutorial"]["returned"] == [
             os.path.join(tutorial_dir, "ckpt-1"),
