@@ -42,7 +42,11 @@ def state(model):
             for v in model.weights + model.optimizer.variables]
 
 
-def test_round_trip_is_bit_exact_with_optimizer_state(tmp_path):
+@pytest.mark.parametrize("block_bytes", [None, 40])
+def test_round_trip_is_bit_exact_with_optimizer_state(tmp_path, monkeypatch,
+                                                      block_bytes):
+    if block_bytes is not None:  # read and hashed block by block
+        monkeypatch.setattr(ckpt.format, "_READ_BLOCK_BYTES", block_bytes)
     model = trained_model()
     checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
     path = checkpoint.write(str(tmp_path / "c"))
@@ -140,7 +144,13 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
     assert ckpt.list_variables(path) == [("v", (2,)), ("w", (2,))]
 
 
-def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path):
+# None: each piece read whole; 40: read in blocks of one row, each hashed in
+# a thread while the next is read (the path of pieces over 16 MiB).
+@pytest.mark.parametrize("block_bytes", [None, 40])
+def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path, monkeypatch,
+                                                      block_bytes):
+    if block_bytes is not None:
+        monkeypatch.setattr(ckpt.format, "_READ_BLOCK_BYTES", block_bytes)
     model = trained_model()
     path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
     shard = os.path.join(path, "shards-00000.h5")

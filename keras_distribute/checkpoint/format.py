@@ -368,19 +368,58 @@ def read_regions(path: str, record: dict,
     return out
 
 
+# Large pieces are read in blocks of about this size; each block is hashed
+# in a thread while the next one is read (sha256 releases the GIL).
+_READ_BLOCK_BYTES = 16 << 20
+_hasher_thread: List[Any] = []
+
+
+def _read_and_hash(dataset: Any) -> Tuple[np.ndarray, str]:
+    """A dataset's data and the sha256 of its bytes, reading and hashing
+    overlapped block by block (in row order: the same digest as hashing the
+    whole array)."""
+    import concurrent.futures
+
+    data = np.empty(dataset.shape, dataset.dtype)
+    digest = hashlib.sha256()
+    rows = dataset.shape[0] if dataset.ndim else 0
+    if rows == 0 or data.nbytes <= _READ_BLOCK_BYTES:
+        if data.size:
+            dataset.read_direct(data)
+        digest.update(data.reshape(-1).view(np.uint8))
+        return data, digest.hexdigest()
+    if not _hasher_thread:
+        _hasher_thread.append(concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kd-checkpoint-hash"))
+    row_bytes = data.nbytes // rows
+    step = max(1, _READ_BLOCK_BYTES // row_bytes)
+    flat = data.reshape(-1).view(np.uint8)
+    hashing = None
+    for start in range(0, rows, step):
+        block = np.s_[start:min(rows, start + step)]
+        dataset.read_direct(data, block, block)
+        if hashing is not None:
+            hashing.result()
+        hashing = _hasher_thread[0].submit(
+            digest.update,
+            flat[start * row_bytes:min(rows, start + step) * row_bytes])
+    hashing.result()
+    return data, digest.hexdigest()
+
+
 def _read_piece(path: str, piece: dict, dtype: np.dtype) -> np.ndarray:
     import h5py
 
     file_path = os.path.join(path, piece["file"])
     try:
         with h5py.File(file_path, "r") as h5:
-            data = h5[piece["dataset"]][()]
+            data, checksum = _read_and_hash(h5[piece["dataset"]])
     except (OSError, KeyError) as error:
         raise CheckpointError(
             f"The shard file {file_path!r} is missing, truncated or corrupt "
             f"({error}). Restore an earlier checkpoint.") from None
     data = data.view(dtype) if data.dtype != dtype else data
-    if _sha256(data) != piece["sha256"]:
+    if checksum != piece["sha256"]:
         raise CheckpointError(
             f"The data of {piece['dataset']!r} in {file_path!r} does not "
             "match its checksum: the file is corrupt. Restore an earlier "
