@@ -28,6 +28,7 @@ from keras_distribute.checkpoint.sharded_checkpoint import finish_background_sav
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.training_state import CALLBACK_STATE
+from keras_distribute.training_state import CallbackArrays
 from keras_distribute.training_state import NOT_SCALAR
 from keras_distribute.training_state import MetricVariables
 from keras_distribute.training_state import calling_callback_list
@@ -84,6 +85,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
                 optimizer.build(model.trainable_variables)
             objects["optimizer"] = optimizer
         objects["metrics"] = MetricVariables(model)
+        objects["callback_arrays"] = CallbackArrays(self)
         return _Checkpoint(**objects)
 
     def _sync_model_state(self) -> None:
@@ -345,7 +347,8 @@ class BackupAndRestore(_TrainingStateCallback):
     the model, the optimizer (slots and iteration count), the metric state,
     the seed-generator and host RNG states (numpy, `random`, torch) that
     decide dropout and shuffling, and the progress of the other callbacks
-    (`EarlyStopping.best`, ...). When `fit` starts again with the same
+    (`EarlyStopping.best`, and its `best_weights` with
+    `restore_best_weights=True`). When `fit` starts again with the same
     callback, it restores the latest backup and skips the epochs and the
     batches already done, so the resumed run ends with the same weights as
     one never interrupted. The backup is deleted when `fit` completes,
@@ -397,9 +400,11 @@ class BackupAndRestore(_TrainingStateCallback):
         if latest is None:
             return
         # Model and optimizer now; the metric state only when resuming
-        # mid-epoch (fit resets it at each epoch's start).
+        # mid-epoch (fit resets it at each epoch's start), the other
+        # callbacks' state once they reset it (at their train begin).
         objects = dict(self._checkpoint._objects)
         objects.pop("metrics")
+        objects.pop("callback_arrays")
         _Checkpoint(**objects).read(latest).assert_existing_objects_matched()
         self._resume = read_metadata(latest)
         self._checkpoint.save_counter = int(self._resume["save_counter"])
@@ -412,6 +417,8 @@ class BackupAndRestore(_TrainingStateCallback):
             skip = int(resume.get("step", 0))
             restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
             self._restore_callback_states(resume.get("callbacks", {}))
+            _Checkpoint(callback_arrays=self._checkpoint._objects[
+                "callback_arrays"]).read(self._resume_path).expect_partial()
             if skip:
                 # The order of the epoch's batches comes from the RNG at its
                 # start; dropout & co. then go on from the state at the save.

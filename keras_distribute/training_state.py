@@ -36,6 +36,50 @@ class MetricVariables:
         return list(self._model.metrics_variables)
 
 
+# The other callbacks' state that is arrays, not scalars: kept in the
+# checkpoint itself (EarlyStopping(restore_best_weights=True)).
+CALLBACK_ARRAYS = ("best_weights",)
+
+
+class CallbackArrays:
+    """The other callbacks' array state (`CALLBACK_ARRAYS`) of a kd training
+    callback, as host arrays a `ShardedCheckpoint` saves and restores.
+
+    Args:
+        owner: The kd callback; its `_others` are the callbacks whose state
+            is kept (read when saved).
+    """
+
+    def __init__(self, owner: Any):
+        self._owner = owner
+
+    def _callbacks(self):
+        for position, callback in enumerate(self._owner._others):
+            yield f"{position}:{type(callback).__name__}", callback
+
+    def _host_arrays(self) -> Dict[str, np.ndarray]:
+        arrays = {}
+        for prefix, callback in self._callbacks():
+            for name in CALLBACK_ARRAYS:
+                value = callback.__dict__.get(name)
+                if isinstance(value, list) and all(
+                        isinstance(a, np.ndarray) for a in value):
+                    for i, array in enumerate(value):
+                        arrays[f"{prefix}/{name}/{i}"] = array
+        return arrays
+
+    def _restore_host_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
+        for prefix, callback in self._callbacks():
+            for name in CALLBACK_ARRAYS:
+                start = f"{prefix}/{name}/"
+                found = {int(key[len(start):]): array
+                         for key, array in arrays.items()
+                         if key.startswith(start)}
+                if found:
+                    setattr(callback, name,
+                            [found[i] for i in range(len(found))])
+
+
 def json_scalar(value: Any) -> Any:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value

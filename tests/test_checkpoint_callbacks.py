@@ -120,6 +120,38 @@ def test_backup_at_epoch_ends_restores_callback_state(tmp_path):
         "epoch"] == 3
 
 
+def test_backup_keeps_early_stopping_best_weights(tmp_path):
+    # mode="max" on a falling loss: the best epoch is the first, before the
+    # interruption, so the resumed run must get its weights from the backup.
+    backup_dir = str(tmp_path / "backup")
+
+    def stopper():
+        return keras.callbacks.EarlyStopping(
+            "loss", mode="max", patience=50, restore_best_weights=True)
+
+    model = make_model()
+    first_epoch = []
+    fit(model, [stopper(), keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: epoch or first_epoch.append(
+            [w.copy() for w in model.get_weights()]))])
+    expected = model.get_weights()
+    for a, b in zip(expected, first_epoch[0]):  # restored at the end
+        np.testing.assert_array_equal(a, b)
+    model = make_model()
+    with pytest.raises(Interrupt):
+        fit(model, [kd.callbacks.BackupAndRestore(backup_dir, save_freq=4),
+                    stopper(), InterruptAt(10)])
+    assert any("best_weights" in key for key, _ in ckpt.list_variables(
+        ckpt.latest_checkpoint(backup_dir)))
+    model = make_model()
+    resumed_stopper = stopper()
+    fit(model, [kd.callbacks.BackupAndRestore(backup_dir, save_freq=4),
+                resumed_stopper])
+    assert resumed_stopper.best_epoch == 0
+    for a, b in zip(expected, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_sharded_checkpoint_callback_keeps_latest_and_best(tmp_path):
     x, y = data()
     model = make_model()

@@ -160,6 +160,12 @@ class ShardedCheckpoint:
         else:
             object.__delattr__(self, name)
 
+    def _host_array_holders(self) -> Dict[str, Any]:
+        """Objects whose state is host arrays (`_host_arrays()`), e.g. the
+        other callbacks' `best_weights` a training backup keeps."""
+        return {name: obj for name, obj in self._objects.items()
+                if hasattr(obj, "_host_arrays")}
+
     def _iterators(self) -> Dict[str, Any]:
         return {name: obj for name, obj in self._objects.items()
                 if iterator_state.is_data_iterator(obj)}
@@ -175,7 +181,8 @@ class ShardedCheckpoint:
 
         found, seen = {}, set()
         for name, obj in self._objects.items():
-            if iterator_state.is_data_iterator(obj):
+            if iterator_state.is_data_iterator(obj) or hasattr(
+                    obj, "_host_arrays"):
                 continue
             if isinstance(obj, keras.Variable):
                 found[name] = {name: obj}
@@ -275,6 +282,15 @@ class ShardedCheckpoint:
                           for region, array in pieces]
             entries[key] = (tuple(variable.shape), _dtype_name(variable),
                              _layout(variable), pieces, variable.path)
+        for name, holder in self._host_array_holders().items():
+            # The same values in every process: process 0 writes them.
+            for key, array in holder._host_arrays().items():
+                array = np.array(array, copy=True)
+                pieces = ([(tuple((0, n) for n in array.shape), array)]
+                          if process_id == 0 else [])
+                entries[f"{name}/{key}"] = (
+                    array.shape, array.dtype.name, [None] * array.ndim,
+                    pieces, f"{name}/{key} (host array)")
         for name, iterator in self._iterators().items():
             state = iterator_state.save(iterator)  # a fresh copy
             entries[iterator_state.state_key(name, process_id)] = (
@@ -390,6 +406,14 @@ class ShardedCheckpoint:
         restored = {key for name, variables in by_object.items()
                     if name not in self._deferred for key in variables}
         restored |= self._restore_iterators(path, saved)
+        for name, holder in self._host_array_holders().items():
+            keys = _saved_keys_of(saved, name)
+            holder._restore_host_arrays({
+                key[len(name) + 1:]: ckpt_format.read_regions(
+                    path, saved[key],
+                    [tuple((0, n) for n in saved[key]["shape"])])[0]
+                for key in keys})
+            restored |= set(keys)
         deferred_keys = {key for name in self._deferred
                          for key in _saved_keys_of(saved, name)}
         return LoadStatus(
@@ -523,7 +547,8 @@ def _check_object(name: str, obj: Any) -> None:
             "step number instead and skip that many steps on restore, or "
             "save the iterator of the dataset before distribution.")
     if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
-            or iterator_state.is_data_iterator(obj)):
+            or iterator_state.is_data_iterator(obj)
+            or hasattr(obj, "_host_arrays")):
         raise ValueError(
             "Expected Keras models, layers, optimizers, metrics, variables "
             f"or tf.data iterators. Received: {name}={type(obj).__name__}.")
