@@ -22,7 +22,7 @@ import keras
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
+from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
 from keras_distribute.checkpoint.sharded_checkpoint import finish_background_saves
 from keras_distribute.checkpoint.committed import checkpoints_in

@@ -14,6 +14,7 @@ from typing import Any, Dict
 
 import numpy as np
 
+from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint.format import CheckpointError
 
 _PROCESS_KEY = "{name}/process-{process_id:05d}"
@@ -110,3 +111,47 @@ def saved_processes(saved: Dict[str, Any], name: str) -> int:
     """How many processes saved an iterator `name` (0: none)."""
     prefix = name + "/process-"
     return sum(1 for key in saved if key.startswith(prefix))
+
+
+def entries(iterators: Dict[str, Any], process_id: int) -> Dict[str, tuple]:
+    """The checkpoint entries of this process's input iterators (its own
+    key each: every process reads its own input)."""
+    found = {}
+    for name, iterator in iterators.items():
+        state = save(iterator)  # a fresh copy
+        found[state_key(name, process_id)] = (
+            state.shape, "uint8", [None], [(((0, state.size),), state)],
+            f"{name} (input iterator)")
+    return found
+
+
+def restore_all(path: str, saved: Dict[str, Any], iterators: Dict[str, Any],
+                process_id: int, process_count: int) -> set:
+    """Restores this process's iterators; returns the keys consumed (a
+    process takes its own state; the others' are theirs).
+
+    Raises:
+        CheckpointError: if the checkpoint was saved by another number of
+            processes, or a state does not fit its iterator.
+    """
+    consumed = set()
+    for name, iterator in iterators.items():
+        key = state_key(name, process_id)
+        saved_count = saved_processes(saved, name)
+        if saved_count == 0:
+            consumed.add(key)  # not in the checkpoint: reported as missing
+            continue
+        if saved_count != process_count:
+            raise CheckpointError(
+                f"The checkpoint holds the input iterator {name!r} of "
+                f"{saved_count} processes, but this run has "
+                f"{process_count}: each process resumes its own input. "
+                "Restore with the same number of processes, or leave "
+                "the iterator out of the ShardedCheckpoint and call "
+                "expect_partial().")
+        record = saved[key]
+        (state,) = ckpt_format.read_regions(
+            path, record, [((0, record["shape"][0]),)])
+        load(iterator, state, name)
+        consumed |= {k for k in saved if k.startswith(name + "/process-")}
+    return consumed

@@ -1,57 +1,21 @@
 """`ShardedCheckpoint`: save and restore Keras state, reshardable, portable."""
 
 import concurrent.futures
-import dataclasses
 import functools
 import os
-import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import iterator_state
+from keras_distribute.checkpoint import saved_objects
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
+from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.distributed_iterator import DistributedIterator
-
-
-@dataclasses.dataclass
-class CheckpointOptions:
-    """How a save runs (the counterpart of `tf.train.CheckpointOptions`).
-
-    Args:
-        enable_async: Write in the background: the call returns once every
-            value is copied to host memory; `sync()` (or the next save or
-            restore) waits for the write and re-raises its error.
-        experimental_enable_async_checkpoint: `tf.train.CheckpointOptions`'
-            name for `enable_async`, accepted when porting.
-        timeout_seconds: How long the chief waits for the other processes'
-            shards before the save fails (the previous checkpoint is kept).
-
-    Example:
-
-    ```python
-    options = kd.checkpoint.CheckpointOptions(enable_async=True)
-    checkpoint.save("/tmp/ckpt/run", options=options)
-    checkpoint.sync()
-    ```
-    """
-
-    enable_async: bool = False
-    experimental_enable_async_checkpoint: Optional[bool] = None
-    timeout_seconds: float = 600.0
-
-    def __post_init__(self):
-        if self.experimental_enable_async_checkpoint is not None:
-            self.enable_async = bool(self.experimental_enable_async_checkpoint)
-        if not self.timeout_seconds > 0:
-            raise ValueError(
-                "timeout_seconds must be positive. Received: "
-                f"timeout_seconds={self.timeout_seconds}.")
 
 
 # Checkpoints with restores waiting for their variables to be created.
@@ -128,7 +92,7 @@ class ShardedCheckpoint:
         if root is not None:
             objects = {"root": root, **objects}
         for name, obj in objects.items():
-            _check_object(name, obj)
+            saved_objects.check_object(name, obj, ShardedCheckpoint)
         self._objects = objects
         self.save_counter = 0
         self._pending: Optional[concurrent.futures.Future] = None
@@ -151,7 +115,7 @@ class ShardedCheckpoint:
         if name.startswith("_") or name == "save_counter":
             object.__setattr__(self, name, value)
             return
-        _check_object(name, value)
+        saved_objects.check_object(name, value, ShardedCheckpoint)
         self._objects[name] = value
 
     def __delattr__(self, name: str) -> None:
@@ -266,36 +230,12 @@ class ShardedCheckpoint:
         engine.barrier("keras_distribute.checkpoint.prepare")
 
         backend = get_backend()
-        pieces_of = getattr(backend, "checkpoint_pieces", None)
-        copy = options.enable_async  # training goes on meanwhile
-        entries = {}
-        for key, variable in self._variables().items():
-            if pieces_of is not None:
-                pieces = pieces_of(variable)
-            else:  # replicated everywhere: process 0 writes it once
-                # (every process reads it: on TF a sync-on-read variable's
-                # read is a collective every worker must join)
-                pieces = _whole_value(variable, backend)
-                pieces = pieces if process_id == 0 else []
-            if copy:
-                pieces = [(region, np.array(array, copy=True))
-                          for region, array in pieces]
-            entries[key] = (tuple(variable.shape), _dtype_name(variable),
-                             _layout(variable), pieces, variable.path)
-        for name, holder in self._host_array_holders().items():
-            # The same values in every process: process 0 writes them.
-            for key, array in holder._host_arrays().items():
-                array = np.array(array, copy=True)
-                pieces = ([(tuple((0, n) for n in array.shape), array)]
-                          if process_id == 0 else [])
-                entries[f"{name}/{key}"] = (
-                    array.shape, array.dtype.name, [None] * array.ndim,
-                    pieces, f"{name}/{key} (host array)")
-        for name, iterator in self._iterators().items():
-            state = iterator_state.save(iterator)  # a fresh copy
-            entries[iterator_state.state_key(name, process_id)] = (
-                state.shape, "uint8", [None], [(((0, state.size),), state)],
-                f"{name} (tf.data iterator)")
+        entries = saved_objects.variable_entries(
+            self._variables(), backend, process_id,
+            copy=options.enable_async)  # async: training goes on meanwhile
+        entries.update(saved_objects.host_array_entries(
+            self._host_array_holders(), process_id))
+        entries.update(iterator_state.entries(self._iterators(), process_id))
         mesh = getattr(engine, "device_mesh", None)
         index_metadata = {
             "save_counter": self.save_counter,
@@ -393,7 +333,7 @@ class ShardedCheckpoint:
         saved = ckpt_format.read_index(path)["variables"]
         by_object = self._variables_by_object()
         for name, variables in by_object.items():
-            wanted = _saved_keys_of(saved, name)
+            wanted = saved_objects.saved_keys_of(saved, name)
             obj = self._objects[name]
             if len(variables) < len(wanted) and not isinstance(
                     obj, keras.Variable):
@@ -405,17 +345,14 @@ class ShardedCheckpoint:
             self._restore(path, saved, variables)
         restored = {key for name, variables in by_object.items()
                     if name not in self._deferred for key in variables}
-        restored |= self._restore_iterators(path, saved)
-        for name, holder in self._host_array_holders().items():
-            keys = _saved_keys_of(saved, name)
-            holder._restore_host_arrays({
-                key[len(name) + 1:]: ckpt_format.read_regions(
-                    path, saved[key],
-                    [tuple((0, n) for n in saved[key]["shape"])])[0]
-                for key in keys})
-            restored |= set(keys)
+        engine = self._engine()
+        restored |= iterator_state.restore_all(
+            path, saved, self._iterators(), engine.process_id,
+            engine.process_count)
+        restored |= saved_objects.restore_host_arrays(
+            path, saved, self._host_array_holders())
         deferred_keys = {key for name in self._deferred
-                         for key in _saved_keys_of(saved, name)}
+                         for key in saved_objects.saved_keys_of(saved, name)}
         return LoadStatus(
             sorted(set(saved) - restored - deferred_keys),
             sorted(restored - set(saved)), checkpoint=self)
@@ -423,7 +360,8 @@ class ShardedCheckpoint:
     def _restore(self, path: str, saved: dict, variables: Dict[str, Any]):
         from keras_distribute.backend import get_backend
 
-        assign = getattr(get_backend(), "checkpoint_assign", _assign_whole)
+        assign = getattr(get_backend(), "checkpoint_assign",
+                         saved_objects.assign_whole)
         for key, variable in variables.items():
             record = saved.get(key)
             if record is None:
@@ -437,40 +375,13 @@ class ShardedCheckpoint:
             assign(variable, lambda regions, record=record: (
                 ckpt_format.read_regions(path, record, regions)))
 
-    def _restore_iterators(self, path: str, saved: dict) -> set:
-        """Restores this process's iterators; returns the keys consumed (a
-        process takes its own state; the others' are theirs)."""
-        consumed = set()
-        process_id = self._engine().process_id
-        process_count = self._engine().process_count
-        for name, iterator in self._iterators().items():
-            key = iterator_state.state_key(name, process_id)
-            saved_count = iterator_state.saved_processes(saved, name)
-            if saved_count == 0:
-                consumed.add(key)  # reported as missing below
-                continue
-            if saved_count != process_count:
-                raise CheckpointError(
-                    f"The checkpoint holds the input iterator {name!r} of "
-                    f"{saved_count} processes, but this run has "
-                    f"{process_count}: each process resumes its own input. "
-                    "Restore with the same number of processes, or leave "
-                    "the iterator out of the ShardedCheckpoint and call "
-                    "expect_partial().")
-            record = saved[key]
-            (state,) = ckpt_format.read_regions(
-                path, record, [((0, record["shape"][0]),)])
-            iterator_state.load(iterator, state, name)
-            consumed |= {k for k in saved if k.startswith(name + "/process-")}
-        return consumed
-
     def _apply_deferred(self) -> None:
         with self._lock:
             if not self._deferred:
                 return
             by_object = self._variables_by_object()
             for name, (path, saved) in list(self._deferred.items()):
-                if len(by_object[name]) >= len(_saved_keys_of(saved, name)):
+                if len(by_object[name]) >= len(saved_objects.saved_keys_of(saved, name)):
                     del self._deferred[name]
                     self._restore(path, saved, by_object[name])
             if not self._deferred:
@@ -533,95 +444,10 @@ def _finish_save(path: str, entries: dict, process_id: int,
                 "error. The previous checkpoint is kept.")
 
 
-def _check_object(name: str, obj: Any) -> None:
-    """Raises `ValueError` unless `obj` can be saved under `name`."""
-    import keras
-
-    if type(obj).__name__ == "DistributedIterator" and type(
-            obj).__module__.startswith("tensorflow."):
-        raise ValueError(
-            "tf.distribute's own distributed iterators (what "
-            "experimental_distribute_dataset returns on the TensorFlow "
-            "backend) cannot be saved; tf.train.Checkpoint refuses them too. "
-            f"Received: {name}=a tf.distribute DistributedIterator. Save the "
-            "step number instead and skip that many steps on restore, or "
-            "save the iterator of the dataset before distribution.")
-    if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
-            or iterator_state.is_data_iterator(obj)
-            or hasattr(obj, "_host_arrays")):
-        raise ValueError(
-            "Expected Keras models, layers, optimizers, metrics, variables "
-            f"or tf.data iterators. Received: {name}={type(obj).__name__}.")
-    if hasattr(obj, "_check_saveable"):  # a kd.DistributedIterator
-        obj._check_saveable(name)
-    if "/" in name:
-        raise ValueError(
-            f"Object names cannot contain '/'. Received: {name!r}.")
-    if hasattr(ShardedCheckpoint, name):
-        raise ValueError(
-            f"{name!r} is a ShardedCheckpoint method or property; choose "
-            f"another name for the object. Received: {name}=...")
-
-
-def _saved_keys_of(saved: dict, name: str) -> List[str]:
-    return [key for key in saved
-            if key == name or key.startswith(name + "/")]
-
-
 def _install_deferred_hooks() -> None:
     from keras_distribute import keras_hooks
 
     keras_hooks.install_checkpoint_hooks()
-
-
-def export_weights(checkpoint_path: str, model: Any, filepath: str,
-                   object_name: str = "model") -> str:
-    """Writes a checkpoint's model as a Keras `.weights.h5` file.
-
-    The checkpoint is restored into `model` (built like the saved one), and
-    `model.save_weights(filepath)` writes it; in a multi-process job only
-    process 0 writes the file (with a model sharded over the processes,
-    every process must call it: reading the weights whole is a collective).
-    `model.load_weights(filepath)` reads it back on any backend, without
-    keras_distribute.
-
-    Args:
-        checkpoint_path: A committed checkpoint directory.
-        model: A built Keras model with the saved architecture.
-        filepath: The file to write; must end in `.weights.h5`.
-        object_name: The name the model was saved under.
-
-    Returns:
-        `filepath`.
-
-    Raises:
-        ValueError: if `filepath` does not end in `.weights.h5`.
-        AssertionError: if a model variable is not in the checkpoint.
-
-    Example:
-
-    ```python
-    kd.checkpoint.export_weights(path, model, "/tmp/model.weights.h5")
-    ```
-    """
-    if not str(filepath).endswith(".weights.h5"):
-        raise ValueError(
-            "Keras weight files end in '.weights.h5'. Received: "
-            f"filepath={filepath!r}.")
-    checkpoint = ShardedCheckpoint(**{object_name: model})
-    checkpoint.read(checkpoint_path).assert_existing_objects_matched()
-    if checkpoint._deferred:
-        raise ValueError(
-            "The model is not built, so its weights cannot be exported. "
-            "Build it first (call it on a batch, or model.build(shape)).")
-    engine = checkpoint._engine()
-    if engine.process_id == 0:
-        model.save_weights(filepath, overwrite=True)
-    elif getattr(engine, "collective_reads", False):
-        # Reading sharded weights whole is a collective: join the chief's.
-        with tempfile.TemporaryDirectory(prefix="kd-export-") as scratch:
-            model.save_weights(os.path.join(scratch, "w.weights.h5"))
-    return filepath
 
 
 # Checkpoints with a background save that may still run (weakly held).
@@ -648,28 +474,3 @@ def finish_background_saves() -> List[BaseException]:
             failures.append(error)
         _in_flight.discard(checkpoint)
     return failures
-
-
-def _dtype_name(variable: Any) -> str:
-    return np.dtype(variable.dtype).name if variable.dtype != "bfloat16" else (
-        "bfloat16")
-
-
-def _layout(variable: Any) -> list:
-    layout = getattr(variable, "_layout", None)
-    axes = getattr(layout, "axes", None)
-    return list(axes) if axes is not None else [None] * len(variable.shape)
-
-
-def _whole_value(variable: Any, backend: Any) -> list:
-    import keras
-
-    value_of = getattr(backend, "checkpoint_value", None)
-    value = (value_of(variable) if value_of is not None
-             else keras.ops.convert_to_numpy(variable.value))
-    return [(tuple((0, n) for n in value.shape), value)]
-
-
-def _assign_whole(variable: Any, read_regions) -> None:
-    (value,) = read_regions([tuple((0, n) for n in variable.shape)])
-    variable.assign(value)

@@ -1,0 +1,39 @@
+"""`CheckpointOptions`: how a save runs."""
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class CheckpointOptions:
+    """How a save runs (the counterpart of `tf.train.CheckpointOptions`).
+
+    Args:
+        enable_async: Write in the background: the call returns once every
+            value is copied to host memory; `sync()` (or the next save or
+            restore) waits for the write and re-raises its error.
+        experimental_enable_async_checkpoint: `tf.train.CheckpointOptions`'
+            name for `enable_async`, accepted when porting.
+        timeout_seconds: How long the chief waits for the other processes'
+            shards before the save fails (the previous checkpoint is kept).
+
+    Example:
+
+    ```python
+    options = kd.checkpoint.CheckpointOptions(enable_async=True)
+    checkpoint.save("/tmp/ckpt/run", options=options)
+    checkpoint.sync()
+    ```
+    """
+
+    enable_async: bool = False
+    experimental_enable_async_checkpoint: Optional[bool] = None
+    timeout_seconds: float = 600.0
+
+    def __post_init__(self):
+        if self.experimental_enable_async_checkpoint is not None:
+            self.enable_async = bool(self.experimental_enable_async_checkpoint)
+        if not self.timeout_seconds > 0:
+            raise ValueError(
+                "timeout_seconds must be positive. Received: "
+                f"timeout_seconds={self.timeout_seconds}.")

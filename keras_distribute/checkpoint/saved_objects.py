@@ -1,0 +1,142 @@
+"""What a `ShardedCheckpoint` holds, as checkpoint entries: the check of
+each object given to it, Keras variables (each process's unique pieces,
+with their logical layout), and host arrays (the other callbacks' array
+state a training backup keeps, e.g. `EarlyStopping.best_weights`).
+
+A host-array holder has `_host_arrays() -> {key: numpy array}` (the same
+values in every process) and `_restore_host_arrays({key: array})`.
+"""
+
+from typing import Any, Dict, List, Set
+
+import numpy as np
+
+from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import iterator_state
+
+
+def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
+    """Raises `ValueError` unless `obj` can be saved under `name`.
+
+    Args:
+        name: The object's name in the checkpoint.
+        obj: The object.
+        checkpoint_class: `ShardedCheckpoint`, whose attribute names an
+            object cannot take (objects are its attributes).
+    """
+    import keras
+
+    if type(obj).__name__ == "DistributedIterator" and type(
+            obj).__module__.startswith("tensorflow."):
+        raise ValueError(
+            "tf.distribute's own distributed iterators (what "
+            "experimental_distribute_dataset returns on the TensorFlow "
+            "backend) cannot be saved; tf.train.Checkpoint refuses them too. "
+            f"Received: {name}=a tf.distribute DistributedIterator. Save the "
+            "step number instead and skip that many steps on restore, or "
+            "save the iterator of the dataset before distribution.")
+    if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
+            or iterator_state.is_data_iterator(obj)
+            or hasattr(obj, "_host_arrays")):
+        raise ValueError(
+            "Expected Keras models, layers, optimizers, metrics, variables "
+            f"or tf.data iterators. Received: {name}={type(obj).__name__}.")
+    if hasattr(obj, "_check_saveable"):  # a kd.DistributedIterator
+        obj._check_saveable(name)
+    if "/" in name:
+        raise ValueError(
+            f"Object names cannot contain '/'. Received: {name!r}.")
+    if hasattr(checkpoint_class, name):
+        raise ValueError(
+            f"{name!r} is a ShardedCheckpoint method or property; choose "
+            f"another name for the object. Received: {name}=...")
+
+
+def saved_keys_of(saved: Dict[str, Any], name: str) -> List[str]:
+    """The checkpoint keys of the object saved as `name`."""
+    return [key for key in saved
+            if key == name or key.startswith(name + "/")]
+
+
+def host_array_entries(holders: Dict[str, Any],
+                       process_id: int) -> Dict[str, tuple]:
+    """The checkpoint entries of host-array holders (copies; the same
+    values in every process, so process 0 writes them)."""
+    entries = {}
+    for name, holder in holders.items():
+        for key, array in holder._host_arrays().items():
+            array = np.array(array, copy=True)
+            pieces = ([(tuple((0, n) for n in array.shape), array)]
+                      if process_id == 0 else [])
+            entries[f"{name}/{key}"] = (
+                array.shape, array.dtype.name, [None] * array.ndim, pieces,
+                f"{name}/{key} (host array)")
+    return entries
+
+
+def restore_host_arrays(path: str, saved: Dict[str, Any],
+                        holders: Dict[str, Any]) -> Set[str]:
+    """Gives each holder its saved arrays; returns the keys consumed."""
+    consumed = set()
+    for name, holder in holders.items():
+        keys = saved_keys_of(saved, name)
+        holder._restore_host_arrays({
+            key[len(name) + 1:]: ckpt_format.read_regions(
+                path, saved[key],
+                [tuple((0, n) for n in saved[key]["shape"])])[0]
+            for key in keys})
+        consumed |= set(keys)
+    return consumed
+
+
+def variable_entries(variables: Dict[str, Any], backend: Any,
+                     process_id: int, copy: bool) -> Dict[str, tuple]:
+    """The checkpoint entries of Keras variables: each process's unique
+    pieces (the backend's `checkpoint_pieces`; else a replicated variable
+    whole, written by process 0). `copy`: own copies of the values (an
+    asynchronous save, while training goes on)."""
+    pieces_of = getattr(backend, "checkpoint_pieces", None)
+    entries = {}
+    for key, variable in variables.items():
+        if pieces_of is not None:
+            pieces = pieces_of(variable)
+        else:  # replicated everywhere: process 0 writes it once
+            # (every process reads it: on TF a sync-on-read variable's
+            # read is a collective every worker must join)
+            pieces = whole_value(variable, backend)
+            pieces = pieces if process_id == 0 else []
+        if copy:
+            pieces = [(region, np.array(array, copy=True))
+                      for region, array in pieces]
+        entries[key] = (tuple(variable.shape), dtype_name(variable),
+                        layout_of(variable), pieces, variable.path)
+    return entries
+
+
+def dtype_name(variable: Any) -> str:
+    """The numpy name of a variable's dtype (`"bfloat16"` included)."""
+    return np.dtype(variable.dtype).name if variable.dtype != "bfloat16" else (
+        "bfloat16")
+
+
+def layout_of(variable: Any) -> list:
+    """A variable's logical layout: a mesh axis name or `None` per dim."""
+    layout = getattr(variable, "_layout", None)
+    axes = getattr(layout, "axes", None)
+    return list(axes) if axes is not None else [None] * len(variable.shape)
+
+
+def whole_value(variable: Any, backend: Any) -> list:
+    """A replicated variable as one piece `[(whole region, array)]`."""
+    import keras
+
+    value_of = getattr(backend, "checkpoint_value", None)
+    value = (value_of(variable) if value_of is not None
+             else keras.ops.convert_to_numpy(variable.value))
+    return [(tuple((0, n) for n in value.shape), value)]
+
+
+def assign_whole(variable: Any, read_regions) -> None:
+    """Restores a replicated variable from its whole saved region."""
+    (value,) = read_regions([tuple((0, n) for n in variable.shape)])
+    variable.assign(value)
