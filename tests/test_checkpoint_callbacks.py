@@ -261,6 +261,44 @@ def test_manager_keeps_the_last_n_and_one_every_n_steps(tmp_path):
         ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=0)
 
 
+def test_manager_interval_step_counter_and_init_fn(tmp_path):
+    # tf.train.CheckpointManager(..., step_counter=, checkpoint_interval=,
+    # init_fn=): saves closer than the interval are skipped (None).
+    step = keras.Variable(0.0, trainable=False)
+    initialized = []
+    checkpoint = ckpt.ShardedCheckpoint(step=step)
+    manager = ckpt.CheckpointManager(
+        checkpoint, str(tmp_path), max_to_keep=None, step_counter=step,
+        checkpoint_interval=10, init_fn=lambda: initialized.append(True))
+    assert manager.restore_or_initialize() is None and initialized == [True]
+    saved = []
+    for _ in range(25):
+        step.assign_add(1.0)
+        saved.append(manager.save(checkpoint_number=step) is not None)
+    assert [i + 1 for i, s in enumerate(saved) if s] == [1, 11, 21]
+    assert manager.save(checkpoint_number=26) is None  # 5 steps after 21
+    assert manager.save(checkpoint_number=26,
+                        check_interval=False).endswith("ckpt-26")
+    assert [os.path.basename(p) for p in manager.checkpoints] == [
+        "ckpt-1", "ckpt-11", "ckpt-21", "ckpt-26"]
+    # A restarted run: the interval counts from the restored step.
+    step.assign(0.0)
+    again = ckpt.CheckpointManager(
+        checkpoint, str(tmp_path), max_to_keep=None, step_counter=step,
+        checkpoint_interval=10, init_fn=lambda: initialized.append(True))
+    assert again.restore_or_initialize().endswith("ckpt-26")
+    assert float(step) == 25.0 and initialized == [True]
+    step.assign(30.0)
+    assert again.save(checkpoint_number=step) is None
+    with pytest.raises(ValueError, match="pass step_counter="):
+        ckpt.CheckpointManager(checkpoint, str(tmp_path),
+                               checkpoint_interval=5)
+    with pytest.raises(ValueError, match="checkpoint_interval must be a "
+                                         "positive"):
+        ckpt.CheckpointManager(checkpoint, str(tmp_path), step_counter=step,
+                               checkpoint_interval=0)
+
+
 def test_restore_of_none_initializes_as_in_the_tf_checkpoint_guide(
         tmp_path):
     # status = ckpt.restore(manager.latest_checkpoint): None on a first run.

@@ -1,10 +1,10 @@
 """`CheckpointManager`: numbered saves in a directory, the last N kept."""
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint.sharded_checkpoint import CheckpointOptions
+from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.committed import checkpoints_in
 
@@ -26,9 +26,18 @@ class CheckpointManager:
         keep_every_n_steps: Also keep, for good, a checkpoint whose number is
             at least this many steps after the last one kept that way.
         checkpoint_name: The name stem of the checkpoint directories.
+        step_counter: A scalar step variable (or anything `int()` reads),
+            for `checkpoint_interval`.
+        checkpoint_interval: Save only if at least this many steps of
+            `step_counter` passed since the last save (`save` returns
+            `None` otherwise), as `tf.train.CheckpointManager`.
+        init_fn: Called by `restore_or_initialize` when there is no
+            checkpoint to restore.
 
     Raises:
-        ValueError: for a non-positive `max_to_keep` or `keep_every_n_steps`.
+        ValueError: for a non-positive `max_to_keep`, `keep_every_n_steps`
+            or `checkpoint_interval`, or a `checkpoint_interval` without a
+            `step_counter`.
 
     Example:
 
@@ -48,13 +57,17 @@ class CheckpointManager:
     def __init__(self, checkpoint: ShardedCheckpoint, directory: str,
                  max_to_keep: Optional[int] = 5,
                  keep_every_n_steps: Optional[int] = None,
-                 checkpoint_name: str = "ckpt"):
+                 checkpoint_name: str = "ckpt",
+                 step_counter: Any = None,
+                 checkpoint_interval: Optional[int] = None,
+                 init_fn: Optional[Callable[[], Any]] = None):
         if not isinstance(checkpoint, ShardedCheckpoint):
             raise ValueError(
                 "Expected a kd.checkpoint.ShardedCheckpoint. Received: "
                 f"checkpoint={type(checkpoint).__name__}.")
         for name, value in (("max_to_keep", max_to_keep),
-                            ("keep_every_n_steps", keep_every_n_steps)):
+                            ("keep_every_n_steps", keep_every_n_steps),
+                            ("checkpoint_interval", checkpoint_interval)):
             if value is not None and (not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(
@@ -64,7 +77,17 @@ class CheckpointManager:
             raise ValueError(
                 "checkpoint_name must be a plain, non-empty name. Received: "
                 f"checkpoint_name={checkpoint_name!r}.")
+        if checkpoint_interval is not None and step_counter is None:
+            raise ValueError(
+                "checkpoint_interval counts steps of step_counter: pass "
+                "step_counter= (e.g. the optimizer's iterations). Received: "
+                f"checkpoint_interval={checkpoint_interval}, "
+                "step_counter=None.")
         self.checkpoint = checkpoint
+        self.step_counter = step_counter
+        self.checkpoint_interval = checkpoint_interval
+        self.init_fn = init_fn
+        self._last_saved_step: Optional[int] = None
         self.directory = os.path.abspath(directory)
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
@@ -94,22 +117,35 @@ class CheckpointManager:
 
     def save(self, checkpoint_number: Optional[int] = None,
              options: Optional[CheckpointOptions] = None,
-             metadata: Optional[Dict[str, Any]] = None) -> str:
+             metadata: Optional[Dict[str, Any]] = None,
+             check_interval: bool = True) -> Optional[str]:
         """Saves a new checkpoint and deletes the ones no longer kept.
 
         Args:
-            checkpoint_number: The number in the name (e.g. the step); by
-                default the checkpoint's `save_counter` after the save.
+            checkpoint_number: The number in the name (e.g. the step; an
+                integer or a scalar variable); by default the checkpoint's
+                `save_counter` after the save.
             options: A `CheckpointOptions` (e.g. asynchronous writing; old
                 checkpoints are then deleted once the new one is committed).
             metadata: JSON-able values stored in the index.
+            check_interval: With `checkpoint_interval`, skip the save when
+                too few steps passed; `False` saves regardless.
 
         Returns:
-            The path of the new checkpoint.
+            The path of the new checkpoint, or `None` when the interval
+            skipped it.
 
         Raises:
             ValueError: if `checkpoint_number` is not after the latest one.
         """
+        if checkpoint_number is not None:
+            checkpoint_number = int(checkpoint_number)
+        step = None
+        if self.checkpoint_interval is not None:
+            step = int(self.step_counter)
+            if check_interval and self._last_saved_step is not None and (
+                    step < self._last_saved_step + self.checkpoint_interval):
+                return None
         latest = self.latest_checkpoint
         if checkpoint_number is not None and latest is not None and (
                 checkpoint_number <= _number(latest)):
@@ -126,8 +162,10 @@ class CheckpointManager:
         try:
             # Old checkpoints go only once the new one is committed (in the
             # background with an asynchronous save); never after a failure.
-            return self.checkpoint._write(path, options, metadata,
-                                          on_commit=self._deleter(to_delete))
+            written = self.checkpoint._write(
+                path, options, metadata, on_commit=self._deleter(to_delete))
+            self._last_saved_step = step
+            return written
         except BaseException:
             self.checkpoint.save_counter -= 1
             self._checkpoints, self._last_kept_for_good = kept_before
@@ -163,16 +201,21 @@ class CheckpointManager:
         self.checkpoint.sync()
 
     def restore_or_initialize(self) -> Optional[str]:
-        """Restores the latest checkpoint, if there is one.
+        """Restores the latest checkpoint, if there is one; else calls
+        `init_fn` (if given).
 
         Returns:
             The path restored, or `None` when the directory held none (the
-            objects keep their initial values).
+            objects keep their initial values, or what `init_fn` set).
         """
         latest = self.latest_checkpoint
         if latest is None:
+            if self.init_fn is not None:
+                self.init_fn()
             return None
         self.checkpoint.restore(latest)
+        if self.step_counter is not None:
+            self._last_saved_step = int(self.step_counter)
         return latest
 
 
