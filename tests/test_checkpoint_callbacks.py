@@ -410,6 +410,9 @@ def test_checkpoint_objects_are_attributes(tmp_path):
     with pytest.raises(ValueError, match="tf.data iterators. Received: "
                                          "data=list"):
         checkpoint.data = [1, 2]
+    with pytest.raises(ValueError, match="step=ResourceVariable.*"
+                       r"step=keras.Variable\(value\)"):
+        ckpt.ShardedCheckpoint(step=tf.Variable(1))
     # An iterator of another pipeline does not fit the saved state.
     wrong = ckpt.ShardedCheckpoint(
         iterator=iter(tf.data.Dataset.range(10).map(lambda v: (v, v))))

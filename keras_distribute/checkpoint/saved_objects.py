@@ -38,9 +38,16 @@ def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
     if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
             or iterator_state.is_data_iterator(obj)
             or hasattr(obj, "_host_arrays")):
+        hint = ""
+        if hasattr(obj, "shape") and hasattr(obj, "dtype"):
+            hint = (" Hold framework tensors and variables (tf.Variable, "
+                    "torch.Tensor, jax.Array) in a Keras variable: "
+                    f"{name}=keras.Variable(value) (an integer counter: "
+                    "keras.Variable(1, trainable=False)).")
         raise ValueError(
             "Expected Keras models, layers, optimizers, metrics, variables "
-            f"or tf.data iterators. Received: {name}={type(obj).__name__}.")
+            f"or tf.data iterators. Received: {name}={type(obj).__name__}."
+            + hint)
     if hasattr(obj, "_check_saveable"):  # a kd.DistributedIterator
         obj._check_saveable(name)
     if "/" in name:
