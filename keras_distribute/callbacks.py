@@ -34,6 +34,7 @@ from keras_distribute.training_state import MetricVariables
 from keras_distribute.training_state import calling_callback_list
 from keras_distribute.training_state import capture_rng
 from keras_distribute.training_state import json_scalar
+from keras_distribute.training_state import keyed_callbacks
 from keras_distribute.training_state import link_checkpoint
 from keras_distribute.training_state import restore_rng
 from keras_distribute.training_state import skip_train_steps
@@ -95,7 +96,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
 
     def _callback_states(self) -> Dict[str, Dict[str, Any]]:
         states = {}
-        for position, callback in enumerate(self._others):
+        for key, callback in keyed_callbacks(self._others):
             state = {}
             for name in CALLBACK_STATE:
                 if name in callback.__dict__:
@@ -103,13 +104,12 @@ class _TrainingStateCallback(keras.callbacks.Callback):
                     if value is not NOT_SCALAR:
                         state[name] = value
             if state:
-                states[f"{position}:{type(callback).__name__}"] = state
+                states[key] = state
         return states
 
     def _restore_callback_states(self, states: Dict[str, Any]) -> None:
-        for position, callback in enumerate(self._others):
-            for name, value in states.get(
-                    f"{position}:{type(callback).__name__}", {}).items():
+        for key, callback in keyed_callbacks(self._others):
+            for name, value in states.get(key, {}).items():
                 setattr(callback, name, value)
 
     def _metadata(self, epoch: int, step: int,

@@ -128,7 +128,7 @@ class DistributedIterator:
         header = json.dumps(self._split_state).encode() + b"\n"
         return np.concatenate([
             np.frombuffer(header, dtype=np.uint8),
-            iterator_state.serialize(self._data_iterator)])
+            iterator_state.save(self._data_iterator)])
 
     def _check_saveable(self, name: str) -> None:
         """Raises `ValueError` unless this iterator reads a `tf.data`
@@ -157,7 +157,7 @@ class DistributedIterator:
                 "distributed tf.data.Dataset, or this iterator is not one. "
                 "Pass the iterator of the same distributed pipeline as when "
                 "saving.")
-        iterator_state.restore(self._data_iterator, raw[newline + 1:], name)
+        iterator_state.load(self._data_iterator, raw[newline + 1:], name)
         self._split_state.clear()
         self._split_state.update(split_state)
 

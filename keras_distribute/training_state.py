@@ -36,6 +36,13 @@ class MetricVariables:
         return list(self._model.metrics_variables)
 
 
+def keyed_callbacks(callbacks: List[Any]):
+    """`(key, callback)` pairs; the key (`"<position>:<class>"`) names a
+    callback's state in a backup."""
+    for position, callback in enumerate(callbacks):
+        yield f"{position}:{type(callback).__name__}", callback
+
+
 # The other callbacks' state that is arrays, not scalars: kept in the
 # checkpoint itself (EarlyStopping(restore_best_weights=True)).
 CALLBACK_ARRAYS = ("best_weights",)
@@ -53,13 +60,9 @@ class CallbackArrays:
     def __init__(self, owner: Any):
         self._owner = owner
 
-    def _callbacks(self):
-        for position, callback in enumerate(self._owner._others):
-            yield f"{position}:{type(callback).__name__}", callback
-
     def _host_arrays(self) -> Dict[str, np.ndarray]:
         arrays = {}
-        for prefix, callback in self._callbacks():
+        for prefix, callback in keyed_callbacks(self._owner._others):
             for name in CALLBACK_ARRAYS:
                 value = callback.__dict__.get(name)
                 if isinstance(value, list) and all(
@@ -69,7 +72,7 @@ class CallbackArrays:
         return arrays
 
     def _restore_host_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
-        for prefix, callback in self._callbacks():
+        for prefix, callback in keyed_callbacks(self._owner._others):
             for name in CALLBACK_ARRAYS:
                 start = f"{prefix}/{name}/"
                 found = {int(key[len(start):]): array

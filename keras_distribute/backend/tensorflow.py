@@ -66,9 +66,10 @@ def checkpoint_assign(variable: Any, read_regions) -> None:
     step. An assignment there would be an op of the step (run later, or
     pruned), so it is lifted out of the trace and runs eagerly, once.
     """
+    from keras_distribute.checkpoint import saved_objects
+
     with tf.init_scope():
-        (value,) = read_regions([tuple((0, n) for n in variable.shape)])
-        variable.assign(value)
+        saved_objects.assign_whole(variable, read_regions)
 
 
 def device_name(device: Any) -> str:
@@ -325,14 +326,12 @@ class TfEngine:
         return self._sum_from_chief(padded).astype(np.uint8).tobytes().decode()
 
     def _sum_from_chief(self, array: np.ndarray) -> np.ndarray:
-        chief = self.process_id == 0
-
-        def contribute():
+        def contribute():  # replica 0 (on the chief) alone adds its part
             context_ = tf.distribute.get_replica_context()
-            first = tf.equal(context_.replica_id_in_sync_group, 0)
-            own = tf.constant(array) if chief else tf.zeros_like(array)
+            own = tf.constant(array)
             return context_.all_reduce("SUM", tf.where(
-                first, own, tf.zeros_like(own)))
+                tf.equal(context_.replica_id_in_sync_group, 0), own,
+                tf.zeros_like(own)))
 
         result = self.tf_strategy.run(contribute)
         return self.tf_strategy.experimental_local_results(result)[0].numpy()

@@ -16,6 +16,9 @@ from torch.distributed.tensor import DTensor
 
 import keras
 
+from keras_distribute.checkpoint.format import whole_region
+from keras_distribute.checkpoint.saved_objects import assign_whole
+
 
 def on_layer_built(layer: Any) -> None:
     """Called by the Keras hook once a layer is built: a sharding engine
@@ -51,7 +54,7 @@ def checkpoint_pieces(variable: Any) -> list:
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
     array = keras.ops.convert_to_numpy(variable.value)
-    return [(tuple((0, n) for n in array.shape), array)]
+    return [(whole_region(array.shape), array)]
 
 
 def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
@@ -63,8 +66,7 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
         (piece,) = read_regions([torch_sharding.local_region(value)])
         torch_sharding.assign_piece(variable, piece)
         return
-    (array,) = read_regions([tuple((0, n) for n in variable.shape)])
-    variable.assign(array)
+    assign_whole(variable, read_regions)
 
 
 def whole_value(value: Any) -> Any:

@@ -165,10 +165,7 @@ class CheckpointReader:
                 f"The checkpoint {self.path!r} has no variable {key!r}. It "
                 f"has: {sorted(self._variables)[:10]}... "
                 "(get_variable_to_shape_map lists them all).")
-        record = self._variables[key]
-        (value,) = ckpt_format.read_regions(
-            self.path, record, [tuple((0, n) for n in record["shape"])])
-        return value
+        return ckpt_format.read_whole(self.path, self._variables[key])
 
 
 def load_checkpoint(path: str) -> CheckpointReader:

@@ -315,6 +315,17 @@ def read_index(path: str) -> dict:
     return index
 
 
+def whole_region(shape) -> Slice:
+    """The global slice covering a whole array of `shape`."""
+    return tuple((0, int(n)) for n in shape)
+
+
+def read_whole(path: str, record: dict) -> np.ndarray:
+    """The whole of one saved variable (see `read_regions`)."""
+    (value,) = read_regions(path, record, [whole_region(record["shape"])])
+    return value
+
+
 def _overlap(a: Slice, b: Slice) -> Optional[Slice]:
     region = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1)
                    in zip(a, b))

@@ -41,7 +41,7 @@ def _is_tf_data_iterator(obj: Any) -> bool:
 def save(iterator: Any) -> np.ndarray:
     """The state of an input iterator (`is_data_iterator`) as bytes."""
     if _is_tf_data_iterator(iterator):
-        return serialize(iterator)
+        return _serialize_tf(iterator)
     return iterator._save_input_state()
 
 
@@ -52,7 +52,7 @@ def load(iterator: Any, state: np.ndarray, name: str) -> None:
         CheckpointError: if the state does not fit the iterator.
     """
     if _is_tf_data_iterator(iterator):
-        restore(iterator, state, name)
+        _restore_tf(iterator, state, name)
         return
     try:
         iterator._restore_input_state(state, name)
@@ -65,7 +65,7 @@ def state_key(name: str, process_id: int) -> str:
     return _PROCESS_KEY.format(name=name, process_id=process_id)
 
 
-def serialize(iterator: Any) -> np.ndarray:
+def _serialize_tf(iterator: Any) -> np.ndarray:
     """The iterator's state as a `uint8` array.
 
     The dataset's `experimental_external_state_policy` is honoured (as in
@@ -87,7 +87,7 @@ def serialize(iterator: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).copy()
 
 
-def restore(iterator: Any, state: np.ndarray, name: str) -> None:
+def _restore_tf(iterator: Any, state: np.ndarray, name: str) -> None:
     """Puts `iterator` where the saved `state` was.
 
     Raises:
@@ -120,7 +120,8 @@ def entries(iterators: Dict[str, Any], process_id: int) -> Dict[str, tuple]:
     for name, iterator in iterators.items():
         state = save(iterator)  # a fresh copy
         found[state_key(name, process_id)] = (
-            state.shape, "uint8", [None], [(((0, state.size),), state)],
+            state.shape, "uint8", [None],
+            [(ckpt_format.whole_region(state.shape), state)],
             f"{name} (input iterator)")
     return found
 
@@ -149,9 +150,6 @@ def restore_all(path: str, saved: Dict[str, Any], iterators: Dict[str, Any],
                 "Restore with the same number of processes, or leave "
                 "the iterator out of the ShardedCheckpoint and call "
                 "expect_partial().")
-        record = saved[key]
-        (state,) = ckpt_format.read_regions(
-            path, record, [((0, record["shape"][0]),)])
-        load(iterator, state, name)
+        load(iterator, ckpt_format.read_whole(path, saved[key]), name)
         consumed |= {k for k in saved if k.startswith(name + "/process-")}
     return consumed

@@ -73,7 +73,7 @@ def host_array_entries(holders: Dict[str, Any],
     for name, holder in holders.items():
         for key, array in holder._host_arrays().items():
             array = np.array(array, copy=True)
-            pieces = ([(tuple((0, n) for n in array.shape), array)]
+            pieces = ([(ckpt_format.whole_region(array.shape), array)]
                       if process_id == 0 else [])
             entries[f"{name}/{key}"] = (
                 array.shape, array.dtype.name, [None] * array.ndim, pieces,
@@ -88,9 +88,7 @@ def restore_host_arrays(path: str, saved: Dict[str, Any],
     for name, holder in holders.items():
         keys = saved_keys_of(saved, name)
         holder._restore_host_arrays({
-            key[len(name) + 1:]: ckpt_format.read_regions(
-                path, saved[key],
-                [tuple((0, n) for n in saved[key]["shape"])])[0]
+            key[len(name) + 1:]: ckpt_format.read_whole(path, saved[key])
             for key in keys})
         consumed |= set(keys)
     return consumed
@@ -140,10 +138,10 @@ def whole_value(variable: Any, backend: Any) -> list:
     value_of = getattr(backend, "checkpoint_value", None)
     value = (value_of(variable) if value_of is not None
              else keras.ops.convert_to_numpy(variable.value))
-    return [(tuple((0, n) for n in value.shape), value)]
+    return [(ckpt_format.whole_region(value.shape), value)]
 
 
 def assign_whole(variable: Any, read_regions) -> None:
     """Restores a replicated variable from its whole saved region."""
-    (value,) = read_regions([tuple((0, n) for n in variable.shape)])
+    (value,) = read_regions([ckpt_format.whole_region(variable.shape)])
     variable.assign(value)
