@@ -269,9 +269,8 @@ class DistributedDataset:
                     on_device=self._options.fetch_to_device,
                 )
 
-        return DistributedIterator(
-            self._strategy, steps(), data_iterator, split,
-            lambda: per_replica_spec(dataset, len(positions)))
+        return DistributedIterator(self._strategy, steps(), data_iterator,
+                                   split, lambda: self.element_spec)
 
     def __repr__(self) -> str:
         return (

@@ -93,3 +93,19 @@ class BackendModule(Protocol):
     def make_engine(self, devices: Sequence[Any],
                     layout_map: Any = None) -> ReplicaEngine:
         """Builds the engine for a strategy over `devices`."""
+
+
+def broadcast_text_by(broadcast_array: Callable[[Any], Any],
+                      text: str) -> str:
+    """`ReplicaEngine.broadcast_text` for an engine whose broadcast takes
+    arrays of the same shape in every process: process 0's length first,
+    then its bytes (`broadcast_array(int32 array) -> process 0's array`)."""
+    import numpy as np
+
+    data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+    size = int(np.asarray(broadcast_array(
+        np.array([data.size], np.int32)))[0])
+    payload = data if data.size == size else np.zeros(size, np.int32)
+    return np.asarray(broadcast_array(payload)).astype(
+        np.uint8).tobytes().decode()
+

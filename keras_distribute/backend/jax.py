@@ -209,12 +209,9 @@ class JaxEngine:
             return text
         from jax.experimental import multihost_utils
 
-        data = np.frombuffer(text.encode(), np.uint8)
-        size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
-        padded = np.zeros(size, np.uint8)  # every process: process 0's size
-        padded[:min(size, data.size)] = data[:size]
-        return np.asarray(multihost_utils.broadcast_one_to_all(
-            padded)).tobytes().decode()
+        from keras_distribute.backend.interface import broadcast_text_by
+
+        return broadcast_text_by(multihost_utils.broadcast_one_to_all, text)
 
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:

@@ -317,13 +317,10 @@ class TfEngine:
     def broadcast_text(self, text: str) -> str:
         if not self.multi_worker:
             return text
-        # Sums in which only the chief's first replica contributes: first
-        # the length, then the bytes.
-        data = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-        size = int(self._sum_from_chief(np.array([data.size], np.int32))[0])
-        padded = np.zeros(size, np.int32)
-        padded[:min(size, data.size)] = data[:size]
-        return self._sum_from_chief(padded).astype(np.uint8).tobytes().decode()
+        from keras_distribute.backend.interface import broadcast_text_by
+
+        # A sum in which only the chief's first replica contributes.
+        return broadcast_text_by(self._sum_from_chief, text)
 
     def _sum_from_chief(self, array: np.ndarray) -> np.ndarray:
         def contribute():  # replica 0 (on the chief) alone adds its part

@@ -407,13 +407,12 @@ def _read_and_hash(dataset: Any) -> Tuple[np.ndarray, str]:
     flat = data.reshape(-1).view(np.uint8)
     hashing = None
     for start in range(0, rows, step):
-        block = np.s_[start:min(rows, start + step)]
-        dataset.read_direct(data, block, block)
+        stop = min(rows, start + step)
+        dataset.read_direct(data, np.s_[start:stop], np.s_[start:stop])
         if hashing is not None:
             hashing.result()
         hashing = _hasher_thread[0].submit(
-            digest.update,
-            flat[start * row_bytes:min(rows, start + step) * row_bytes])
+            digest.update, flat[start * row_bytes:stop * row_bytes])
     hashing.result()
     return data, digest.hexdigest()
 
