@@ -47,7 +47,7 @@ from keras_distribute.simulate import simulate_cpu_devices
 from keras_distribute.strategy import Strategy
 from keras_distribute.tpu_strategy import DeviceAssignment
 from keras_distribute.tpu_strategy import TPUStrategy
-from keras_distribute.strategy import StrategyExtended
+from keras_distribute.strategy_extended import StrategyExtended
 from keras_distribute.values import DistributedValues
 from keras_distribute.values import PerReplica
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import keras
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.options import CheckpointOptions
@@ -454,7 +455,7 @@ class BackupAndRestore(_TrainingStateCallback):
         # The metric variables that exist now (compiled metrics not built
         # yet are restored by `_metrics_builder` from the first batch).
         metrics = _Checkpoint(metrics=self._checkpoint._objects["metrics"])
-        saved = ckpt_format.read_index(self._resume_path)["variables"]
+        saved = reading.read_index(self._resume_path)["variables"]
         variables = metrics._variables_by_object()["metrics"]
         restoring = getattr(self._checkpoint._engine(),
                             "restoring_metric_states", None)

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator, Optional
 from keras_distribute import context
 from keras_distribute import input_lib
 from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.strategy_extended import StrategyExtended
 from keras_distribute.values import PerReplica
 
 
@@ -490,57 +491,3 @@ def _bytes(count: int) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else (
                 f"{count:.1f} {unit}")
         count /= 1024
-
-
-class StrategyExtended:
-    """Less common strategy operations, as `tf.distribute.StrategyExtended`.
-
-    Args:
-        strategy: The strategy these operations belong to.
-    """
-
-    def __init__(self, strategy: Strategy):
-        self._strategy = strategy
-
-    def variable_created_in_scope(self, variable: Any) -> bool:
-        """Whether `variable` was created in the strategy's scope.
-
-        Args:
-            variable: A Keras variable.
-
-        Returns:
-            `True` if the strategy laid the variable out.
-        """
-        return self._strategy._engine.owns_variable(variable)
-
-    @property
-    def worker_devices(self) -> tuple:
-        """The Keras-style names of this worker's replica devices."""
-        from keras_distribute.backend import get_backend
-
-        return tuple(
-            get_backend().device_name(d) for d in self._strategy._engine.devices
-        )
-
-    parameter_devices = worker_devices
-
-    @property
-    def should_checkpoint(self) -> bool:
-        """Whether this process is the one that writes checkpoints and
-        other files (the chief, process 0), as in tf.distribute. A
-        `kd.checkpoint.ShardedCheckpoint` save is still called by every
-        process (each writes its own pieces)."""
-        return self._strategy._engine.process_id == 0
-
-    @property
-    def should_save_summary(self) -> bool:
-        """Whether this process writes summaries (TensorBoard): the chief."""
-        return self._strategy._engine.process_id == 0
-
-    @property
-    def experimental_should_init(self) -> bool:
-        """Whether this process initialises variables: every process does
-        (values are then made equal across processes)."""
-        return True
-
-    should_init = experimental_should_init

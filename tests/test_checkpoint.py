@@ -46,7 +46,7 @@ def state(model):
 def test_round_trip_is_bit_exact_with_optimizer_state(tmp_path, monkeypatch,
                                                       block_bytes):
     if block_bytes is not None:  # read and hashed block by block
-        monkeypatch.setattr(ckpt.format, "_READ_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(ckpt.reading, "_READ_BLOCK_BYTES", block_bytes)
     model = trained_model()
     checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
     path = checkpoint.write(str(tmp_path / "c"))
@@ -150,7 +150,7 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
 def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path, monkeypatch,
                                                       block_bytes):
     if block_bytes is not None:
-        monkeypatch.setattr(ckpt.format, "_READ_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(ckpt.reading, "_READ_BLOCK_BYTES", block_bytes)
     model = trained_model()
     path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
     shard = os.path.join(path, "shards-00000.h5")

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import keras
 
-from keras_distribute.checkpoint.format import whole_region
+from keras_distribute.checkpoint.reading import whole_region
 from keras_distribute.checkpoint.saved_objects import assign_whole
 
 

@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import reading
+from keras_distribute.checkpoint.format import numpy_dtype
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
@@ -79,7 +81,7 @@ def read_metadata(path: str) -> Dict[str, Any]:
     Raises:
         CheckpointError: if `path` is not a committed checkpoint.
     """
-    index = ckpt_format.read_index(_resolve(path))
+    index = reading.read_index(_resolve(path))
     return dict(index.get("metadata", {}),
                 save_counter=index.get("save_counter", 0),
                 backend=index.get("backend"), mesh_shape=index.get("mesh_shape"))
@@ -103,7 +105,7 @@ def list_variables(path: str) -> List[tuple]:
         print(key, shape)
     ```
     """
-    variables = ckpt_format.read_index(_resolve(path))["variables"]
+    variables = reading.read_index(_resolve(path))["variables"]
     return [(key, tuple(record["shape"]))
             for key, record in sorted(variables.items())]
 
@@ -136,7 +138,7 @@ class CheckpointReader:
 
     def __init__(self, path: str):
         self.path = path
-        self._variables = ckpt_format.read_index(path)["variables"]
+        self._variables = reading.read_index(path)["variables"]
 
     def get_variable_to_shape_map(self) -> Dict[str, tuple]:
         """`key -> shape` of every variable."""
@@ -146,7 +148,7 @@ class CheckpointReader:
     def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
         """`key -> numpy dtype` of every variable (bfloat16 & co. through
         ml_dtypes)."""
-        return {key: ckpt_format._dtype(record["dtype"])
+        return {key: numpy_dtype(record["dtype"])
                 for key, record in self._variables.items()}
 
     def has_tensor(self, key: str) -> bool:
@@ -165,7 +167,7 @@ class CheckpointReader:
                 f"The checkpoint {self.path!r} has no variable {key!r}. It "
                 f"has: {sorted(self._variables)[:10]}... "
                 "(get_variable_to_shape_map lists them all).")
-        return ckpt_format.read_whole(self.path, self._variables[key])
+        return reading.read_whole(self.path, self._variables[key])
 
 
 def load_checkpoint(path: str) -> CheckpointReader:

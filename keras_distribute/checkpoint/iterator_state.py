@@ -14,7 +14,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import CheckpointError
 
 _PROCESS_KEY = "{name}/process-{process_id:05d}"
@@ -121,7 +121,7 @@ def entries(iterators: Dict[str, Any], process_id: int) -> Dict[str, tuple]:
         state = save(iterator)  # a fresh copy
         found[state_key(name, process_id)] = (
             state.shape, "uint8", [None],
-            [(ckpt_format.whole_region(state.shape), state)],
+            [(reading.whole_region(state.shape), state)],
             f"{name} (input iterator)")
     return found
 
@@ -150,6 +150,6 @@ def restore_all(path: str, saved: Dict[str, Any], iterators: Dict[str, Any],
                 "Restore with the same number of processes, or leave "
                 "the iterator out of the ShardedCheckpoint and call "
                 "expect_partial().")
-        load(iterator, ckpt_format.read_whole(path, saved[key]), name)
+        load(iterator, reading.read_whole(path, saved[key]), name)
         consumed |= {k for k in saved if k.startswith(name + "/process-")}
     return consumed

@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Set
 
 import numpy as np
 
-from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import iterator_state
+from keras_distribute.checkpoint import reading
 
 
 def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
@@ -73,7 +73,7 @@ def host_array_entries(holders: Dict[str, Any],
     for name, holder in holders.items():
         for key, array in holder._host_arrays().items():
             array = np.array(array, copy=True)
-            pieces = ([(ckpt_format.whole_region(array.shape), array)]
+            pieces = ([(reading.whole_region(array.shape), array)]
                       if process_id == 0 else [])
             entries[f"{name}/{key}"] = (
                 array.shape, array.dtype.name, [None] * array.ndim, pieces,
@@ -88,7 +88,7 @@ def restore_host_arrays(path: str, saved: Dict[str, Any],
     for name, holder in holders.items():
         keys = saved_keys_of(saved, name)
         holder._restore_host_arrays({
-            key[len(name) + 1:]: ckpt_format.read_whole(path, saved[key])
+            key[len(name) + 1:]: reading.read_whole(path, saved[key])
             for key in keys})
         consumed |= set(keys)
     return consumed
@@ -138,10 +138,10 @@ def whole_value(variable: Any, backend: Any) -> list:
     value_of = getattr(backend, "checkpoint_value", None)
     value = (value_of(variable) if value_of is not None
              else keras.ops.convert_to_numpy(variable.value))
-    return [(ckpt_format.whole_region(value.shape), value)]
+    return [(reading.whole_region(value.shape), value)]
 
 
 def assign_whole(variable: Any, read_regions) -> None:
     """Restores a replicated variable from its whole saved region."""
-    (value,) = read_regions([ckpt_format.whole_region(variable.shape)])
+    (value,) = read_regions([reading.whole_region(variable.shape)])
     variable.assign(value)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import saved_objects
 from keras_distribute.checkpoint.format import CheckpointError
@@ -330,7 +331,7 @@ class ShardedCheckpoint:
         if path is None:
             return InitializationOnlyStatus()
         path = os.path.abspath(path)
-        saved = ckpt_format.read_index(path)["variables"]
+        saved = reading.read_index(path)["variables"]
         by_object = self._variables_by_object()
         for name, variables in by_object.items():
             wanted = saved_objects.saved_keys_of(saved, name)
@@ -373,7 +374,7 @@ class ShardedCheckpoint:
                     f"{variable.path!r} has {tuple(variable.shape)}. Build the "
                     "model as it was when saved.")
             assign(variable, lambda regions, record=record: (
-                ckpt_format.read_regions(path, record, regions)))
+                reading.read_regions(path, record, regions)))
 
     def _apply_deferred(self) -> None:
         with self._lock:
@@ -400,7 +401,7 @@ class ShardedCheckpoint:
         status = self.read(save_path)
         if save_path is None:
             return status
-        self.save_counter = int(ckpt_format.read_index(save_path).get(
+        self.save_counter = int(reading.read_index(save_path).get(
             "save_counter", 0))
         return status
 
