@@ -472,4 +472,5 @@ class BackupAndRestore(_TrainingStateCallback):
         self.model._initial_epoch = None
         if self.delete_checkpoint and (
                 self._checkpoint._engine().process_id == 0):
-            shutil.rmtree(self.directory, ignore_errors=True)
+            # Only our checkpoints: a user's file in the directory stays.
+            ckpt_format.remove_all_in(self.directory)

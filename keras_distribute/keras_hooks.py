@@ -27,8 +27,9 @@ them, on first use (the first strategy created, never at import), and
    `IndivisibleError`. The hook asks the strategy's distribution for every
    batch instead (a short batch is laid out replicated).
 6. Checkpoints (installed on the first deferred restore only): after a
-   layer's build, before `fit` & co. start and before an optimizer's first
-   slot is made, restores waiting for those variables are applied.
+   layer's build or call (outside Keras' stateless symbolic build), before
+   `fit` & co. start and before an optimizer's first slot is made, restores
+   waiting for those variables are applied.
 7. PyTorch sharded layouts (installed by the first sharding engine only):
    see `install_torch_sharding_hooks`.
 """
@@ -420,6 +421,7 @@ def install_checkpoint_hooks() -> None:
     Installed on the first deferred restore; `uninstall()` removes it.
     """
     global _checkpoint_hooks_installed
+    from keras.src.backend.common import stateless_scope
     from keras.src.layers import layer as keras_layer
     from keras.src.optimizers import base_optimizer
     from keras.src.trainers import trainer as base_trainer
@@ -437,13 +439,18 @@ def install_checkpoint_hooks() -> None:
             @functools.wraps(original)
             def method(self, *args, **kwargs):
                 result = original(self, *args, **kwargs)
-                if waiting:
+                # A subclassed model's first call builds its layers under a
+                # stateless scope (Keras' symbolic build): assignments made
+                # there are discarded, so wait until the call returns.
+                if waiting and not stateless_scope.in_stateless_scope():
                     apply()
                 return result
             return method
 
         _patch(keras_layer.Layer, "_post_build",
                after(keras_layer.Layer._post_build))
+        _patch(keras_layer.Layer, "__call__",
+               after(keras_layer.Layer.__call__))
         _patch(base_trainer.Trainer, "_symbolic_build",
                after(base_trainer.Trainer._symbolic_build))
         for name in ("add_variable", "add_variable_from_reference"):

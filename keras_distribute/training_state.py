@@ -177,9 +177,8 @@ _END = object()
 def link_checkpoint(source: str, target: str) -> None:
     """Puts a copy of a committed checkpoint at `target` (hard links when
     the file system allows), atomically."""
-    temporary = ckpt_format.temporary_path(target)
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
+    ckpt_format.refuse_foreign(target)
+    temporary = ckpt_format.make_temporary(target)
     try:
         for name in os.listdir(source):
             try:
@@ -188,6 +187,7 @@ def link_checkpoint(source: str, target: str) -> None:
             except OSError:
                 shutil.copy2(os.path.join(source, name),
                              os.path.join(temporary, name))
+        os.remove(os.path.join(temporary, ckpt_format.TEMPORARY_MARKER))
         ckpt_format._commit(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)

@@ -472,6 +472,57 @@ def test_restore_is_deferred_until_the_variables_exist(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+class SubclassedNet(keras.Model):
+    """The TF guides' subclassed model: no variables before its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(5, activation="tanh")
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("in_scope", [True, False])
+def test_subclassed_model_restored_before_its_first_call(tmp_path, in_scope):
+    # Regression: the first call builds the layers under Keras' stateless
+    # symbolic build, which discarded the deferred restore, and
+    # assert_consumed() then passed with the fresh weights.
+    x = data()[0][:4]
+    with strategy_scope(in_scope):
+        keras.utils.set_random_seed(1)
+        saved = SubclassedNet()
+        saved(x)
+        path = ckpt.ShardedCheckpoint(model=saved).write(str(tmp_path / "c"))
+        keras.utils.set_random_seed(2)
+        fresh = SubclassedNet()
+        status = ckpt.ShardedCheckpoint(model=fresh).read(path)
+        with pytest.raises(AssertionError, match="do not exist yet"):
+            status.assert_consumed()
+        out = keras.ops.convert_to_numpy(fresh(x))
+    status.assert_consumed()
+    for a, b in zip(saved.get_weights(), fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # The first call's output already used the restored weights.
+    np.testing.assert_allclose(out, keras.ops.convert_to_numpy(saved(x)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_built_model_with_fewer_variables_is_restored_partially(tmp_path):
+    model = trained()
+    path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
+    with strategy_scope():
+        smaller = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5)])
+    status = ckpt.ShardedCheckpoint(model=smaller).read(path)
+    for a, b in zip(model.get_weights()[:2], smaller.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    status.assert_existing_objects_matched()  # as tf.train.Checkpoint
+    with pytest.raises(AssertionError, match="checkpoint only: "
+                       "\\['model/2', 'model/3'\\]"):
+        status.assert_consumed()
+
+
 def test_list_and_load_variables(tmp_path):
     model = trained()
     path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))

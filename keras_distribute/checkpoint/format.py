@@ -12,8 +12,10 @@ Every process writes its own `shards-<process>.h5` and `part-<process>.json`
 into `<path>.tmp`; the chief merges the parts into `index.json` and commits
 by `os.replace`. A previous checkpoint at `<path>` is moved aside first and
 removed only after the new one is in place, so a failure never loses what
-was saved. A directory without `index.json` is not a checkpoint. Loading
-never executes code. This module writes and commits; `reading` reads.
+was saved. A directory without `index.json` is not a checkpoint, and no save
+or clean-up deletes or replaces anything that is neither a checkpoint nor a
+temporary directory a save marked as its own. Loading never executes code.
+This module writes and commits; `reading` reads (and distrusts) them.
 """
 
 import hashlib
@@ -28,6 +30,11 @@ import numpy as np
 FORMAT = "keras_distribute.checkpoint"
 FORMAT_VERSION = 1
 INDEX = "index.json"
+# Written into every save's temporary directory: only a directory holding it
+# (or a committed index) is ever deleted by a save or a clean-up.
+TEMPORARY_MARKER = ".keras_distribute-temporary"
+# A larger index.json is not read (a real one holds ~200 bytes per piece).
+_MAX_INDEX_BYTES = 1 << 30
 
 Slice = Tuple[Tuple[int, int], ...]
 
@@ -43,20 +50,49 @@ def _sha256(array: np.ndarray) -> str:
     return hashlib.sha256(flat.view(np.uint8)).hexdigest()
 
 
+def storable_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a shard stores for `dtype`: itself, or for bfloat16 & co
+    (which HDF5 lacks) unsigned integers of the same size."""
+    if dtype.kind in "biufc" and dtype.name in np.sctypeDict:
+        return dtype
+    return np.dtype(f"u{dtype.itemsize}")
+
+
 def _storable(array: np.ndarray) -> np.ndarray:
-    """HDF5 lacks bfloat16 & co: store their bits as unsigned integers."""
-    if array.dtype.kind in "biufc" and array.dtype.name in np.sctypeDict:
-        return array
-    return array.view(f"u{array.dtype.itemsize}")
+    return array.view(storable_dtype(array.dtype))
+
+
+# The only dtypes a checkpoint may declare: numbers (no objects, strings or
+# records, which could carry pickles or unbounded data).
+_NUMPY_DTYPES = frozenset([
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+    "uint64", "float16", "float32", "float64", "complex64", "complex128"])
+_ML_DTYPES = frozenset([
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3",
+    "float8_e8m0fnu", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+    "int2", "int4", "uint2", "uint4"])
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    try:
+    """The numpy dtype a checkpoint's dtype name stands for.
+
+    Raises:
+        CheckpointError: for a name that is not a numeric dtype this format
+            stores (e.g. `object`, a string or record dtype).
+    """
+    if isinstance(name, str) and name in _NUMPY_DTYPES:
         return np.dtype(name)
-    except TypeError:
+    if isinstance(name, str) and name in _ML_DTYPES:
         import ml_dtypes  # bfloat16, float8_*: shipped with JAX and Keras
 
-        return np.dtype(getattr(ml_dtypes, name))
+        if hasattr(ml_dtypes, name):
+            return np.dtype(getattr(ml_dtypes, name))
+    raise CheckpointError(
+        f"The checkpoint declares dtype {name!r}, which is not a numeric "
+        "dtype a keras_distribute checkpoint stores. Expected one of "
+        f"{sorted(_NUMPY_DTYPES | _ML_DTYPES)}. The checkpoint is corrupt or "
+        "was not written by keras_distribute.")
 
 
 def temporary_path(path: str) -> str:
@@ -73,12 +109,91 @@ def prepare(path: str) -> str:
 
     Returns:
         The temporary directory.
+
+    Raises:
+        CheckpointError: if `path` (or its `.tmp` / `.old` neighbour) exists
+            and is not a keras_distribute checkpoint: writing would replace
+            what is not ours.
     """
     recover(path)
+    refuse_foreign(path)
+    return make_temporary(path)
+
+
+def make_temporary(path: str) -> str:
+    """A fresh temporary directory for a save of `path`, marked as ours.
+
+    A stale one (an interrupted save) is removed first; anything else at
+    that name is refused, never deleted.
+    """
     temporary = temporary_path(path)
-    shutil.rmtree(temporary, ignore_errors=True)
+    if os.path.lexists(temporary):
+        remove_ours(temporary, what="a stale temporary directory")
     os.makedirs(temporary)
+    with open(os.path.join(temporary, TEMPORARY_MARKER), "w") as f:
+        f.write(os.path.abspath(path))
     return temporary
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether `path` is a committed keras_distribute checkpoint (a real
+    directory whose `index.json` names this format)."""
+    index = os.path.join(path, INDEX)
+    if os.path.islink(path) or not os.path.isdir(path) or os.path.islink(
+            index) or not os.path.isfile(index):
+        return False
+    try:
+        if os.path.getsize(index) > _MAX_INDEX_BYTES:
+            return False
+        with open(index, "rb") as f:
+            content = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(content, dict) and content.get("format") == FORMAT
+
+
+def _is_ours(path: str) -> bool:
+    """A checkpoint, or a temporary directory one of our saves made."""
+    return is_checkpoint(path) or (
+        not os.path.islink(path) and os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, TEMPORARY_MARKER)))
+
+
+def refuse_foreign(path: str) -> None:
+    """Raises unless `path` and its `.old` neighbour are absent, empty
+    directories or keras_distribute checkpoints: a save replaces what is at
+    `path`, and must never destroy a user's files."""
+    for candidate in (path, f"{path}.old"):
+        if not os.path.lexists(candidate) or _is_ours(candidate) or (
+                os.path.isdir(candidate) and not os.path.islink(candidate)
+                and not os.listdir(candidate)):
+            continue
+        held = (sorted(os.listdir(candidate))[:5]
+                if os.path.isdir(candidate) else "a file")
+        raise CheckpointError(
+            f"Not writing a checkpoint at {path!r}: {candidate!r} exists and "
+            f"is not a keras_distribute checkpoint (it holds {held}), and "
+            "the save would replace it. Received: "
+            f"path={path!r}. Pass a path that does not exist yet (or an "
+            "earlier checkpoint to overwrite), or use save(prefix) / "
+            "CheckpointManager, which number new checkpoint directories.")
+
+
+def remove_ours(path: str, what: str = "a checkpoint") -> None:
+    """Deletes `path` if it is a checkpoint or one of our temporaries.
+
+    Raises:
+        CheckpointError: if it is something else; nothing is deleted.
+    """
+    if not os.path.lexists(path):
+        return
+    if not _is_ours(path):
+        raise CheckpointError(
+            f"Not deleting {path!r}: it was expected to be {what} of "
+            "keras_distribute, but it is not (no index.json of this format "
+            "and no temporary marker). Move it away, or pick another "
+            "checkpoint path.")
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def write_process_shards(temporary: str, entries: Dict[str, tuple],
@@ -139,9 +254,10 @@ def commit(path: str, process_count: int, metadata: Dict[str, Any],
         _write_json(os.path.join(temporary, INDEX), index)
         for part in parts:
             os.remove(part)
+        os.remove(os.path.join(temporary, TEMPORARY_MARKER))
         _commit(temporary, path)
     except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
+        _remove_if_ours(temporary)
         raise
 
 
@@ -176,7 +292,12 @@ def _raise_reported_failures(temporary: str, path: str) -> None:
 
 def abandon(path: str) -> None:
     """Chief only: removes an unfinished save's temporary directory."""
-    shutil.rmtree(temporary_path(path), ignore_errors=True)
+    _remove_if_ours(temporary_path(path))
+
+
+def _remove_if_ours(path: str) -> None:
+    if _is_ours(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(file_path: str, content: dict) -> None:
@@ -202,6 +323,7 @@ def _write_shards(directory: str, entries, process_id: int) -> dict:
     with h5py.File(os.path.join(directory, name), "w") as h5:
         for number, (key, (shape, dtype, layout, pieces, var_path)) in (
                 enumerate(sorted(entries.items()))):
+            numpy_dtype(dtype)  # refuses what a reader would refuse
             records = []
             for part, (region, array) in enumerate(pieces):
                 dataset = f"v{number}/p{part}"
@@ -226,14 +348,18 @@ def _commit(temporary: str, path: str) -> None:
     Between the two renames `path` is briefly absent while the old one sits
     at `<path>.old`; `recover` puts it back if the process died there.
     """
+    refuse_foreign(path)  # checked again: the save may have taken long
     old = None
-    if os.path.exists(path):
+    if os.path.lexists(path):
         old = f"{path}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(old):
+            remove_ours(old, what="a previous checkpoint")
         os.replace(path, old)
     os.replace(temporary, path)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_if_ours(old)
+        if os.path.isdir(old) and not os.listdir(old):
+            os.rmdir(old)  # an empty directory the checkpoint replaced
 
 
 def recover(path: str) -> None:
@@ -250,12 +376,34 @@ def recover(path: str) -> None:
 
 
 def remove(path: str) -> None:
-    """Deletes a checkpoint: first its index (so it is no longer one)."""
-    try:
-        os.remove(os.path.join(path, INDEX))
-    except FileNotFoundError:
-        pass
+    """Deletes a checkpoint: first its index (so it is no longer one).
+
+    Raises:
+        CheckpointError: if `path` exists and is not a checkpoint.
+    """
+    if not os.path.lexists(path):
+        return
+    if not is_checkpoint(path):
+        remove_ours(path)  # raises for what is not ours
+        return
+    os.remove(os.path.join(path, INDEX))
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_all_in(directory: str) -> None:
+    """Deletes the checkpoints and temporaries in `directory` (and its
+    sub-directories), then each directory left empty; anything else (a
+    user's file) stays, with the directories that hold it."""
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        full = os.path.join(directory, name)
+        if _is_ours(full):
+            shutil.rmtree(full, ignore_errors=True)
+        elif os.path.isdir(full):
+            remove_all_in(full)
+    if not os.listdir(directory):
+        os.rmdir(directory)
 
 
 def clean_unfinished(directory: str) -> List[str]:
@@ -273,8 +421,13 @@ def clean_unfinished(directory: str) -> List[str]:
         full = os.path.join(directory, name)
         if name.endswith(".old"):
             recover(full[:-len(".old")])
-        if (name.endswith(".tmp") or name.endswith(".old")) and os.path.isdir(
-                full):
+        if not (name.endswith(".tmp") or name.endswith(".old")):
+            continue
+        if _is_ours(full):
             shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+        elif os.path.isdir(full) and not os.path.islink(full) and not (
+                os.listdir(full)):
+            os.rmdir(full)  # empty: nothing to lose
             removed.append(full)
     return removed

@@ -1,21 +1,34 @@
 """Reading the sharded checkpoint format (see `format`): the index, and
 the global regions of a variable, each stored piece verified against its
-sha256 as it is read."""
+sha256 as it is read.
+
+A checkpoint is untrusted input (see the threat model in
+docs/checkpointing.md). The index is validated as a whole when it is read
+(`validate`), so nothing downstream meets a malformed record; shard files
+are opened only by the names this format writes, inside the checkpoint
+directory, never through a symlink; a dataset is read only after its HDF5
+links, layout, storage and dtype were checked, and only once every piece a
+read needs was checked against the bytes its file really holds — so no
+read touches a file outside the directory, runs code, or allocates more
+than the files justify. Every refusal is a `CheckpointError`.
+"""
 
 import hashlib
 import json
 import os
-from typing import Any, Iterable, List, Optional, Tuple
+import stat
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from keras_distribute.checkpoint.format import FORMAT
-from keras_distribute.checkpoint.format import FORMAT_VERSION
+from keras_distribute.checkpoint import validation
 from keras_distribute.checkpoint.format import INDEX
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import Slice
+from keras_distribute.checkpoint.format import _MAX_INDEX_BYTES
 from keras_distribute.checkpoint.format import numpy_dtype
 from keras_distribute.checkpoint.format import recover
+from keras_distribute.checkpoint.format import storable_dtype
 
 
 def read_index(path: str) -> dict:
@@ -23,7 +36,8 @@ def read_index(path: str) -> dict:
 
     Raises:
         CheckpointError: if `path` is not a committed checkpoint, its index
-            is unreadable, or its format version is newer than this library.
+            is unreadable or malformed, or its format version is newer than
+            this library.
     """
     recover(path)
     index_path = os.path.join(path, INDEX)
@@ -33,23 +47,20 @@ def read_index(path: str) -> dict:
             f"{INDEX}): it may not exist, or a save did not finish. Use "
             "kd.checkpoint.latest_checkpoint(directory) to find the last "
             "complete one.")
+    _check_regular_file(path, INDEX, INDEX)
+    if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
+        raise CheckpointError(
+            f"The index {index_path!r} is {os.path.getsize(index_path)} "
+            f"bytes, more than the {_MAX_INDEX_BYTES} this reader accepts: "
+            "it is not an index keras_distribute wrote.")
     try:
-        with open(index_path) as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as error:
         raise CheckpointError(
-            f"The index {index_path!r} is corrupt ({error}). Restore an "
-            "earlier checkpoint.") from None
-    if index.get("format") != FORMAT or not isinstance(
-            index.get("variables"), dict):
-        raise CheckpointError(
-            f"{index_path!r} is not a keras_distribute checkpoint index. "
-            f"Received format={index.get('format')!r}.")
-    if index.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path!r} has format version {index['format_version']}, newer "
-            f"than this keras_distribute reads ({FORMAT_VERSION}). Upgrade "
-            "keras_distribute.")
+            f"The index {index_path!r} is corrupt ({type(error).__name__}: "
+            f"{str(error)[:200]}). Restore an earlier checkpoint.") from None
+    validation.validate_index(index, index_path)
     return index
 
 
@@ -74,47 +85,163 @@ def read_regions(path: str, record: dict,
                  regions: Iterable[Slice]) -> List[np.ndarray]:
     """Reads the global `regions` of one variable, verifying every piece.
 
-    Each stored piece is read once, checked against its sha256, copied into
-    the regions it overlaps and dropped: no more than one stored piece and
-    the requested regions are in memory at a time.
+    `record` comes from an index `read_index` validated: its pieces tile
+    the variable exactly. Every piece the regions need is first checked
+    against its shard file (a dataset of that size, stored in the file);
+    then each is read once, checked against its sha256, copied into the
+    regions it overlaps and dropped: no more than one stored piece and the
+    requested regions are in memory at a time.
 
     Raises:
-        CheckpointError: on a missing, truncated or corrupted shard file.
+        CheckpointError: on a missing, truncated, corrupted or hostile
+            shard file, or a region outside the variable.
     """
+    import h5py
 
-    regions = [tuple(tuple(r) for r in region) for region in regions]
+    shape = tuple(record["shape"])
+    regions = [tuple(tuple(int(x) for x in r) for r in region)
+               for region in regions]
+    for region in regions:
+        if len(region) != len(shape) or any(
+                not 0 <= lo <= hi <= n for (lo, hi), n in zip(region, shape)):
+            raise CheckpointError(
+                f"Region {region} is outside the saved variable of shape "
+                f"{shape} in {path!r}.")
     dtype = numpy_dtype(record["dtype"])
-    out = [None] * len(regions)  # allocated on first use (or the piece)
-    filled = [0] * len(regions)
+    plan = []  # (piece, stored slice, [(region number, overlap)])
     for piece in record["pieces"]:
         stored = tuple(tuple(r) for r in piece["slice"])
         wanted = [(i, _overlap(stored, region))
                   for i, region in enumerate(regions)]
         wanted = [(i, o) for i, o in wanted if o is not None]
-        if not wanted:
-            continue
-        data = _read_piece(path, piece, dtype)
-        for i, overlap in wanted:
-            if overlap == stored == regions[i]:  # the whole piece: no copy
-                out[i] = data
-                filled[i] += data.size
-                continue
-            source = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _)
-                           in zip(overlap, stored))
-            target = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _)
-                           in zip(overlap, regions[i]))
-            if out[i] is None:
-                out[i] = np.empty([hi - lo for lo, hi in regions[i]], dtype)
-            out[i][target] = data[source]
-            filled[i] += int(np.prod([hi - lo for lo, hi in overlap]))
+        if wanted:
+            plan.append((piece, stored, wanted))
+    out = [np.empty([hi - lo for lo, hi in region], dtype)
+           if any(hi == lo for lo, hi in region) else None  # empty
+           for region in regions]
+    files: Dict[str, Any] = {}
+    try:
+        # Every dataset is checked before anything is allocated or read.
+        datasets = [_checked_dataset(path, files, piece, dtype)
+                    for piece, _, _ in plan]
+        for (piece, stored, wanted), dataset in zip(plan, datasets):
+            data = _read_verified(path, piece, dataset, dtype)
+            for i, overlap in wanted:
+                if overlap == stored == regions[i]:  # the whole piece
+                    out[i] = data
+                    continue
+                source = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _)
+                               in zip(overlap, stored))
+                target = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _)
+                               in zip(overlap, regions[i]))
+                if out[i] is None:
+                    out[i] = np.empty([hi - lo for lo, hi in regions[i]],
+                                      dtype)
+                out[i][target] = data[source]
+    finally:
+        for h5 in files.values():
+            h5.close()
     for i, region in enumerate(regions):
-        if filled[i] != int(np.prod([hi - lo for lo, hi in region])):
+        if out[i] is None:  # cannot happen with a validated index
             raise CheckpointError(
                 f"The checkpoint at {path!r} does not cover region {region} "
                 "of a variable: its pieces are incomplete.")
-        if out[i] is None:  # an empty region
-            out[i] = np.empty([hi - lo for lo, hi in region], dtype)
     return out
+
+
+def _check_regular_file(path: str, name: str, entry: str) -> str:
+    """`path/name`, refused unless it is a regular file inside `path` (no
+    symlink, no path separator: the names come from the index)."""
+    full = os.path.join(path, name)
+    try:
+        mode = os.lstat(full).st_mode
+    except OSError as error:
+        raise CheckpointError(
+            f"The shard file {full!r} (entry {entry!r}) is missing ("
+            f"{error.strerror}). Restore an earlier checkpoint.") from None
+    if not stat.S_ISREG(mode) or os.path.dirname(os.path.realpath(full)) != (
+            os.path.realpath(path)):
+        raise CheckpointError(
+            f"Refusing {full!r} (entry {entry!r}): a checkpoint file must be "
+            "a regular file inside the checkpoint directory, not a symlink "
+            "or special file. Copy the real files into the checkpoint "
+            "directory if you trust them.")
+    return full
+
+
+def _checked_dataset(path: str, files: Dict[str, Any], piece: dict,
+                     dtype: np.dtype) -> Any:
+    """The h5py dataset of `piece`, once it is known to hold exactly the
+    piece's bytes inside its own file (hard links only; contiguous storage
+    in the file, no external storage, no virtual dataset, no filters; a
+    numeric dtype of the declared size)."""
+    import h5py
+
+    name, entry = piece["file"], piece["dataset"]
+    full = _check_regular_file(path, name, entry)
+
+    def refuse(reason: str) -> CheckpointError:
+        return CheckpointError(
+            f"Refusing dataset {entry!r} of {full!r}: {reason}. A "
+            "keras_distribute checkpoint holds only plain contiguous numeric "
+            "datasets; this file is corrupt or was crafted. Restore an "
+            "earlier checkpoint.")
+
+    try:
+        h5 = files.get(name)
+        if h5 is None:
+            h5 = files[name] = h5py.File(full, "r")
+        node = h5
+        for part in entry.split("/"):
+            link = node.get(part, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise refuse(f"{part!r} is {'missing' if link is None else 'a ' + type(link).__name__} (only hard links are followed)")
+            node = node[part]
+        if not isinstance(node, h5py.Dataset):
+            raise refuse("it is not a dataset")
+        plist = node.id.get_create_plist()
+        if node.is_virtual or plist.get_layout() != h5py.h5d.CONTIGUOUS:
+            raise refuse("its storage is virtual, chunked or compact")
+        if plist.get_external_count() or plist.get_nfilters():
+            raise refuse("it uses external raw storage or filters")
+        if node.dtype.hasobject or node.dtype != storable_dtype(dtype):
+            raise refuse(f"its dtype {node.dtype} is not what the declared "
+                         f"{dtype.name} is stored as")
+        expected = tuple(hi - lo for lo, hi in piece["slice"])
+        if tuple(node.shape) != expected:
+            raise refuse(f"its shape {tuple(node.shape)} is not the "
+                         f"index's {expected}")
+        nbytes = int(np.prod(expected, dtype=np.int64)) * dtype.itemsize
+        offset = node.id.get_offset()
+        if nbytes and (offset is None or node.id.get_storage_size() != nbytes
+                       or offset + nbytes > os.path.getsize(full)):
+            raise refuse(f"the file does not hold its {nbytes} bytes")
+        return node
+    except CheckpointError:
+        raise
+    except Exception as error:  # h5py: OSError, KeyError, ValueError...
+        raise CheckpointError(
+            f"The shard file {full!r} (entry {entry!r}) is missing, truncated "
+            f"or corrupt ({type(error).__name__}: {str(error)[:200]}). "
+            "Restore an earlier checkpoint.") from None
+
+
+def _read_verified(path: str, piece: dict, dataset: Any,
+                   dtype: np.dtype) -> np.ndarray:
+    full = os.path.join(path, piece["file"])
+    try:
+        data, checksum = _read_and_hash(dataset)
+    except Exception as error:  # h5py: OSError, ValueError...
+        raise CheckpointError(
+            f"The shard file {full!r} (entry {piece['dataset']!r}) is "
+            f"truncated or corrupt ({type(error).__name__}: "
+            f"{str(error)[:200]}). Restore an earlier checkpoint.") from None
+    if checksum != piece["sha256"]:
+        raise CheckpointError(
+            f"The data of {piece['dataset']!r} in {full!r} does not "
+            "match its checksum: the file is corrupt. Restore an earlier "
+            "checkpoint.")
+    return data.view(dtype) if data.dtype != dtype else data
 
 
 # Large pieces are read in blocks of about this size; each block is hashed
@@ -153,23 +280,3 @@ def _read_and_hash(dataset: Any) -> Tuple[np.ndarray, str]:
             digest.update, flat[start * row_bytes:stop * row_bytes])
     hashing.result()
     return data, digest.hexdigest()
-
-
-def _read_piece(path: str, piece: dict, dtype: np.dtype) -> np.ndarray:
-    import h5py
-
-    file_path = os.path.join(path, piece["file"])
-    try:
-        with h5py.File(file_path, "r") as h5:
-            data, checksum = _read_and_hash(h5[piece["dataset"]])
-    except (OSError, KeyError) as error:
-        raise CheckpointError(
-            f"The shard file {file_path!r} is missing, truncated or corrupt "
-            f"({error}). Restore an earlier checkpoint.") from None
-    data = data.view(dtype) if data.dtype != dtype else data
-    if checksum != piece["sha256"]:
-        raise CheckpointError(
-            f"The data of {piece['dataset']!r} in {file_path!r} does not "
-            "match its checksum: the file is corrupt. Restore an earlier "
-            "checkpoint.")
-    return data

@@ -325,8 +325,6 @@ class ShardedCheckpoint:
             CheckpointError: if `path` is not a committed checkpoint, a file
                 is corrupt, or a variable's shape differs from the saved one.
         """
-        import keras
-
         self.sync()
         if path is None:
             return InitializationOnlyStatus()
@@ -336,8 +334,7 @@ class ShardedCheckpoint:
         for name, variables in by_object.items():
             wanted = saved_objects.saved_keys_of(saved, name)
             obj = self._objects[name]
-            if len(variables) < len(wanted) and not isinstance(
-                    obj, keras.Variable):
+            if not _ready(obj, variables, wanted):
                 self._deferred[name] = (path, saved)  # not created yet
                 _waiting.add(self)
                 _install_deferred_hooks()
@@ -382,7 +379,8 @@ class ShardedCheckpoint:
                 return
             by_object = self._variables_by_object()
             for name, (path, saved) in list(self._deferred.items()):
-                if len(by_object[name]) >= len(saved_objects.saved_keys_of(saved, name)):
+                if _ready(self._objects[name], by_object[name],
+                          saved_objects.saved_keys_of(saved, name)):
                     del self._deferred[name]
                     self._restore(path, saved, by_object[name])
             if not self._deferred:
@@ -404,6 +402,24 @@ class ShardedCheckpoint:
         self.save_counter = int(reading.read_index(save_path).get(
             "save_counter", 0))
         return status
+
+
+def _ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:
+    """Whether `obj`'s variables exist, so a restore can be applied now.
+
+    An object holding fewer variables than the checkpoint saved for it is
+    waited for while it is not built (a subclassed model before its first
+    call, an optimizer before its first step). A built one is restored now,
+    key by key, and what it lacks is reported by the `LoadStatus` (as
+    `tf.train.Checkpoint` restores a model with fewer layers partially).
+    """
+    import keras
+
+    if isinstance(obj, keras.Variable) or len(variables) >= len(wanted):
+        return True
+    # An optimizer is `built` while it still makes its slots: count those.
+    return (isinstance(obj, keras.layers.Layer) and bool(variables)
+            and obj.built)
 
 
 def _chief_path(engine: Any, path: str) -> str:
