@@ -396,21 +396,55 @@ class BackupAndRestore(_TrainingStateCallback):
         self._manager = CheckpointManager(
             self._checkpoint, self.directory, max_to_keep=self.max_to_keep,
             checkpoint_name="backup")
-        latest = self._manager.latest_checkpoint
         self._resume = None
+        latest = self._restore_newest_readable()
         if latest is None:
             return
+        self._checkpoint.save_counter = int(self._resume["save_counter"])
+        self._resume_path = latest
+        self.model._initial_epoch = int(self._resume["epoch"])
+
+    def _restore_newest_readable(self) -> Optional[str]:
+        """Restores the newest backup that reads back whole, falling back to
+        older ones; returns its path (`None`: no backup, a fresh start).
+
+        A corrupt backup is moved aside by the chief (`<name>.corrupt`),
+        never deleted, so that the next backup can take its number.
+
+        Raises:
+            CheckpointError: if backups exist but none is readable.
+        """
         # Model and optimizer now; the metric state only when resuming
         # mid-epoch (fit resets it at each epoch's start), the other
         # callbacks' state once they reset it (at their train begin).
         objects = dict(self._checkpoint._objects)
         objects.pop("metrics")
         objects.pop("callback_arrays")
-        _Checkpoint(**objects).read(latest).assert_existing_objects_matched()
-        self._resume = read_metadata(latest)
-        self._checkpoint.save_counter = int(self._resume["save_counter"])
-        self._resume_path = latest
-        self.model._initial_epoch = int(self._resume["epoch"])
+        failures = []
+        for path in reversed(self._manager.checkpoints):
+            try:
+                # Every variable is assigned again from an older backup, so
+                # a partial read of a corrupt one leaves nothing behind.
+                _Checkpoint(**objects).read(path
+                                            ).assert_existing_objects_matched()
+                self._resume = read_metadata(path)
+            except CheckpointError as error:
+                failures.append(f"{path}: {error}")
+                self._manager.forget(path)
+                if self._checkpoint._engine().process_id == 0:
+                    ckpt_format.move_aside(path, ".corrupt")
+                continue
+            if failures:
+                warnings.warn(
+                    f"BackupAndRestore: resuming from the older backup "
+                    f"{path!r}; newer ones are unreadable and were moved "
+                    f"aside: {failures}", stacklevel=2)
+            return path
+        if failures:
+            raise CheckpointError(
+                f"No backup in {self.directory!r} can be read: {failures}. "
+                "Remove the directory to start training afresh.")
+        return None
 
     def on_epoch_begin(self, epoch, logs=None):
         resume, self._resume = self._resume, None

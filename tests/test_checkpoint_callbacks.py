@@ -454,6 +454,77 @@ def test_async_save_returns_after_the_copy_and_reraises_failures(
         experimental_enable_async_checkpoint=True).enable_async
 
 
+def test_manager_forgets_a_background_save_that_failed(tmp_path,
+                                                      monkeypatch):
+    from keras_distribute.checkpoint import format as ckpt_format
+
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=1)
+    first = manager.save()
+    options = ckpt.CheckpointOptions(enable_async=True)
+
+    def broken_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt_format, "_write_shards", broken_disk)
+    manager.save(options=options)  # returns; fails in the background
+    with pytest.raises(OSError, match="No space left"):
+        manager.sync()
+    monkeypatch.undo()
+    assert manager.latest_checkpoint == first and manager.checkpoints == [
+        first]
+    assert ckpt.latest_checkpoint(str(tmp_path)) == first  # kept on disk
+    later = manager.save(options=options)
+    manager.sync()
+    assert manager.checkpoints == [later] and not os.path.exists(first)
+
+
+def corrupt_largest_piece(path):
+    """Flips one byte inside the data of a checkpoint's largest dataset."""
+    import h5py
+
+    shard = os.path.join(path, "shards-00000.h5")
+    with h5py.File(shard, "r") as h5:
+        datasets = []
+        h5.visititems(lambda name, node: datasets.append(node.id.get_offset())
+                      if isinstance(node, h5py.Dataset) and node.size > 40
+                      else None)
+    with open(shard, "r+b") as f:
+        f.seek(datasets[0] + 3)
+        byte = f.read(1)
+        f.seek(datasets[0] + 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_backup_falls_back_to_the_older_backup_when_the_newest_is_corrupt(
+        tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    model = make_model()
+    reference = fit(model, [])
+    expected = state(model)
+    model = make_model()
+    with pytest.raises(Interrupt):  # in epoch 2: backups of epochs 0 and 1
+        fit(model, [kd.callbacks.BackupAndRestore(backup_dir),
+                    InterruptAt(15)])
+    newest = ckpt.latest_checkpoint(backup_dir)
+    assert ckpt.read_metadata(newest)["epoch"] == 2
+    corrupt_largest_piece(newest)
+    model, moved = make_model(), []
+    with pytest.warns(UserWarning, match="resuming from the older backup"):
+        resumed = fit(model, [kd.callbacks.BackupAndRestore(backup_dir),
+                              keras.callbacks.LambdaCallback(
+                                  on_epoch_begin=lambda *_: moved.append(
+                                      sorted(os.listdir(backup_dir))))])
+    assert moved[0] == ["backup-1", os.path.basename(newest) + ".corrupt"]
+    assert len(resumed.history["loss"]) == 2  # epochs 1 and 2 again
+    np.testing.assert_allclose(resumed.history["loss"],
+                               reference.history["loss"][1:], rtol=1e-6)
+    for a, b in zip(expected, state(model)):
+        np.testing.assert_array_equal(a, b)
+    assert not os.path.exists(backup_dir)  # the finished run cleaned up
+
+
 def test_restore_is_deferred_until_the_variables_exist(tmp_path):
     model = trained()
     path = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer

@@ -88,6 +88,8 @@ class CheckpointManager:
         self.checkpoint_interval = checkpoint_interval
         self.init_fn = init_fn
         self._last_saved_step: Optional[int] = None
+        # (path, tracking before it, its future) of a background save.
+        self._in_flight: Optional[tuple] = None
         self.directory = os.path.abspath(directory)
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
@@ -107,13 +109,33 @@ class CheckpointManager:
 
     @property
     def checkpoints(self) -> List[str]:
-        """The managed checkpoints, oldest first."""
+        """The managed checkpoints, oldest first (a background save that
+        failed is not among them)."""
+        self._settle()
         return list(self._checkpoints)
 
     @property
     def latest_checkpoint(self) -> Optional[str]:
         """The newest managed checkpoint, or `None`."""
+        self._settle()
         return self._checkpoints[-1] if self._checkpoints else None
+
+    def _settle(self) -> None:
+        """Forgets a background save that failed (its error is still raised
+        by the next `save` / `sync`); the ones it would have replaced stay."""
+        if self._in_flight is None or not self._in_flight[2].done():
+            return
+        path, kept_before, future = self._in_flight
+        self._in_flight = None
+        if future.exception() is not None and path in self._checkpoints:
+            self._checkpoints, self._last_kept_for_good = kept_before
+
+    def forget(self, path: str) -> None:
+        """Stops managing `path` (e.g. a backup found unreadable); the
+        files stay where they are."""
+        self._settle()
+        if path in self._checkpoints:
+            self._checkpoints.remove(path)
 
     def save(self, checkpoint_number: Optional[int] = None,
              options: Optional[CheckpointOptions] = None,
@@ -146,6 +168,7 @@ class CheckpointManager:
             if check_interval and self._last_saved_step is not None and (
                     step < self._last_saved_step + self.checkpoint_interval):
                 return None
+        self._settle()
         latest = self.latest_checkpoint
         if checkpoint_number is not None and latest is not None and (
                 checkpoint_number <= _number(latest)):
@@ -165,6 +188,8 @@ class CheckpointManager:
             written = self.checkpoint._write(
                 path, options, metadata, on_commit=self._deleter(to_delete))
             self._last_saved_step = step
+            if self.checkpoint._pending is not None:  # in the background
+                self._in_flight = (path, kept_before, self.checkpoint._pending)
             return written
         except BaseException:
             self.checkpoint.save_counter -= 1

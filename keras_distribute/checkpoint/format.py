@@ -390,6 +390,16 @@ def remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def move_aside(path: str, suffix: str) -> str:
+    """Renames `path` to the first free `<path><suffix>[-N]`; returns it."""
+    target, number = f"{path}{suffix}", 0
+    while os.path.lexists(target):
+        number += 1
+        target = f"{path}{suffix}-{number}"
+    os.replace(path, target)
+    return target
+
+
 def remove_all_in(directory: str) -> None:
     """Deletes the checkpoints and temporaries in `directory` (and its
     sub-directories), then each directory left empty; anything else (a
