@@ -19,7 +19,7 @@ Every resolver gives the same answers: `num_processes`, `process_id`,
 import json
 import os
 import re
-from typing import List, Mapping, Optional
+from typing import Iterator, List, Mapping, Optional
 
 from keras_distribute.cluster_spec import ClusterSpec
 
@@ -40,14 +40,28 @@ def _check_address(address: str, source: str) -> str:
     return address
 
 
-def _int_env(environ: Mapping[str, str], name: str) -> int:
+def int_env(environ: Mapping[str, str], name: str, minimum: int = 0) -> int:
+    """The integer environment variable `name`, at least `minimum`.
+
+    Raises:
+        ValueError: if it is missing, not an integer, or too small.
+    """
     value = environ.get(name)
     try:
-        return int(value)
+        number = int(value)
     except (TypeError, ValueError):
+        number = None
+    if number is None or number < minimum:
         raise ValueError(
-            f"Expected the environment variable {name} to be an integer. "
-            f"Received: {name}={value!r}.") from None
+            f"Expected the environment variable {name} to be an integer "
+            f">= {minimum}. Received: "
+            f"{name}={value!r}{' (not set)' if value is None else ''}. Set "
+            f"it as the launcher does, e.g. {name}={max(minimum, 0)}, or "
+            "unset the job variables for a one-process run.") from None
+    return number
+
+
+_int_env = int_env
 
 
 class ClusterResolver:
@@ -262,18 +276,39 @@ class TorchElasticClusterResolver(ClusterResolver):
 
     def __init__(self, environ: Optional[Mapping[str, str]] = None):
         env = os.environ if environ is None else environ
-        world = _int_env(env, "WORLD_SIZE")
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK",
+                               "WORLD_SIZE") if not env.get(k)]
+        if missing:
+            raise ValueError(
+                "A torchrun-style job needs MASTER_ADDR, MASTER_PORT, RANK "
+                f"and WORLD_SIZE; {missing} are not set. Received: "
+                + ", ".join(f"{k}={env.get(k)!r}" for k in (
+                    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+                + ". Start the processes with torchrun or `python -m "
+                "keras_distribute.launch`, which set all four, or unset "
+                "RANK/WORLD_SIZE for a one-process run.")
+        world = _int_env(env, "WORLD_SIZE", minimum=1)
         rank = _int_env(env, "RANK")
-        port = _int_env(env, "MASTER_PORT")
-        address = _check_address(f"{env.get('MASTER_ADDR', '')}:{port}",
+        if rank >= world:
+            raise ValueError(
+                f"RANK must be below WORLD_SIZE. Received: RANK={rank}, "
+                f"WORLD_SIZE={world}. Number the processes 0 .. "
+                f"{world - 1}.")
+        port = _int_env(env, "MASTER_PORT", minimum=1)
+        address = _check_address(f"{env['MASTER_ADDR']}:{port}",
                                  "MASTER_ADDR/MASTER_PORT")
         super().__init__([address] * world, rank)
-        self._local_rank = int(env.get("LOCAL_RANK", rank))
+        self._local_rank = (_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env
+                            else rank)
 
     @classmethod
     def detect(cls, environ=None) -> bool:
+        # A partial torchrun environment (RANK=1 WORLD_SIZE=2 without
+        # MASTER_ADDR) is detected too, so that it fails with what is
+        # missing instead of running as a one-process job that acts as chief.
         env = os.environ if environ is None else environ
-        return all(k in env for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE"))
+        return "MASTER_ADDR" in env or env.get("WORLD_SIZE", "1").strip() not in (
+            "1", "") or env.get("RANK", "0").strip() not in ("0", "")
 
     @property
     def local_rank(self) -> int:
@@ -298,11 +333,22 @@ def expand_slurm_nodelist(nodelist: str) -> List[str]:
     >>> expand_slurm_nodelist("node[01-03,07],login")
     ['node01', 'node02', 'node03', 'node07', 'login']
     """
-    hosts, depth, current = [], 0, ""
+    return list(iter_slurm_nodelist(nodelist))
+
+
+def iter_slurm_nodelist(nodelist: str) -> Iterator[str]:
+    """The host names of a SLURM node list, one at a time (the first of
+    `node[1-10000000]` without making the other ten million)."""
+    for pattern in _split_slurm_nodelist(nodelist):
+        yield from _expand_one(pattern, nodelist)
+
+
+def _split_slurm_nodelist(nodelist: str) -> List[str]:
+    patterns, depth, current = [], 0, ""
     for char in nodelist + ",":
         if char == "," and depth == 0:
             if current:
-                hosts += _expand_one(current, nodelist)
+                patterns.append(current)
             current = ""
             continue
         depth += {"[": 1, "]": -1}.get(char, 0)
@@ -313,27 +359,34 @@ def expand_slurm_nodelist(nodelist: str) -> List[str]:
     if depth:
         raise ValueError(f"Unbalanced brackets in the SLURM node list "
                          f"{nodelist!r}.")
-    return hosts
+    return patterns
 
 
-def _expand_one(pattern: str, nodelist: str) -> List[str]:
+def _expand_one(pattern: str, nodelist: str) -> Iterator[str]:
     match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", pattern)
     if match is None:
         if "[" in pattern or "]" in pattern:
             raise ValueError(f"Cannot parse {pattern!r} in the SLURM node "
                              f"list {nodelist!r}.")
-        return [pattern]
+        yield pattern
+        return
     prefix, ranges, suffix = match.groups()
-    hosts = []
-    for part in ranges.split(","):
+    parts = []
+    for part in ranges.split(","):  # all checked before the first host
         low, _, high = part.partition("-")
         if not low.isdigit() or (high and not high.isdigit()):
             raise ValueError(f"Bad range {part!r} in the SLURM node list "
-                             f"{nodelist!r}.")
+                             f"{nodelist!r}: expected numbers like "
+                             "'01-08' or '7'.")
+        if high and int(high) < int(low):
+            raise ValueError(
+                f"The range {part!r} in the SLURM node list {nodelist!r} runs "
+                f"backwards. Write it low to high: '{high}-{low}'.")
+        parts.append((low, high))
+    for low, high in parts:
         width = len(low)
         for number in range(int(low), int(high or low) + 1):
-            hosts.append(f"{prefix}{number:0{width}d}{suffix}")
-    return hosts
+            yield f"{prefix}{number:0{width}d}{suffix}"
 
 
 class SlurmClusterResolver(ClusterResolver):
@@ -345,16 +398,22 @@ class SlurmClusterResolver(ClusterResolver):
 
     def __init__(self, environ: Optional[Mapping[str, str]] = None):
         env = os.environ if environ is None else environ
-        nodes = expand_slurm_nodelist(
-            env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-        if not nodes:
+        self._nodelist = (env.get("SLURM_JOB_NODELIST")
+                          or env.get("SLURM_NODELIST", ""))
+        first = next(iter_slurm_nodelist(self._nodelist), None)
+        if first is None:
             raise ValueError("SLURM_JOB_NODELIST is empty; run inside a "
                              "SLURM allocation (srun / sbatch).")
         port = env.get(_PORT_VARIABLE, str(DEFAULT_PORT))
-        coordinator = _check_address(f"{nodes[0]}:{port}", _PORT_VARIABLE)
-        super().__init__([coordinator] * _int_env(env, "SLURM_NTASKS"),
-                         _int_env(env, "SLURM_PROCID"))
-        self.nodes = nodes
+        coordinator = _check_address(f"{first}:{port}", _PORT_VARIABLE)
+        super().__init__(
+            [coordinator] * _int_env(env, "SLURM_NTASKS", minimum=1),
+            _int_env(env, "SLURM_PROCID"))
+
+    @property
+    def nodes(self) -> List[str]:
+        """Every host of the allocation (expanded when asked for)."""
+        return expand_slurm_nodelist(self._nodelist)
 
     @classmethod
     def detect(cls, environ=None) -> bool:

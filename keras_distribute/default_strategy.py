@@ -11,6 +11,7 @@ import numpy as np
 
 from keras_distribute import context
 from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.reduce_op import check_reduce_axis
 from keras_distribute.strategy import Strategy
 from keras_distribute.values import PerReplica
 
@@ -106,6 +107,7 @@ class DefaultStrategy(Strategy):
 
     def reduce(self, reduce_op, value: Any, axis: Optional[int] = None):
         op = ReduceOp.from_value(reduce_op)
+        check_reduce_axis(axis)
         import keras
 
         return keras.tree.map_structure(

@@ -108,12 +108,33 @@ def _adopt_strays(model, strategy) -> None:
     object.__setattr__(model, "_kd_adopted", seen)
 
 
+# Where `batch_size` comes positionally: fit(x, y, batch_size), ...
+_BATCH_SIZE_POSITION = {"fit": 2, "evaluate": 2, "predict": 1}
+
+
+def _check_batch_size(name: str, args: tuple, kwargs: dict) -> None:
+    position = _BATCH_SIZE_POSITION.get(name)
+    if position is None:
+        return
+    batch_size = kwargs.get("batch_size", args[position] if len(args) > (
+        position) else None)
+    if batch_size is None or (isinstance(batch_size, int) and not isinstance(
+            batch_size, bool) and batch_size > 0):
+        return
+    raise ValueError(
+        f"`{name}` expects `batch_size` to be a positive integer: the global "
+        "batch, split across the strategy's replicas. Received: "
+        f"batch_size={batch_size!r}. Pass e.g. batch_size=64 (or leave it "
+        "None for the default of 32).")
+
+
 def _wrap_trainer_method(name: str, original):
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         strategy = _strategy_for(self, name)
         if strategy is None:
             return original(self, *args, **kwargs)
+        _check_batch_size(name, args, kwargs)
         with strategy.scope():
             _adopt_strays(self, strategy)
             return strategy._engine.call_trainer(original, self, args, kwargs)

@@ -44,3 +44,14 @@ class ReduceOp(enum.Enum):
             "`kd.ReduceOp.MEAN`, or the strings 'sum' / 'mean'. "
             f"Received: reduce_op={value!r}."
         )
+
+
+def check_reduce_axis(axis) -> None:
+    """Raises `TypeError` unless `axis` (of `Strategy.reduce`) is `None` or
+    an integer."""
+    if axis is not None and (not isinstance(axis, int) or isinstance(
+            axis, bool)):
+        raise TypeError(
+            "`axis` must be None (combine the replicas element-wise) or "
+            "an integer dimension of each replica's value (reduce it "
+            f"too, e.g. 0 for the batch). Received: axis={axis!r}.")

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator, Optional
 from keras_distribute import context
 from keras_distribute import input_lib
 from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.reduce_op import check_reduce_axis
 from keras_distribute.strategy_extended import StrategyExtended
 from keras_distribute.values import PerReplica
 
@@ -259,6 +260,7 @@ class Strategy:
         """
         op = ReduceOp.from_value(reduce_op)
         self._check_cross_replica("reduce")
+        check_reduce_axis(axis)
         value = self._engine.from_native(value)
 
         def reduce_leaf(leaf):

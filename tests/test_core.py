@@ -1,5 +1,7 @@
 """Backend-neutral pieces: reduce ops, device names, contexts, inputs."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -148,3 +150,30 @@ def test_tpu_strategy_without_tpus_names_what_works():
             kd.TPUStrategy()
     with pytest.raises((ValueError, NotImplementedError)):
         kd.TPUStrategy(device_assignment="2x4")
+
+
+@pytest.mark.parametrize("axis", ["0", 0.0, True, [0]])
+def test_reduce_axis_must_be_none_or_an_integer(axis):
+    strategy = kd.get_strategy()
+    with pytest.raises(TypeError, match="`axis` must be None.*an integer.*"
+                       f"Received: axis={re.escape(repr(axis))}"):
+        strategy.reduce("sum", np.ones(4, "float32"), axis=axis)
+
+
+@pytest.mark.parametrize("method, batch_size", [
+    ("fit", 0), ("fit", -1), ("fit", 2.5), ("fit", "8"), ("evaluate", 0),
+    ("predict", -4)])
+def test_batch_size_must_be_a_positive_integer(method, batch_size):
+    import keras
+
+    with kd.MirroredStrategy().scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+    args = (x,) if method == "predict" else (x, y)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="positive integer: the global "
+                       f"batch.*Received: batch_size={re.escape(repr(batch_size))}"):
+        getattr(model, method)(*args, batch_size=batch_size, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # nothing trained

@@ -49,12 +49,17 @@ def _timeout_s() -> float:
 
 def ensure_process_group() -> bool:
     """Joins the torchrun-style group of this process; `False` when alone."""
+    from keras_distribute import cluster_resolver
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    if not cluster_resolver.TorchElasticClusterResolver.detect():
         return False
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # Checks every variable (a clear error for a partial environment).
+    resolver = cluster_resolver.TorchElasticClusterResolver()
+    if resolver.num_processes <= 1:
+        return False
+    local_rank = resolver.local_rank
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_rank)
