@@ -244,13 +244,17 @@ def _install_tf_multi_worker_fixes() -> None:
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     from keras_distribute.backend import tensorflow as tf_backend
+    from keras_distribute.backend import tf_fit
 
     original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
 
     @functools.wraps(original_build)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras averages the replicas' first batches to get their shapes:
+        # that fails when a short batch splits unevenly ([2, 4] vs [0, 4]),
+        # on one worker too. Every kd strategy takes one replica's slice.
         strategy = self._distribute_strategy
-        if iterator is None or not tf_backend.is_multi_worker(strategy):
+        if iterator is None or strategy not in tf_fit.our_tf_strategies:
             return original_build(self, iterator, data_batch)
         for _, _, batches in iterator:
             batch = next(batches)

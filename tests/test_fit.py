@@ -277,3 +277,23 @@ def test_last_batch_smaller_than_replica_count(strategy):
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
     assert_same_weights(reference, model)
+
+
+@pytest.mark.parametrize("n, batch_size", [(6, 6), (6, 64), (NUM_DEVICES + 2,
+                                                              NUM_DEVICES + 2)])
+def test_first_batch_that_does_not_divide_by_the_replicas(strategy, n,
+                                                          batch_size):
+    # Regression (TF): a global batch of 6 on 4 replicas, or a dataset
+    # smaller than one batch, failed in Keras' symbolic build (it averaged
+    # the replicas' unequal first slices: AddN [2, 4] != [0, 4]).
+    x, y = make_data(n=n)
+    reference = make_model()
+    expected = reference.fit(x, y, batch_size=batch_size, epochs=2,
+                             shuffle=False, verbose=0).history
+    with strategy.scope():
+        model = make_model()
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
+                        verbose=0).history
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    assert_same_weights(reference, model)
