@@ -95,3 +95,13 @@ def test_embedding_model_trains_on_replicas(strategy):
     table = strategy.experimental_local_results(model.layers[0].embeddings)
     for copy in table[1:]:
         np.testing.assert_array_equal(np.asarray(copy), np.asarray(table[0]))
+
+
+def test_variable_of_another_strategy_in_run_is_a_clear_error():
+    # Regression: a bare IndexError from inside tf.distribute.
+    small = kd.MirroredStrategy(["CPU:0", "CPU:1"])
+    with small.scope():
+        variable = keras.Variable(np.ones(3, "float32"))
+    with pytest.raises(ValueError, match="variable created under another "
+                       "strategy.*inside this strategy's scope"):
+        kd.MirroredStrategy().run(lambda: variable.value * 2.0)

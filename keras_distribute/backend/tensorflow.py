@@ -40,6 +40,22 @@ def is_multi_worker(strategy: Any) -> bool:
         strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
+def _raise_if_foreign_variable(error: IndexError, strategy: Any) -> None:
+    """tf.distribute indexes a mirrored variable by replica id: one made
+    under a strategy with fewer replicas fails with a bare IndexError."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and frames[-1].filename.replace("\\", "/").endswith(
+            "distribute/values.py"):
+        raise ValueError(
+            "A variable created under another strategy (with fewer replicas) "
+            f"was used inside {strategy!r}.run. Received: a mirrored "
+            "variable of another strategy. Create the model and its "
+            "variables inside this strategy's scope, or run the function "
+            "under the strategy that created them.") from error
+
+
 def default_devices() -> list:
     """All local logical GPUs, else all local logical CPU devices."""
     return tf.config.list_logical_devices("GPU") or (
@@ -413,7 +429,11 @@ class TfEngine:
                 _TfCollectives(tf_context),
             )
             with context._enter(strategy, ctx):
-                return fn(*call_args, **call_kwargs)
+                try:
+                    return fn(*call_args, **call_kwargs)
+                except IndexError as error:
+                    _raise_if_foreign_variable(error, strategy)
+                    raise
 
         result = self.tf_strategy.run(
             replica_fn, args=self._to_native(args),
