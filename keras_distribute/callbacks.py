@@ -504,7 +504,10 @@ class BackupAndRestore(_TrainingStateCallback):
     def on_train_end(self, logs=None):
         self._checkpoint.sync()
         self.model._initial_epoch = None
-        if self.delete_checkpoint and (
-                self._checkpoint._engine().process_id == 0):
+        engine = self._checkpoint._engine()
+        # Every process has seen the last backup committed before the chief
+        # deletes it (the others failed, reading a deleted backup).
+        engine.barrier("keras_distribute.BackupAndRestore.end")
+        if self.delete_checkpoint and engine.process_id == 0:
             # Only our checkpoints: a user's file in the directory stays.
             ckpt_format.remove_all_in(self.directory)

@@ -35,6 +35,7 @@ them, on first use (the first strategy created, never at import), and
 """
 
 import functools
+import os
 import threading
 
 import keras
@@ -160,6 +161,40 @@ def _install_model_hooks() -> None:
         # checks (`cls.compile != Trainer.compile`) still see the default.
         owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
         _patch(owner, name, _wrap_trainer_method(name, owner.__dict__[name]))
+    for name in ("save", "save_weights"):
+        owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+        _patch(owner, name, _atomic_save(owner.__dict__[name]))
+
+
+def _atomic_save(original):
+    """`model.save(path)` / `save_weights(path)` in every process of a
+    multi-process job (as the multi-worker tutorials and a ported
+    `ModelCheckpoint` do) wrote the same file concurrently: a reader got a
+    corrupt zip or an HDF5 lock error. Each process now writes a file of its
+    own next to `path` and renames it into place, so a reader always sees a
+    whole file (the processes' weights are identical). No collective: a
+    save that only the chief makes cannot hang."""
+
+    @functools.wraps(original)
+    def method(self, filepath, *args, **kwargs):
+        strategy = model_strategy(self)
+        engine = getattr(strategy, "_engine", None)
+        if getattr(engine, "process_count", 1) <= 1 or not isinstance(
+                filepath, (str, os.PathLike)) or "://" in str(filepath):
+            return original(self, filepath, *args, **kwargs)
+        filepath = os.fspath(filepath)
+        directory, name = os.path.split(os.path.abspath(filepath))
+        writing = os.path.join(directory, f".kd-{os.getpid()}-{name}")
+        try:
+            result = original(self, writing, *args, **kwargs)
+            os.replace(writing, filepath)
+        finally:
+            if os.path.exists(writing):
+                os.remove(writing)
+        return result
+
+    method._kd_original = original
+    return method
 
 
 def _install_jax_data_hook() -> None:

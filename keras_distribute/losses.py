@@ -60,7 +60,9 @@ def compute_average_loss(per_example_loss: Any,
                 "or pass `global_batch_size`."
             )
         num_replicas = context.get_strategy().num_replicas_in_sync
-        global_batch_size = per_example_loss.shape[0] * num_replicas
+        # The dynamic size: unknown statically inside a traced function
+        # over a distributed dataset (None * n failed).
+        global_batch_size = ops.shape(per_example_loss)[0] * num_replicas
     elif isinstance(global_batch_size, bool) or not isinstance(
         global_batch_size, int
     ) and not hasattr(global_batch_size, "dtype"):

@@ -192,12 +192,20 @@ def _fit(engine, method, model, params: dict) -> Any:
     params.update(x=data, y=None, sample_weight=None, batch_size=None,
                   shuffle=False, validation_split=0.0)
     engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
-    engine.sync_metrics_each_step = _batch_logs_are_read(params)
+    # Collective: callback lists may differ by process (a chief-only
+    # ModelCheckpoint), and one process all-reducing metrics every step
+    # while another does not would hang both.
+    engine.sync_metrics_each_step = engine.any_process(
+        _batch_logs_are_read(params))
     try:
         with worker_callbacks.chief_only_writes(
                 params.get("callbacks"), engine.rank == 0,
                 getattr(engine, "collective_reads", False)):
-            return method(model, **params)
+            history = method(model, **params)
+        # The chief's callback files (ModelCheckpoint & co.) are complete
+        # before any process goes on to read them.
+        engine.barrier("keras_distribute.fit_end")
+        return history
     finally:
         engine.even_batches = False
         engine.sync_metrics_each_step = True

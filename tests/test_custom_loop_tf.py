@@ -105,3 +105,25 @@ def test_variable_of_another_strategy_in_run_is_a_clear_error():
     with pytest.raises(ValueError, match="variable created under another "
                        "strategy.*inside this strategy's scope"):
         kd.MirroredStrategy().run(lambda: variable.value * 2.0)
+
+
+def test_compute_average_loss_with_an_unknown_static_batch(strategy):
+    # Regression: None * num_replicas inside tf.function over a dataset
+    # whose batch size is unknown statically (tf.nn.compute_average_loss
+    # works there).
+    import tensorflow as tf
+
+    n = strategy.num_replicas_in_sync
+    dataset = tf.data.Dataset.from_tensor_slices(
+        np.arange(6 * n, dtype="float32")).batch(2 * n)
+
+    @tf.function
+    def step(iterator):  # as the multi-worker custom-loop tutorial does
+        return strategy.run(kd.compute_average_loss, args=(next(iterator),))
+
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    totals = [float(strategy.reduce("sum", step(iterator), axis=None))
+              for _ in range(3)]
+    expected = [np.arange(6 * n, dtype="float32")[i:i + 2 * n].mean()
+                for i in range(0, 6 * n, 2 * n)]
+    np.testing.assert_allclose(totals, expected, rtol=1e-6)

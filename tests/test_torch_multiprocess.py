@@ -92,10 +92,16 @@ def test_custom_loop_matches_fit():
     results = kd.launch(workers.custom_loop, num_processes=2, timeout=TIMEOUT)
     x, y = workers.make_data(n=128)
     model = workers.make_model(workers.initial_weights())
-    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                        verbose=0).history
     for result in results:
         for a, b in zip(result["weights"], model.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-5)
+        # Metrics updated inside `run` are global on every process
+        # (regression: 5.5 on one rank, 1.5 on the other).
+        assert result["mean"] == 3.5
+        np.testing.assert_allclose(result["accuracies"],
+                                   history["accuracy"], rtol=1e-6)
     assert results[0]["losses"] == results[1]["losses"]
 
 
@@ -249,6 +255,26 @@ def test_only_the_chief_writes_and_early_stopping_agrees(tmp_path):
     saved = sorted(p.name for p in tmp_path.glob("ckpt_*.weights.h5"))
     assert len(saved) == epochs0
     assert not (tmp_path / "backup").exists()  # the chief cleaned it up
+
+
+def test_rank_dependent_callbacks_and_saves_in_every_process(tmp_path):
+    # Regressions: a chief-only callback list hung both ranks (one
+    # all-reduced metrics every step, the other not); rank 1 read the
+    # chief's file before it was written; model.save in both processes gave
+    # `BadZipFile`; kd BackupAndRestore failed on rank 1 (the chief deleted
+    # the backup first).
+    results = kd.launch(workers.rank_dependent_callbacks_and_saves,
+                        num_processes=2, args=(str(tmp_path),),
+                        timeout=TIMEOUT)
+    for result in results:
+        for name in ("loaded",):
+            for a, b in zip(result[name], results[0]["weights"]):
+                np.testing.assert_array_equal(a, b)
+        for weights in result["reloaded"]:
+            for a, b in zip(weights, results[0]["weights"]):
+                np.testing.assert_array_equal(a, b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "chief.weights.h5", "model.keras"]
 
 
 def test_a_lost_worker_fails_the_survivor_within_the_timeout():

@@ -139,12 +139,20 @@ def custom_loop():
         model = make_model(initial_weights())
         optimizer = keras.optimizers.SGD(0.1)
         optimizer.build(model.trainable_variables)
+        # Updated inside `run` on each process: read global, as on TF.
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+        mean = keras.metrics.Mean()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=None)
     global_batch = 32
+    # The tf.distribute issue's example: range(8), 4 values per process.
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(4.0) + 4 * ctx.replica_id_in_sync_group)
+    strategy.run(mean.update_state, args=(values,))
 
     def step(xb, yb):
         logits = model(xb)
+        accuracy.update_state(yb, logits)
         loss = kd.compute_average_loss(loss_fn(yb, logits),
                                        global_batch_size=global_batch)
         model.zero_grad()
@@ -158,12 +166,15 @@ def custom_loop():
 
     batches = [(x[i:i + global_batch], y[i:i + global_batch])
                for i in range(0, 128, global_batch)]
-    losses = []
+    losses, accuracies = [], []
     for _ in range(2):
         for xb, yb in strategy.experimental_distribute_dataset(batches):
             per_replica = strategy.run(step, args=(xb, yb))
             losses.append(float(strategy.reduce("sum", per_replica, axis=None)))
-    return {"weights": model.get_weights(), "losses": losses}
+        accuracies.append(float(accuracy.result()))
+        accuracy.reset_state()
+    return {"weights": model.get_weights(), "losses": losses,
+            "accuracies": accuracies, "mean": float(mean.result())}
 
 
 def input_types():
@@ -323,6 +334,39 @@ def fit_with_file_callbacks(directory):
     history = model.fit(x, y, batch_size=32, epochs=20, verbose=0,
                         callbacks=callbacks)
     return len(history.history["loss"]), model.get_weights()
+
+
+def rank_dependent_callbacks_and_saves(directory):
+    """Horovod-style programs: a ModelCheckpoint on the chief only (per the
+    migration table's `hvd.rank() == 0`), every process loading the chief's
+    file after fit, `model.save` + `load_model` in every process, and
+    kd's BackupAndRestore in both."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    x, y = make_data(n=96)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model(initial_weights())
+    chief_file = os.path.join(directory, "chief.weights.h5")
+    callbacks = [keras.callbacks.ModelCheckpoint(
+        chief_file, save_weights_only=True)] if (
+            strategy.extended.should_checkpoint) else []
+    callbacks.append(kd.callbacks.BackupAndRestore(
+        os.path.join(directory, "backup"), save_freq=2))
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=callbacks)
+    with strategy.scope():
+        loaded = make_model()
+    loaded.load_weights(chief_file)  # written by the chief before fit ended
+    reloaded = []
+    for _ in range(3):
+        path = os.path.join(directory, "model.keras")
+        model.save(path)  # every process, the same path
+        reloaded.append(keras.saving.load_model(path).get_weights())
+    return {"weights": model.get_weights(),
+            "loaded": loaded.get_weights(), "reloaded": reloaded}
 
 
 def peer_leaves_early():

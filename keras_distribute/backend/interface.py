@@ -71,6 +71,10 @@ class ReplicaEngine(Protocol):
     def broadcast_text(self, text: str) -> str:
         """Process 0's `text`, in every process (a collective; alone: `text`)."""
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is true in any process (a collective; alone:
+        `flag`). Engines whose `fit` runs per process need it."""
+
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         """Calls a Keras `fit`/`evaluate`/... method under the engine."""

@@ -22,6 +22,7 @@ from keras.distribution import DeviceMesh
 
 from keras_distribute import context
 from keras_distribute.backend import jax_collectives
+from keras_distribute.backend import jax_run
 from keras_distribute.backend.jax_collectives import as_array
 from keras_distribute.backend.jax_collectives import unwrap
 from keras_distribute.backend.jax_checkpoint import checkpoint_assign  # noqa: F401
@@ -302,6 +303,15 @@ class JaxEngine:
         seed = np.int32(np.random.randint(0, 2**31 - 1))
         return int(multihost_utils.broadcast_one_to_all(seed))
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is true in any process (a collective)."""
+        if not self.multi_process:
+            return bool(flag)
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([int(bool(flag))]))
+        return bool(np.any(flags))
+
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
         """Every process's rows (counts may differ), in process order."""
         from jax.experimental import multihost_utils
@@ -399,13 +409,19 @@ class JaxEngine:
             leaf if kind == "static" else None
             for leaf, kind in zip(leaves, kinds)
         )
-        compiled = self._compiled_run(strategy, fn, treedef, kinds, statics)
         dynamic = [
             self._stack(leaf.values) if kind == "split" else self._replicate(
                 as_array(leaf))
             for leaf, kind in zip(leaves, kinds) if kind != "static"
         ]
-        outputs = compiled(*dynamic)
+        compiled, variables, written = self._compiled_run(
+            strategy, fn, treedef, kinds, statics, dynamic)
+        # Read now, not when compiled: the weights a run sees are current.
+        values = [v.value for v in variables]
+        value_of = {id(v): value for v, value in zip(variables, values)}
+        before = [value_of[id(v)] for v in written]
+        outputs, updates = compiled(values, *dynamic)
+        jax_run.apply_updates(written, before, updates)
         return jax.tree_util.tree_map(
             lambda out: PerReplica(
                 [part[0] for part in self._per_replica_shards(out)]
@@ -413,15 +429,48 @@ class JaxEngine:
             outputs,
         )
 
-    def _compiled_run(self, strategy, fn, treedef, kinds, statics):
+    def _compiled_run(self, strategy, fn, treedef, kinds, statics, dynamic):
+        """`(compiled, variables it reads, variables it assigns)`.
+
+        The variables are found by abstract traces (see `jax_run`): each
+        trace passes the ones found so far as inputs, until no new one is
+        read.
+        """
         key = (fn, treedef, kinds, tuple(_static_key(s) for s in statics))
         cached = self._run_cache.get(key)
         if cached is not None:
             return cached[0]
+        variables: list = []
+        for _ in range(8):
+            found = {}
+            program = self._run_program(strategy, fn, treedef, kinds,
+                                        statics, variables, [], found)
+            jax.eval_shape(program, [v.value for v in variables], *dynamic)
+            new = [v for key_, v in found["read"].items()
+                   if key_ not in {id(known) for known in variables}]
+            jax_run.check_initialized(new)
+            if not new:
+                break
+            variables += new
+        written = list(found["written"].values())
+        compiled = jax.jit(self._run_program(
+            strategy, fn, treedef, kinds, statics, variables, written, {}))
+        if len(self._run_cache) >= _RUN_CACHE_SIZE:
+            self._run_cache.pop(next(iter(self._run_cache)))
+        # Keep `statics` alive so their ids in the key stay unique.
+        entry = (compiled, variables, written)
+        self._run_cache[key] = (entry, statics)
+        return entry
+
+    def _run_program(self, strategy, fn, treedef, kinds, statics, variables,
+                     written, found):
+        """`fn` per replica under `shard_map`: `(variable values, *inputs)
+        -> (outputs, new values of `written`)`; `found` receives the
+        variables the trace read and wrote."""
         axis = self.batch_axis
         collectives = jax_collectives.SpmdCollectives(axis)
 
-        def per_replica(*dynamic):
+        def per_replica(values, *dynamic):
             dynamic = iter(dynamic)
             full = [
                 static if kind == "static" else (
@@ -432,30 +481,38 @@ class JaxEngine:
             ctx = context.ReplicaContext(
                 strategy, jax.lax.axis_index(axis), collectives
             )
-            with context._enter(strategy, ctx):
+            given = {id(v): value for v, value in zip(variables, values)}
+            scope = jax_run.VariableScope(lambda v: given.get(id(v)))
+            with scope, context._enter(strategy, ctx):
                 result = fn(*call_args, **call_kwargs)
-            return jax.tree_util.tree_map(
-                lambda out: jnp.asarray(unwrap(out))[None], result
+            found.update(read=scope.read, written=scope.written)
+            updates = [
+                scope.state_mapping[id(v)] for v in written]
+            return (
+                jax.tree_util.tree_map(
+                    lambda out: jnp.asarray(unwrap(out))[None], result),
+                [jnp.asarray(u)[None] if jax_run.is_stacked(v) else
+                 jnp.asarray(u) for v, u in zip(written, updates)],
             )
 
-        in_specs = tuple(
+        in_specs = (
+            [PartitionSpec()] * len(variables),
+        ) + tuple(
             PartitionSpec(axis) if kind == "split" else PartitionSpec()
             for kind in kinds if kind != "static"
         )
-        compiled = jax.jit(
-            jax.shard_map(
-                per_replica, mesh=self.mesh, in_specs=in_specs,
-                out_specs=PartitionSpec(axis), check_vma=False,
-                # Only the replica axis is manual: a model axis stays with
-                # XLA, so layouts and logical-device constraints apply.
-                axis_names=frozenset({axis}),
-            )
+        out_specs = (
+            PartitionSpec(axis),
+            [PartitionSpec(axis) if jax_run.is_stacked(v) else
+             PartitionSpec() for v in written],
         )
-        if len(self._run_cache) >= _RUN_CACHE_SIZE:
-            self._run_cache.pop(next(iter(self._run_cache)))
-        # Keep `statics` alive so their ids in the key stay unique.
-        self._run_cache[key] = (compiled, statics)
-        return compiled
+        return jax.shard_map(
+            per_replica, mesh=self.mesh, in_specs=in_specs,
+            out_specs=out_specs, check_vma=False,
+            # Only the replica axis is manual: a model axis stays with
+            # XLA, so layouts and logical-device constraints apply.
+            axis_names=frozenset({axis}),
+        )
 
     # -------------------------------------------------- cross-replica ops
     def reduce(self, op: ReduceOp, values: Sequence[Any],

@@ -114,9 +114,12 @@ def run_in_threads(engine, strategy, fn, leaves, kinds, treedef):
     Each thread holds its replica's own arrays on its device; collectives
     meet at a barrier. The first replica's error is re-raised.
     """
+    from keras_distribute.backend import jax_run
+
     n = engine.num_replicas
     rendezvous = _Rendezvous(n)
     results, errors = [None] * n, [None] * n
+    scopes = [None] * n
 
     def replica_main(replica):
         device = engine.replica_devices[replica]
@@ -137,7 +140,11 @@ def run_in_threads(engine, strategy, fn, leaves, kinds, treedef):
                 strategy, replica,
                 ThreadCollectives(rendezvous, replica, device),
             )
-            with jax.default_device(device), engine.scope(), (
+            # Each replica reads its device's copy of the variables, and
+            # its assignments are combined after every replica finished.
+            scope = scopes[replica] = jax_run.VariableScope(
+                lambda v: jax_run.local_copy(v, device))
+            with jax.default_device(device), engine.scope(), scope, (
                     context._enter(strategy, ctx)):
                 results[replica] = fn(*call_args, **call_kwargs)
         except BaseException as error:  # re-raised in the caller
@@ -156,6 +163,24 @@ def run_in_threads(engine, strategy, fn, leaves, kinds, treedef):
         e, threading.BrokenBarrierError)]
     if real or any(errors):
         raise (real or [e for e in errors if e is not None])[0]
+    _apply_replica_updates(engine, scopes)
     return keras.tree.map_structure(
         lambda *parts: PerReplica(list(parts)), *results
     )
+
+
+def _apply_replica_updates(engine, scopes) -> None:
+    """Assigns the variables the replicas' threads wrote (see `jax_run`)."""
+    from keras_distribute.backend import jax_run
+
+    written = list(scopes[0].written.values())
+    if not written:
+        return
+    first = engine.replica_devices[0]
+    before = [jax_run.local_copy(v, first) for v in written]
+    updates = [
+        jax_run.stack_replica_values([
+            jax.device_put(s.state_mapping[id(v)], first) for s in scopes])
+        if jax_run.is_stacked(v) else scopes[0].state_mapping[id(v)]
+        for v in written]
+    jax_run.apply_updates(written, before, updates)

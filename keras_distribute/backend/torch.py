@@ -208,6 +208,9 @@ class TorchEngine:
             devices=[f"{device.type}:{r}" for r in range(self.world_size)])
         self.distribution = None  # keras.distribution has no torch support
         self._created = []  # variables created in scope, not yet broadcast
+        # Variables aggregated by "sum" / "mean" (metric states, moving
+        # statistics): combined over processes after each `run`.
+        self._aggregated = []
         self._ddp = weakref.WeakKeyDictionary()
         self.even_batches = False  # set by `fit` when every batch splits evenly
         # Set by `fit`: whether per-batch logs have a reader (a progress bar,
@@ -223,6 +226,8 @@ class TorchEngine:
     def record_variable(self, variable: Any) -> None:
         if self.in_group:
             self._created.append(weakref.ref(variable))
+            if getattr(variable, "aggregation", "none") in ("sum", "mean"):
+                self._aggregated.append(weakref.ref(variable))
 
     def broadcast_new_variables(self) -> None:
         """Makes every variable created so far equal to rank 0's."""
@@ -250,6 +255,14 @@ class TorchEngine:
         if isinstance(variable, keras.Variable) and self.owns_variable(variable):
             return (variable.value,)
         return None
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is true in any process (a collective)."""
+        if not self.in_group:
+            return bool(flag)
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return bool(tensor.item() > 0)
 
     def barrier(self, name: str) -> None:
         if self.in_group:
@@ -356,10 +369,40 @@ class TorchEngine:
         call_kwargs = keras.tree.map_structure(local, kwargs)
         ctx = context.ReplicaContext(strategy, self.local_replica_ids[0],
                                      _TorchCollectives(self))
+        aggregated = self._live_aggregated() if self.in_group else []
+        before = [v.value.detach().clone() for v in aggregated]
         with context._enter(strategy, ctx):
             result = fn(*call_args, **call_kwargs)
+        if aggregated:
+            self._combine_aggregated(aggregated, before)
         return keras.tree.map_structure(
             lambda out: out if out is None else PerReplica([out]), result)
+
+    def _live_aggregated(self) -> list:
+        """The "sum" / "mean" variables still alive, in creation order (the
+        same on every process: they were made by the same program)."""
+        alive = [(ref, ref()) for ref in self._aggregated]
+        self._aggregated = [ref for ref, v in alive if v is not None]
+        return [v for _, v in alive if v is not None and v._value is not None]
+
+    def _combine_aggregated(self, variables: list, before: list) -> None:
+        """As tf.distribute's sync-on-read variables read after `run`: a
+        "sum" variable (a metric's total and count) holds every process's
+        updates, a "mean" one their average — the same on every process.
+        One flat all-reduce of the changes (sum) and values (mean)."""
+        with torch.no_grad():
+            flat = torch.cat([
+                (v.value - old if v.aggregation == "sum" else v.value)
+                .double().reshape(-1).to(self.device)
+                for v, old in zip(variables, before)])
+            self._all_reduce_sum(flat)
+            offset = 0
+            for variable, old in zip(variables, before):
+                part = flat[offset:offset + old.numel()].reshape(old.shape)
+                offset += old.numel()
+                new = old.double() + part if variable.aggregation == "sum" else (
+                    part / self.world_size)
+                variable.value.copy_(new.to(old.dtype))
 
     # -------------------------------------------------- cross-replica ops
     def reduce(self, op: ReduceOp, values: Sequence[Any],
