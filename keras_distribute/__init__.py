@@ -22,6 +22,11 @@ from keras_distribute import cluster_resolver
 from keras_distribute import default_strategy as _default_strategy  # noqa: F401
 from keras_distribute.context import ReplicaContext
 from keras_distribute.context import ValueContext
+from keras_distribute.cross_device_ops import CommunicationImplementation
+from keras_distribute.cross_device_ops import CrossDeviceOps
+from keras_distribute.cross_device_ops import HierarchicalCopyAllReduce
+from keras_distribute.cross_device_ops import NcclAllReduce
+from keras_distribute.cross_device_ops import ReductionToOneDevice
 from keras_distribute.context import get_replica_context
 from keras_distribute.context import get_strategy
 from keras_distribute.context import has_strategy
@@ -40,6 +45,7 @@ from keras_distribute.launch import notebook_launcher
 from keras_distribute.losses import compute_average_loss
 from keras_distribute.losses import scale_regularization_loss
 from keras_distribute.mirrored_strategy import MirroredStrategy
+from keras_distribute.mirrored_strategy import OneDeviceStrategy
 from keras_distribute.multi_worker_strategy import CommunicationOptions
 from keras_distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from keras_distribute.reduce_op import ReduceOp
@@ -50,6 +56,7 @@ from keras_distribute.tpu_strategy import TPUStrategy
 from keras_distribute.strategy_extended import StrategyExtended
 from keras_distribute.values import DistributedValues
 from keras_distribute.values import PerReplica
+from keras_distribute.values import to_numpy as numpy
 
 __version__ = "0.1.0"
 
@@ -65,21 +72,27 @@ def __getattr__(name):
 
 __all__ = [
     "AutoShardPolicy",
+    "CommunicationImplementation",
     "CommunicationOptions",
+    "CrossDeviceOps",
     "DeviceAssignment",
     "DistributedDataset",
     "DistributedIterator",
     "DistributedValues",
+    "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "LaunchError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
     "OptionalValue",
     "OutOfRangeError",
     "PerReplica",
     "ReduceOp",
+    "ReductionToOneDevice",
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
@@ -95,6 +108,7 @@ __all__ = [
     "in_cross_replica_context",
     "launch",
     "notebook_launcher",
+    "numpy",
     "scale_regularization_loss",
     "simulate_cpu_devices",
 ]

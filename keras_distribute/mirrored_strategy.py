@@ -1,10 +1,10 @@
 """`MirroredStrategy`: synchronous data parallelism over one host's devices."""
 
-import warnings
 from typing import Any, Optional, Sequence
 
 from keras_distribute.backend import get_backend
 from keras_distribute.devices import parse_device_name
+from keras_distribute.cross_device_ops import CrossDeviceOps
 from keras_distribute.strategy import Strategy
 
 
@@ -58,14 +58,17 @@ class MirroredStrategy(Strategy):
             `"cpu:0"`, `"/job:localhost/replica:0/task:0/device:CPU:0"`, or
             backend device objects. Defaults to all local GPUs/TPUs, else
             all local CPU devices.
-        cross_device_ops: Accepted for `tf.distribute` compatibility; the
-            backend's engine chooses the all-reduce algorithm. Defaults to
-            `None`.
+        cross_device_ops: `kd.NcclAllReduce()`,
+            `kd.HierarchicalCopyAllReduce()` or `kd.ReductionToOneDevice()`
+            (or tf.distribute's), accepted for `tf.distribute` compatibility
+            and kept as `strategy.cross_device_ops`; the backend's engine
+            chooses the all-reduce algorithm. Defaults to `None`.
         layout_map: Optional `keras.distribution.LayoutMap` that shards
             variables over a model axis (model parallelism). Its mesh's first
             axis is the replica (batch) axis.
 
     Raises:
+        TypeError: for a `cross_device_ops` that is none of those.
         ValueError: for an unknown, duplicate or malformed device,
             `devices` that disagree with `layout_map`'s mesh, or (torch) a
             mesh whose size is not the number of processes.
@@ -105,13 +108,17 @@ class MirroredStrategy(Strategy):
             resolved = backend.default_devices()
         else:
             resolved = _resolve_devices(backend, devices)
-        if cross_device_ops is not None:
-            warnings.warn(
-                f"`cross_device_ops` is ignored on the {backend.name} "
-                "backend: its engine chooses the all-reduce algorithm.",
-                stacklevel=2,
-            )
+        if cross_device_ops is not None and not isinstance(
+                cross_device_ops, CrossDeviceOps) and not type(
+                cross_device_ops).__module__.startswith("tensorflow"):
+            raise TypeError(
+                "Expected `cross_device_ops` to be None or one of "
+                "kd.NcclAllReduce(), kd.HierarchicalCopyAllReduce(), "
+                "kd.ReductionToOneDevice(). Received: "
+                f"cross_device_ops={cross_device_ops!r}.")
         super().__init__(backend.make_engine(resolved, layout_map=layout_map))
+        # The engine chooses the all-reduce; kept for inspection only.
+        self.cross_device_ops = cross_device_ops
 
 
 def _mesh_devices(backend, layout_map) -> list:
@@ -128,3 +135,33 @@ def _mesh_devices(backend, layout_map) -> list:
             d, "platform") else d)
         for d in mesh.devices.flatten()
     ]
+
+
+class OneDeviceStrategy(MirroredStrategy):
+    """Everything on one device, as `tf.distribute.OneDeviceStrategy`: one
+    replica, so `run`, `reduce` and distributed datasets work unchanged on
+    a single GPU, TPU core or the CPU (code written for a strategy, run
+    without distribution).
+
+    Args:
+        device: The device, e.g. `"GPU:0"` or `"cpu:0"`.
+
+    Raises:
+        ValueError: for an unknown or malformed device.
+
+    Example:
+
+    ```python
+    strategy = kd.OneDeviceStrategy("cpu:0")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ```
+    """
+
+    def __init__(self, device: Any):
+        if isinstance(device, (list, tuple)):
+            raise ValueError(
+                "OneDeviceStrategy takes one device. Received: "
+                f"device={device!r}. Use kd.MirroredStrategy(devices) for "
+                "several.")
+        super().__init__(devices=[device])

@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 from keras_distribute import cluster_resolver as cluster_resolver_lib
 from keras_distribute.backend import get_backend
+from keras_distribute.cross_device_ops import CommunicationImplementation
 from keras_distribute.strategy import Strategy
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -18,11 +19,13 @@ class CommunicationOptions:
         timeout_seconds: How long start-up (every worker joining) and each
             collective may take before every process fails with an error
             instead of hanging. Defaults to 60.
-        implementation: Kept for `tf.distribute` compatibility; the
-            backend's engine picks the algorithm. Defaults to `"AUTO"`.
+        implementation: A `kd.CommunicationImplementation` (or its name),
+            kept for `tf.distribute` compatibility; the backend's engine
+            picks the algorithm. Defaults to `"AUTO"`.
 
     Raises:
-        ValueError: if `timeout_seconds` is not positive.
+        ValueError: if `timeout_seconds` is not positive, or
+            `implementation` names no implementation.
 
     Example:
 
@@ -34,6 +37,7 @@ class CommunicationOptions:
     implementation: str = "AUTO"
 
     def __post_init__(self):
+        CommunicationImplementation.from_value(self.implementation)  # checks
         timeout = self.timeout_seconds
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(
                 timeout, (int, float)) or timeout <= 0):

@@ -682,3 +682,34 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
                                      str(tmp_path), checkpoint_name="big")
     assert sorted(os.listdir(tmp_path)) == ["big-1"]  # unfinished: cleaned
     assert manager.latest_checkpoint == prefix + "-1"
+
+
+def test_nested_checkpoints_lists_and_dicts_as_in_the_tf_guide(tmp_path):
+    # The TF guide's `tf.train.Checkpoint(l1=tf.train.Checkpoint(...))`,
+    # and list/dict attributes: refused before.
+    model = trained()
+    extra = [keras.Variable(np.arange(3.0)), keras.layers.Dense(2)]
+    extra[1].build((None, 4))
+    root = ckpt.ShardedCheckpoint(
+        l1=ckpt.ShardedCheckpoint(net=model, step=keras.Variable(7.0)),
+        items=extra, table={"scale": keras.Variable(np.full(2, 3.0))})
+    path = root.write(str(tmp_path / "c"))
+    keys = [key for key, _ in ckpt.list_variables(path)]
+    assert "l1/step" in keys and "l1/net/0" in keys and "items/0" in keys
+    assert "items/1/0" in keys and "table/scale" in keys
+    fresh_extra = [keras.Variable(np.zeros(3)), keras.layers.Dense(2)]
+    fresh = make_plain_model()
+    step, scale = keras.Variable(0.0), keras.Variable(np.zeros(2))
+    status = ckpt.ShardedCheckpoint(
+        l1=ckpt.ShardedCheckpoint(net=fresh, step=step),
+        items=fresh_extra, table={"scale": scale}).read(path)
+    fresh_extra[1].build((None, 4))  # deferred until built
+    status.assert_consumed()
+    assert float(step.numpy()) == 7.0
+    np.testing.assert_array_equal(fresh_extra[0].numpy(), [0.0, 1.0, 2.0])
+    for a, b in zip(extra[1].get_weights() + model.get_weights(),
+                    fresh_extra[1].get_weights() + fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="Dict keys of saved objects must be "
+                       "strings"):
+        ckpt.ShardedCheckpoint(table={(1, 2): keras.Variable(1.0)})

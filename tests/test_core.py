@@ -177,3 +177,16 @@ def test_batch_size_must_be_a_positive_integer(method, batch_size):
         getattr(model, method)(*args, batch_size=batch_size, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)  # nothing trained
+
+
+def test_numpy_under_the_default_strategy_on_every_backend():
+    import keras
+
+    strategy = kd.get_strategy()
+    variable = keras.Variable(np.arange(3.0), trainable=True)
+    out = strategy.run(lambda: variable * 2.0)  # a tensor needing no grad
+    got = kd.numpy({"out": out, "variable": variable, "n": 3})
+    np.testing.assert_array_equal(got["out"], [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(got["variable"], [0.0, 1.0, 2.0])
+    assert kd.numpy(kd.PerReplica([np.ones(2), np.zeros(2)]))[1].tolist() == [
+        0.0, 0.0]

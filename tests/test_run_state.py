@@ -88,3 +88,20 @@ def test_metric_of_per_replica_values_as_in_tf_distribute(strategy):
             ctx.replica_id_in_sync_group])
     strategy.run(mean.update_state, args=(values,))
     assert float(mean.result()) == 3.5
+
+
+def test_numpy_of_per_replica_values_tensors_and_variables(strategy):
+    n = strategy.num_replicas_in_sync
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2,), ctx.replica_id_in_sync_group, "float32"))
+    doubled = strategy.run(lambda v: v * 2, args=(values,))
+    got = kd.numpy(doubled)
+    assert isinstance(got, tuple) and len(got) == n
+    for replica, array in enumerate(got):
+        assert isinstance(array, np.ndarray)
+        np.testing.assert_array_equal(array, [2.0 * replica] * 2)
+    with strategy.scope():
+        variable = keras.Variable(np.ones(3, "float32"))
+    nested = kd.numpy({"v": variable, "t": keras.ops.ones(2), "none": None})
+    assert isinstance(nested["v"], np.ndarray) and nested["none"] is None
+    np.testing.assert_array_equal(nested["t"], [1.0, 1.0])

@@ -53,9 +53,27 @@ def test_bad_devices(devices, match):
         kd.MirroredStrategy(devices)
 
 
-def test_cross_device_ops_is_accepted_with_a_warning():
-    with pytest.warns(UserWarning, match="cross_device_ops"):
+def test_tf_distribute_names_port_by_an_import_change():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ops in (kd.NcclAllReduce(), kd.HierarchicalCopyAllReduce(2),
+                    kd.ReductionToOneDevice()):
+            strategy = kd.MirroredStrategy(["CPU:0"], cross_device_ops=ops)
+            assert strategy.cross_device_ops is ops
+    with pytest.raises(TypeError, match="cross_device_ops.*kd.NcclAllReduce"):
         kd.MirroredStrategy(["CPU:0"], cross_device_ops=object())
+    with pytest.raises(ValueError, match="num_packs=0"):
+        kd.NcclAllReduce(num_packs=0)
+    assert kd.OneDeviceStrategy("CPU:0").num_replicas_in_sync == 1
+    with pytest.raises(ValueError, match="takes one device"):
+        kd.OneDeviceStrategy(["CPU:0", "CPU:1"])
+    options = kd.CommunicationOptions(
+        implementation=kd.CommunicationImplementation.NCCL)
+    assert options.implementation is kd.CommunicationImplementation.NCCL
+    with pytest.raises(ValueError, match="implementation='fast'"):
+        kd.CommunicationOptions(implementation="fast")
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="ModelParallel: JAX only here")

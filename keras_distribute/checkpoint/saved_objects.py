@@ -26,6 +26,21 @@ def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
     """
     import keras
 
+    if "/" in name:
+        raise ValueError(
+            f"Object names cannot contain '/'. Received: {name!r}.")
+    if isinstance(obj, checkpoint_class):
+        return  # nested: its own objects were checked when it took them
+    if isinstance(obj, (list, tuple, dict)):
+        # As tf.train.Checkpoint tracks lists and dicts of trackables.
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, item in items:
+            if not isinstance(key, (str, int)):
+                raise ValueError(
+                    f"Dict keys of saved objects must be strings. Received: "
+                    f"{name}[{key!r}].")
+            check_object(str(key), item, type(None))
+        return
     if type(obj).__name__ == "DistributedIterator" and type(
             obj).__module__.startswith("tensorflow."):
         raise ValueError(
@@ -50,13 +65,30 @@ def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
             + hint)
     if hasattr(obj, "_check_saveable"):  # a kd.DistributedIterator
         obj._check_saveable(name)
-    if "/" in name:
-        raise ValueError(
-            f"Object names cannot contain '/'. Received: {name!r}.")
     if hasattr(checkpoint_class, name):
         raise ValueError(
             f"{name!r} is a ShardedCheckpoint method or property; choose "
             f"another name for the object. Received: {name}=...")
+
+
+def leaf_objects(objects: Dict[str, Any], checkpoint_class: type,
+                 prefix: str = "") -> Dict[str, Any]:
+    """`objects` with nested checkpoints, lists and dicts flattened:
+    `{"l1/model": model, "layers/0": layer, ...}` (the names their
+    variables' keys start with)."""
+    flat = {}
+    for name, obj in objects.items():
+        full = f"{prefix}{name}"
+        if isinstance(obj, checkpoint_class):
+            flat.update(leaf_objects(obj._objects, checkpoint_class,
+                                     full + "/"))
+        elif isinstance(obj, (list, tuple, dict)):
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            flat.update(leaf_objects({str(k): v for k, v in items},
+                                     checkpoint_class, full + "/"))
+        else:
+            flat[full] = obj
+    return flat
 
 
 def saved_keys_of(saved: Dict[str, Any], name: str) -> List[str]:

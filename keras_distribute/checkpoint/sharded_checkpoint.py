@@ -59,7 +59,9 @@ class ShardedCheckpoint:
         root: An optional object saved under the name `"root"`.
         **objects: Named Keras models, layers, optimizers, metrics,
             variables or `tf.data` iterators, e.g.
-            `model=model, optimizer=optimizer`.
+            `model=model, optimizer=optimizer`; also nested
+            `ShardedCheckpoint`s, and lists or dicts of these (as in the TF
+            checkpoint guide), saved under `"name/..."` keys.
 
     Raises:
         ValueError: for an object that is none of these.
@@ -125,14 +127,19 @@ class ShardedCheckpoint:
         else:
             object.__delattr__(self, name)
 
+    def _leaf_objects(self) -> Dict[str, Any]:
+        """The saved objects, nested checkpoints, lists and dicts flattened
+        (`"l1/model"`, `"layers/0"`): the names their keys start with."""
+        return saved_objects.leaf_objects(self._objects, ShardedCheckpoint)
+
     def _host_array_holders(self) -> Dict[str, Any]:
         """Objects whose state is host arrays (`_host_arrays()`), e.g. the
         other callbacks' `best_weights` a training backup keeps."""
-        return {name: obj for name, obj in self._objects.items()
+        return {name: obj for name, obj in self._leaf_objects().items()
                 if hasattr(obj, "_host_arrays")}
 
     def _iterators(self) -> Dict[str, Any]:
-        return {name: obj for name, obj in self._objects.items()
+        return {name: obj for name, obj in self._leaf_objects().items()
                 if iterator_state.is_data_iterator(obj)}
 
     # ------------------------------------------------------------ variables
@@ -145,7 +152,7 @@ class ShardedCheckpoint:
         import keras
 
         found, seen = {}, set()
-        for name, obj in self._objects.items():
+        for name, obj in self._leaf_objects().items():
             if iterator_state.is_data_iterator(obj) or hasattr(
                     obj, "_host_arrays"):
                 continue
@@ -173,7 +180,7 @@ class ShardedCheckpoint:
         from keras_distribute import keras_hooks
         from keras_distribute import strategy as strategy_module
 
-        for obj in self._objects.values():
+        for obj in self._leaf_objects().values():
             strategy = keras_hooks.model_strategy(obj) if hasattr(
                 obj, "__dict__") else None
             if isinstance(obj, DistributedIterator):
@@ -331,9 +338,10 @@ class ShardedCheckpoint:
         path = os.path.abspath(path)
         saved = reading.read_index(path)["variables"]
         by_object = self._variables_by_object()
+        leaves = self._leaf_objects()
         for name, variables in by_object.items():
             wanted = saved_objects.saved_keys_of(saved, name)
-            obj = self._objects[name]
+            obj = leaves[name]
             if not _ready(obj, variables, wanted):
                 self._deferred[name] = (path, saved)  # not created yet
                 _waiting.add(self)
@@ -378,8 +386,9 @@ class ShardedCheckpoint:
             if not self._deferred:
                 return
             by_object = self._variables_by_object()
+            leaves = self._leaf_objects()
             for name, (path, saved) in list(self._deferred.items()):
-                if _ready(self._objects[name], by_object[name],
+                if _ready(leaves[name], by_object[name],
                           saved_objects.saved_keys_of(saved, name)):
                     del self._deferred[name]
                     self._restore(path, saved, by_object[name])
