@@ -408,8 +408,8 @@ def test_checkpoint_objects_are_attributes(tmp_path):
                                          "method"):
         ckpt.ShardedCheckpoint(save=keras.Variable(1.0))
     with pytest.raises(ValueError, match="tf.data iterators. Received: "
-                                         "data=list"):
-        checkpoint.data = [1, 2]
+                                         "data/0=int"):
+        checkpoint.data = [1, 2]  # a list of objects is fine; of ints not
     with pytest.raises(ValueError, match="step=ResourceVariable.*"
                        r"step=keras.Variable\(value\)"):
         ckpt.ShardedCheckpoint(step=tf.Variable(1))

@@ -15,7 +15,8 @@ from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import reading
 
 
-def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
+def check_object(name: str, obj: Any, checkpoint_class: type,
+                 inside: str = "") -> None:
     """Raises `ValueError` unless `obj` can be saved under `name`.
 
     Args:
@@ -23,24 +24,28 @@ def check_object(name: str, obj: Any, checkpoint_class: type) -> None:
         obj: The object.
         checkpoint_class: `ShardedCheckpoint`, whose attribute names an
             object cannot take (objects are its attributes).
+        inside: For an item of a list or dict, the path of its container
+            (`"layers/"`), named in errors.
     """
     import keras
 
     if "/" in name:
         raise ValueError(
-            f"Object names cannot contain '/'. Received: {name!r}.")
+            f"Object names cannot contain '/'. Received: {inside}{name!r}.")
     if isinstance(obj, checkpoint_class):
         return  # nested: its own objects were checked when it took them
     if isinstance(obj, (list, tuple, dict)):
         # As tf.train.Checkpoint tracks lists and dicts of trackables.
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         for key, item in items:
-            if not isinstance(key, (str, int)):
+            if isinstance(obj, dict) and not isinstance(key, str):
                 raise ValueError(
                     f"Dict keys of saved objects must be strings. Received: "
-                    f"{name}[{key!r}].")
-            check_object(str(key), item, type(None))
+                    f"{inside}{name}[{key!r}].")
+            check_object(str(key), item, checkpoint_class,
+                         f"{inside}{name}/")
         return
+    name = f"{inside}{name}"
     if type(obj).__name__ == "DistributedIterator" and type(
             obj).__module__.startswith("tensorflow."):
         raise ValueError(
