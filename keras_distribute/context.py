@@ -52,7 +52,7 @@ def _current_entry():
     return stack[-1] if stack else None
 
 
-def get_strategy():
+def get_strategy() -> Any:
     """Returns the current strategy.
 
     Inside `strategy.scope()` or `strategy.run(...)` this is that strategy;
@@ -97,7 +97,7 @@ def in_cross_replica_context() -> bool:
     return entry is not None and entry[1] is None
 
 
-def get_replica_context():
+def get_replica_context() -> Optional["ReplicaContext"]:
     """Returns the current `ReplicaContext`, or `None` in cross-replica context.
 
     Inside the function given to `strategy.run` this gives the replica's
@@ -175,7 +175,8 @@ class ReplicaContext:
     ```
     """
 
-    def __init__(self, strategy, replica_id_in_sync_group, collectives):
+    def __init__(self, strategy: Any, replica_id_in_sync_group: Any,
+                 collectives: Any):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
         self._collectives = collectives

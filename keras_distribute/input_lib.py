@@ -217,7 +217,7 @@ class DistributedDataset:
         options: Optional `kd.InputOptions`.
     """
 
-    def __init__(self, strategy, dataset: Any,
+    def __init__(self, strategy: Any, dataset: Any,
                  options: Optional[InputOptions] = None):
         check_source(dataset)
         self._strategy = strategy

@@ -48,7 +48,7 @@ class Strategy:
         engine: The backend engine that owns devices and collectives.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: Any):
         self._engine = engine
         from keras_distribute import keras_hooks
 
@@ -356,7 +356,8 @@ class Strategy:
     # ------------------------------------------------------------------ input
     def experimental_distribute_dataset(self, dataset: Any,
                                         options: Optional[
-                                            input_lib.InputOptions] = None):
+                                            input_lib.InputOptions] = None
+                                        ) -> Any:
         """Splits each global batch of `dataset` across the replicas.
 
         Args:
@@ -389,7 +390,8 @@ class Strategy:
 
     def distribute_datasets_from_function(self, dataset_fn: Callable,
                                           options: Optional[
-                                              input_lib.InputOptions] = None):
+                                              input_lib.InputOptions] = None
+                                          ) -> Any:
         """Builds the input pipeline(s) with `dataset_fn(input_context)`.
 
         Args:
@@ -435,7 +437,8 @@ class Strategy:
             self, dataset_fn, input_context, options
         )
 
-    def experimental_distribute_values_from_function(self, value_fn: Callable):
+    def experimental_distribute_values_from_function(self, value_fn: Callable
+                                                     ) -> Any:
         """Builds a `PerReplica` from `value_fn(kd.ValueContext)` per replica.
 
         Args:

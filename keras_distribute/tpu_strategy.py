@@ -62,7 +62,8 @@ class DeviceAssignment:
 
     @classmethod
     def build(cls, topology: Any = None, computation_shape: Any = 1,
-              num_replicas: int = 1, devices: Optional[Sequence[Any]] = None):
+              num_replicas: int = 1, devices: Optional[Sequence[Any]] = None
+              ) -> "DeviceAssignment":
         """`tf.tpu.experimental.DeviceAssignment.build`-style constructor.
 
         Args:

@@ -307,7 +307,8 @@ class ShardedCheckpoint:
         """Waits for a background save to finish.
 
         Raises:
-            The exception the background save raised, if it failed (once).
+            Exception: the one the background save raised, if it failed
+                (raised once).
         """
         pending, self._pending = self._pending, None
         if pending is not None:
