@@ -18,6 +18,7 @@ model.fit(x, y, batch_size=256, epochs=3)   # 256 = global batch size
 """
 
 from keras_distribute import checkpoint
+from keras_distribute import integration  # registers what it installs
 from keras_distribute import cluster_resolver
 from keras_distribute import default_strategy as _default_strategy  # noqa: F401
 from keras_distribute.context import ReplicaContext

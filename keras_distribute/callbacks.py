@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import keras
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.integration import training as integration_training
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.format import CheckpointError
@@ -71,6 +72,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
         self._steps_in_epoch = 0
         self._steps_since_save = 0
         self._rng_at_epoch_begin: Optional[Dict[str, Any]] = None
+        self._data_epoch_offset: Optional[int] = None
 
     # --------------------------------------------------------------- state
     def _make_checkpoint(self) -> _Checkpoint:
@@ -119,6 +121,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
             "epoch": epoch, "step": step, "rng": capture_rng(),
             # Mid-epoch, the epoch's data order was drawn at its start.
             "rng_epoch_begin": self._rng_at_epoch_begin if step else None,
+            "data_epoch_offset": self._data_epoch_offset,
             "callbacks": self._callback_states(),
             "logs": {k: v for k, v in ((k, json_scalar(v)) for k, v in
                                        (logs or {}).items())
@@ -149,6 +152,8 @@ class _TrainingStateCallback(keras.callbacks.Callback):
         self._epoch = epoch
         self._steps_in_epoch = 0
         self._rng_at_epoch_begin = capture_rng()
+        counter = integration_training.data_epoch()
+        self._data_epoch_offset = None if counter is None else counter - epoch
 
     def on_train_batch_end(self, batch, logs=None):
         done = batch + 1
@@ -449,6 +454,11 @@ class BackupAndRestore(_TrainingStateCallback):
     def on_epoch_begin(self, epoch, logs=None):
         resume, self._resume = self._resume, None
         if resume is not None:
+            # Keras 3.16 seeds each epoch's shuffle by a counter of the data
+            # adapter: set it to where the interrupted run had it.
+            offset = resume.get("data_epoch_offset")
+            integration_training.set_data_epoch(
+                None if offset is None else offset + epoch)
             skip = int(resume.get("step", 0))
             restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
             self._restore_callback_states(resume.get("callbacks", {}))

@@ -52,6 +52,27 @@ def _current_entry():
     return stack[-1] if stack else None
 
 
+def model_strategy(model: Any) -> Any:
+    """The strategy `model` was created under (recorded by the Keras
+    integration when the model is made inside a `scope()`), or `None`."""
+    return getattr(model, "__dict__", {}).get("_kd_strategy")
+
+
+_installers: dict = {}
+
+
+def register_installer(name: str, installer: Callable[[], None]) -> None:
+    """The integration layer (above this one) registers what it installs
+    into Keras on request (`install`), e.g. the deferred-restore hooks."""
+    _installers[name] = installer
+
+
+def install(name: str) -> None:
+    """Asks the integration layer to install `name` (once; later calls do
+    nothing). The neutral layer and the backends never import it."""
+    _installers[name]()
+
+
 def get_strategy() -> Any:
     """Returns the current strategy.
 

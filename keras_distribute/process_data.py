@@ -16,7 +16,6 @@ from typing import Any, List
 import numpy as np
 
 import keras
-from keras.src.trainers.data_adapters import array_slicing
 
 from keras_distribute import worker_callbacks
 from keras_distribute.data_sources import iterate_source
@@ -185,8 +184,7 @@ def _fit(engine, method, model, params: dict) -> Any:
     split = params.get("validation_split") or 0.0
     if split and params.get("validation_data") is None and _is_arrays(x):
         (x, y, sample_weight), params["validation_data"] = (
-            array_slicing.train_validation_split(
-                (x, y, sample_weight), validation_split=split))
+            _train_validation_split((x, y, sample_weight), split))
         params.update(x=x, y=y, sample_weight=sample_weight)
     data = _shard(engine, params, bool(params.get("shuffle", True)))
     params.update(x=data, y=None, sample_weight=None, batch_size=None,
@@ -211,9 +209,32 @@ def _fit(engine, method, model, params: dict) -> Any:
         engine.sync_metrics_each_step = True
 
 
+def _train_validation_split(arrays, split: float):
+    """The last `split` of the rows is validation data, as Keras' `fit`
+    splits it (a deterministic cut, before any shuffling)."""
+    rows = next(int(a.shape[0]) for a in keras.tree.flatten(arrays)
+                if a is not None)
+    cut = int(math.floor(rows * (1.0 - split)))
+    if cut in (0, rows):
+        raise ValueError(
+            f"`validation_split={split}` leaves no training or no validation "
+            f"rows of the {rows} samples. Received: validation_split={split}."
+            " Pass more data or another split.")
+    head = keras.tree.map_structure(
+        lambda a: None if a is None else a[:cut], arrays)
+    tail = keras.tree.map_structure(
+        lambda a: None if a is None else a[cut:], arrays)
+    return head, tail
+
+
+def _is_default(method) -> bool:
+    # Keras marks the base callbacks' no-op hooks `_is_default`.
+    return getattr(method, "_is_default", False)
+
+
 def _batch_logs_are_read(params: dict) -> bool:
     """Whether anything reads per-batch training logs (Keras' own test)."""
-    from keras.src.utils.python_utils import is_default
+    is_default = _is_default
 
     if params.get("verbose", "auto") in (1, "auto"):
         return True  # the progress bar shows running values every batch

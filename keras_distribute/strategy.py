@@ -50,9 +50,9 @@ class Strategy:
 
     def __init__(self, engine: Any):
         self._engine = engine
-        from keras_distribute import keras_hooks
+        from keras_distribute import integration
 
-        keras_hooks.install()
+        integration.install()
         if getattr(engine, "process_count", 1) > 1:
             _job_strategies[:] = [r for r in _job_strategies
                                   if r() is not None] + [weakref.ref(self)]

@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.kd-installed
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt constraints-next.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # A CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
@@ -17,5 +17,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # keras-hub without its dependencies: tensorflow-text would pull the full
   # tensorflow wheel next to tensorflow-cpu (see pyproject.toml, extra "hub").
   .venv/bin/python -m pip install -q -c constraints.txt --no-deps keras-hub==0.32.0
+  # The next Keras (constraints-next.txt), beside the release one: the
+  # second test stack puts .venv/keras-next first on PYTHONPATH.
+  rm -rf .venv/keras-next
+  .venv/bin/python -m pip install -q --no-deps --target .venv/keras-next \
+    -r constraints-next.txt
   echo "$want" > "$stamp"
 fi

@@ -10,6 +10,19 @@ for backend in ${KD_BACKENDS:-jax tensorflow torch}; do
   echo "=== KERAS_BACKEND=$backend ==="
   KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
 done
+# The second stack: the pinned next Keras (constraints-next.txt) first on
+# the path. It must really be the one imported (else this proves nothing).
+next_version=$(sed -n 's/^keras-nightly==//p' constraints-next.txt)
+for backend in ${KD_NEXT_BACKENDS:-jax tensorflow}; do
+  echo "=== next Keras $next_version, KERAS_BACKEND=$backend ==="
+  if ! PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend .venv/bin/python -c \
+      "import keras, sys; sys.exit(keras.__version__ != '$next_version')"; then
+    echo "the next Keras $next_version is not what .venv/keras-next imports"
+    status=1
+    continue
+  fi
+  PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
+done
 echo "=== docs: mkdocs build --strict ==="
 site=$(mktemp -d)
 # No -q: strict mode then fails on every warning (griffe's included).

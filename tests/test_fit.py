@@ -80,8 +80,8 @@ def test_global_batch_is_split_across_replicas(strategy, monkeypatch):
     seen = []
     hooked = jax_trainer._distribute_data
 
-    def spy(data, layouts=None):
-        result = hooked(data, layouts)
+    def spy(data, layouts=None, *args, **kwargs):  # 3.16: is_super_batch
+        result = hooked(data, layouts, *args, **kwargs)
         seen.append(keras.tree.flatten(result)[0])
         return result
 
@@ -101,7 +101,9 @@ def test_fit_outside_scope_still_distributes(strategy):
     x, y = make_data(n=64)
     with strategy.scope():
         model = make_model()
-    assert kd.keras_hooks.model_strategy(model) is strategy
+    from keras_distribute import context
+
+    assert context.model_strategy(model) is strategy
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # outside scope
     kernel = model.layers[0].kernel
     assert strategy.extended.variable_created_in_scope(kernel)
@@ -215,17 +217,18 @@ def test_model_save_and_load_round_trip(strategy, tmp_path):
 
 
 def test_hooks_uninstall_restores_keras():
-    from keras.src.trainers import trainer as base_trainer
+    from keras_distribute.integration import registry
 
     kd.MirroredStrategy(cpu_names(1))
     assert hasattr(keras.Model.fit, "_kd_original")
-    kd.keras_hooks.uninstall()
+    kd.integration.uninstall()
     try:
         assert not hasattr(keras.Model.fit, "_kd_original")
         assert not hasattr(keras.Model.compile, "_kd_original")
-        assert not hasattr(base_trainer.Trainer.__init__, "__wrapped__")
+        assert not hasattr(registry.resolve("BaseTrainer").__init__,
+                           "__wrapped__")
     finally:
-        kd.keras_hooks.install()
+        kd.integration.install()
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="per-replica BN: TF")

@@ -91,7 +91,11 @@ def gemma_causal_lm(seed=3):
 
 
 def test_keras_hub_gemma_with_its_own_layout_map_matches_one_device():
-    keras_hub = pytest.importorskip("keras_hub")
+    try:
+        import keras_hub
+    except ImportError as error:  # keras-hub 0.32 predates Keras 3.16
+        pytest.skip(f"keras-hub does not import with Keras "
+                    f"{keras.__version__}: {error}")
     import jax
 
     rng = np.random.default_rng(0)

@@ -44,9 +44,9 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                 f" Cause: {error}") from error
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
-        from keras.src.backend.jax import distribution_lib as keras_jax_lib
+        from keras_distribute import context
 
-        keras_jax_lib.initialize_rng()
+        context.install("seed_every_process")
     elif jax.process_count() != resolver.num_processes:
         raise ValueError(
             f"jax.distributed runs {jax.process_count()} processes but the "

@@ -2,7 +2,7 @@
 
 Keras scales each replica's mean loss by `1 / num_replicas`, exact only when
 every replica holds as many examples. `uneven_batch_loss_factor` gives the
-correction (`local / global` weighting) that `keras_hooks` applies; it is
+correction (`local / global` weighting) that `integration.hooks` applies; it is
 skipped, with its per-step all-reduce, when every batch of a `fit` on arrays
 splits evenly. A last batch smaller than the replica count leaves replicas
 empty, which unsynchronized BatchNormalization turns into NaN: kd warns.

@@ -38,6 +38,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 import keras
 from keras.distribution import TensorLayout
 
+from keras_distribute import context
 from keras_distribute.backend.torch import TorchEngine
 from keras_distribute.backend.torch_variables import whole_value
 from keras_distribute.layouts import check_keys_match
@@ -86,12 +87,10 @@ class ShardedTorchEngine(TorchEngine):
     collective_reads = True  # reading a sharded variable whole is collective
 
     def __init__(self, device: Any, layout_map: Any):
-        from keras_distribute import keras_hooks
-
         super().__init__(device)
         check_layout_map(layout_map)
         check_mesh(layout_map, self.world_size)
-        keras_hooks.install_torch_sharding_hooks()
+        context.install("torch_sharding")
         mesh = layout_map.device_mesh
         self.layout_map = layout_map
         self.device_mesh = mesh

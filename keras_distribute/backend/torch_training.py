@@ -15,10 +15,10 @@ import torch
 
 def train_step(engine, model: Any, data: Any) -> Any:
     """Keras' torch train step, forwarding through the held DDP."""
-    from keras.src import tree
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    import keras
 
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    tree = keras.tree
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     wrapper = engine.ddp(model)
     if model._call_has_training_arg:
         y_pred = wrapper(x, training=True)

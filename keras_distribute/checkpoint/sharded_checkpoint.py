@@ -177,12 +177,10 @@ class ShardedCheckpoint:
         every scope in a multi-process job, the job's strategy: a save is
         a collective with one chief, never one chief per process."""
         from keras_distribute import context
-        from keras_distribute import keras_hooks
         from keras_distribute import strategy as strategy_module
 
         for obj in self._leaf_objects().values():
-            strategy = keras_hooks.model_strategy(obj) if hasattr(
-                obj, "__dict__") else None
+            strategy = context.model_strategy(obj)
             if isinstance(obj, DistributedIterator):
                 strategy = obj._strategy
             if strategy is not None:
@@ -472,9 +470,9 @@ def _finish_save(path: str, entries: dict, process_id: int,
 
 
 def _install_deferred_hooks() -> None:
-    from keras_distribute import keras_hooks
+    from keras_distribute import context
 
-    keras_hooks.install_checkpoint_hooks()
+    context.install("deferred_restores")
 
 
 # Checkpoints with a background save that may still run (weakly held).

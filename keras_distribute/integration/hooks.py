@@ -3,7 +3,10 @@
 Keras has no hook for "a model remembers the strategy it was created
 under", nor (on JAX) for laying out a short last batch. This module adds
 them, on first use (the first strategy created, never at import), and
-`uninstall()` removes them again. Tested against Keras 3.10-3.15.
+`uninstall()` removes them again. Every Keras-private name comes from
+`registry` (its rows say why and on which Keras versions), and
+`install()` checks them all before it patches anything. Tested on Keras
+3.15.1 and keras-nightly 3.16.0.dev2026102704.
 
 1. `Trainer.__init__` records the current strategy on every model created
    inside a `scope()` (`model._kd_strategy`).
@@ -41,6 +44,8 @@ import threading
 import keras
 
 from keras_distribute import context
+from keras_distribute.integration import registry
+from keras_distribute.context import model_strategy
 
 _TRAINER_METHODS = (
     "compile", "fit", "evaluate", "predict",
@@ -54,11 +59,6 @@ def _patch(owner, name: str, replacement) -> None:
     had_own = name in owner.__dict__
     _originals.append((owner, name, owner.__dict__.get(name), had_own))
     setattr(owner, name, replacement)
-
-
-def model_strategy(model):
-    """Returns the strategy `model` was created under, or `None`."""
-    return model.__dict__.get("_kd_strategy")
 
 
 def _strategy_for(model, method_name: str):
@@ -145,9 +145,8 @@ def _wrap_trainer_method(name: str, original):
 
 
 def _install_model_hooks() -> None:
-    from keras.src.trainers import trainer as base_trainer
-
-    original_init = base_trainer.Trainer.__init__
+    base_trainer = registry.resolve("BaseTrainer")
+    original_init = base_trainer.__init__
 
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
@@ -155,7 +154,7 @@ def _install_model_hooks() -> None:
         if context.has_strategy() and model_strategy(self) is None:
             object.__setattr__(self, "_kd_strategy", context.get_strategy())
 
-    _patch(base_trainer.Trainer, "__init__", __init__)
+    _patch(base_trainer, "__init__", __init__)
     for name in _TRAINER_METHODS:
         # Patch where the method is defined, so that Keras' own override
         # checks (`cls.compile != Trainer.compile`) still see the default.
@@ -198,23 +197,24 @@ def _atomic_save(original):
 
 
 def _install_jax_data_hook() -> None:
-    from keras.src.backend.jax import trainer as jax_trainer
-    from keras.src.distribution import distribution_lib
+    jax_trainer = registry.resolve("jax_trainer")
+    distribution_lib = registry.resolve("distribution_lib")
 
     original = jax_trainer._distribute_data
 
     @functools.wraps(original)
-    def _distribute_data(data, layouts=None):
+    def _distribute_data(data, layouts=None, *args, **kwargs):
+        # Keras 3.16 adds `is_super_batch`: passed on as given.
         distribution = distribution_lib.distribution()
         if getattr(distribution, "_kd_strategy_distribution", False):
             layouts = None  # per batch: a short batch gets its own layout
-        return original(data, layouts)
+        return original(data, layouts, *args, **kwargs)
 
     _patch(jax_trainer, "_distribute_data", _distribute_data)
 
 
 def _install_tf_hooks() -> None:
-    from keras.src.losses import loss as loss_module
+    loss_module = registry.resolve("loss_module")
 
     from keras_distribute.backend import tf_fit
 
@@ -227,7 +227,12 @@ def _install_tf_hooks() -> None:
         value = original_call(self, y_true, y_pred, sample_weight)
         factor = tf_fit.uneven_batch_loss_factor(self, y_pred)
         last_factor.value = factor
-        return value if factor is None else value * factor
+        if factor is None:
+            return value
+        # Keras 3.16 returns an empty tensor, not 0, for a replica with no
+        # rows (its mean then read NaN): the sum is 0 there, the value
+        # itself elsewhere.
+        return keras.ops.sum(value) * factor
 
     @functools.wraps(original_unscale)
     def unscale_loss_for_distribution(value):
@@ -249,10 +254,10 @@ def _install_tf_scalar_conversions() -> None:
     """`int()` / `float()` of a Keras variable holding a tf.distribute
     variable (Keras calls `int(self.value)`, which TF refuses for it)."""
     import tensorflow as tf
-    from keras.src.backend.tensorflow import core as tf_core
+    tf_variable = registry.resolve("tf_Variable")
 
     def conversion(name, convert):
-        original = getattr(tf_core.Variable, name)
+        original = getattr(tf_variable, name)
 
         @functools.wraps(original)
         def method(self):
@@ -263,8 +268,8 @@ def _install_tf_scalar_conversions() -> None:
             return original(self)
         return method
 
-    _patch(tf_core.Variable, "__int__", conversion("__int__", int))
-    _patch(tf_core.Variable, "__float__", conversion("__float__", float))
+    _patch(tf_variable, "__int__", conversion("__int__", int))
+    _patch(tf_variable, "__float__", conversion("__float__", float))
 
 
 def _install_tf_multi_worker_fixes() -> None:
@@ -276,12 +281,13 @@ def _install_tf_multi_worker_fixes() -> None:
     axis 0. Only kd's multi-worker strategies take the fixed paths.
     """
     import tensorflow as tf
-    from keras.src.backend.tensorflow import trainer as tf_trainer
+    tf_trainer = registry.resolve("tf_trainer")
+    tf_trainer_class = registry.resolve("TFTrainer")
 
     from keras_distribute.backend import tensorflow as tf_backend
     from keras_distribute.backend import tf_fit
 
-    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_build = tf_trainer_class._maybe_symbolic_build
 
     @functools.wraps(original_build)
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -318,7 +324,7 @@ def _install_tf_multi_worker_fixes() -> None:
 
         return keras.tree.map_structure(reduce, values)
 
-    _patch(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+    _patch(tf_trainer_class, "_maybe_symbolic_build",
            _maybe_symbolic_build)
     _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 
@@ -330,20 +336,20 @@ def _torch_engine(model):
 
 
 def _install_torch_hooks() -> None:
-    from keras.src.backend.torch import core as torch_core
-    from keras.src.backend.torch import trainer as torch_trainer
-    from keras.src.trainers import trainer as base_trainer
+    torch_variable = registry.resolve("torch_Variable")
+    torch_trainer = registry.resolve("TorchTrainer")
+    base_trainer = registry.resolve("BaseTrainer")
 
     from keras_distribute.backend import torch as torch_backend
 
-    original_initialize = torch_core.Variable._initialize
+    original_initialize = torch_variable._initialize
 
     @functools.wraps(original_initialize)
     def _initialize(self, value):
         original_initialize(self, value)
         torch_backend.on_variable_created(self)
 
-    original_train_step = torch_trainer.TorchTrainer.train_step
+    original_train_step = torch_trainer.train_step
 
     @functools.wraps(original_train_step)
     def train_step(self, data):
@@ -352,7 +358,7 @@ def _install_torch_hooks() -> None:
             return original_train_step(self, data)
         return engine.train_step(self, data)
 
-    original_results = base_trainer.Trainer.get_metrics_result
+    original_results = base_trainer.get_metrics_result
 
     @functools.wraps(original_results)
     def get_metrics_result(self):
@@ -362,9 +368,9 @@ def _install_torch_hooks() -> None:
         with engine.global_metric_states(self.metrics_variables):
             return original_results(self)
 
-    _patch(torch_core.Variable, "_initialize", _initialize)
-    _patch(torch_trainer.TorchTrainer, "train_step", train_step)
-    _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
+    _patch(torch_variable, "_initialize", _initialize)
+    _patch(torch_trainer, "train_step", train_step)
+    _patch(base_trainer, "get_metrics_result", get_metrics_result)
 
 
 _torch_sharding_hooks_installed = False
@@ -388,18 +394,21 @@ def install_torch_sharding_hooks() -> None:
 
 
 def _install_torch_sharding_hooks() -> None:
-    import keras.src.backend as keras_backend
-    from keras.src.backend import torch as torch_package
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-    from keras.src.backend.torch import core as torch_core
-    from keras.src.backend.torch import layer as torch_layer
-    from keras.src.backend.torch.optimizers import torch_parallel_optimizer
-    from keras.src.layers import layer as keras_layer
-    from keras.src.optimizers import base_optimizer
+    registry.check("torch_sharding", [
+        row.key for row in registry.ROWS
+        if "torch_sharding" in row.backends])
+    keras_backend = registry.resolve("keras_backend")
+    torch_package = registry.resolve("torch_package")
+    in_stateless_scope = registry.resolve(
+        "stateless_scope").in_stateless_scope
+    torch_core = registry.resolve("torch_core")
+    layer_class = registry.resolve("Layer")
+    optimizer_class = registry.resolve("BaseOptimizer")
+    torch_variable = registry.resolve("torch_Variable")
 
     from keras_distribute.backend import torch_variables
 
-    original_post_build = keras_layer.Layer._post_build
+    original_post_build = layer_class._post_build
 
     @functools.wraps(original_post_build)
     def _post_build(self):
@@ -407,7 +416,7 @@ def _install_torch_sharding_hooks() -> None:
         if not in_stateless_scope():
             torch_variables.on_layer_built(self)
 
-    original_forward = torch_layer.TorchLayer.forward
+    original_forward = registry.resolve("TorchLayer").forward
 
     def forward(self, *args, **kwargs):
         engine = self.__dict__.get("_kd_sharded_engine")
@@ -415,7 +424,7 @@ def _install_torch_sharding_hooks() -> None:
             return original_forward(self, *args, **kwargs)
         return engine.sharded_forward(original_forward, self, args, kwargs)
 
-    original_slot = base_optimizer.BaseOptimizer.add_variable_from_reference
+    original_slot = optimizer_class.add_variable_from_reference
 
     @functools.wraps(original_slot)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
@@ -429,14 +438,14 @@ def _install_torch_sharding_hooks() -> None:
     def convert_to_numpy(x):
         return original_numpy(torch_variables.whole_value(x))
 
-    original_assign = torch_core.Variable._direct_assign
+    original_assign = torch_variable._direct_assign
 
     @functools.wraps(original_assign)
     def _direct_assign(self, value):
         if not torch_variables.assign_sharded(self, value):
             original_assign(self, value)
 
-    parallel = torch_parallel_optimizer.TorchParallelOptimizer
+    parallel = registry.resolve("TorchParallelOptimizer")
     original_update = parallel._backend_update_step
     original_increment = parallel._backend_increment_gradient_accumulators
 
@@ -460,13 +469,13 @@ def _install_torch_sharding_hooks() -> None:
            _backend_reset_gradient_accumulators)
     _patch(parallel, "_backend_increment_gradient_accumulators",
            _backend_increment_gradient_accumulators)
-    _patch(keras_layer.Layer, "_post_build", _post_build)
-    _patch(torch_layer.TorchLayer, "forward", forward)
-    _patch(base_optimizer.BaseOptimizer, "add_variable_from_reference",
+    _patch(layer_class, "_post_build", _post_build)
+    _patch(registry.resolve("TorchLayer"), "forward", forward)
+    _patch(optimizer_class, "add_variable_from_reference",
            add_variable_from_reference)
     for module in (torch_core, torch_package, keras_backend):
         _patch(module, "convert_to_numpy", convert_to_numpy)
-    _patch(torch_core.Variable, "_direct_assign", _direct_assign)
+    _patch(torch_variable, "_direct_assign", _direct_assign)
 
 
 _checkpoint_hooks_installed = False
@@ -481,10 +490,14 @@ def install_checkpoint_hooks() -> None:
     Installed on the first deferred restore; `uninstall()` removes it.
     """
     global _checkpoint_hooks_installed
-    from keras.src.backend.common import stateless_scope
-    from keras.src.layers import layer as keras_layer
-    from keras.src.optimizers import base_optimizer
-    from keras.src.trainers import trainer as base_trainer
+    registry.check(keras.backend.backend(), [
+        "stateless_scope", "Layer", "Layer._post_build", "BaseTrainer",
+        "BaseTrainer._symbolic_build", "BaseOptimizer",
+        "BaseOptimizer.add_variable_from_reference"])
+    stateless_scope = registry.resolve("stateless_scope")
+    layer_class = registry.resolve("Layer")
+    optimizer_class = registry.resolve("BaseOptimizer")
+    base_trainer = registry.resolve("BaseTrainer")
 
     from keras_distribute.checkpoint import sharded_checkpoint
 
@@ -507,15 +520,13 @@ def install_checkpoint_hooks() -> None:
                 return result
             return method
 
-        _patch(keras_layer.Layer, "_post_build",
-               after(keras_layer.Layer._post_build))
-        _patch(keras_layer.Layer, "__call__",
-               after(keras_layer.Layer.__call__))
-        _patch(base_trainer.Trainer, "_symbolic_build",
-               after(base_trainer.Trainer._symbolic_build))
+        _patch(layer_class, "_post_build", after(layer_class._post_build))
+        _patch(layer_class, "__call__", after(layer_class.__call__))
+        _patch(base_trainer, "_symbolic_build",
+               after(base_trainer._symbolic_build))
         for name in ("add_variable", "add_variable_from_reference"):
-            _patch(base_optimizer.BaseOptimizer, name,
-                   after(getattr(base_optimizer.BaseOptimizer, name)))
+            _patch(optimizer_class, name,
+                   after(getattr(optimizer_class, name)))
 
 
 def install() -> None:
@@ -523,6 +534,8 @@ def install() -> None:
     with _lock:
         if any(name == "__init__" for _, name, _, _ in _originals):
             return
+        # Every row this backend uses, before anything is patched.
+        registry.check(keras.backend.backend())
         _install_model_hooks()
         if keras.backend.backend() == "jax":
             _install_jax_data_hook()

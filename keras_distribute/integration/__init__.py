@@ -1,0 +1,56 @@
+"""The Keras integration layer: every touch of a Keras-private name.
+
+It sits above the neutral layer, the backends and the checkpoint (none of
+them imports it): the strategies install it (`install()`), and it registers
+with `keras_distribute.context` what the lower layers may ask for by name
+(`context.install("deferred_restores")`). `registry` lists every private
+name with why it is used and on which Keras versions; `hooks` patches Keras
+only after `registry.check()` verified them. This module imports Keras only
+when something is installed.
+"""
+
+from keras_distribute import context
+from keras_distribute.integration.registry import SUPPORTED_KERAS
+from keras_distribute.integration.registry import KerasVersionError
+
+
+def install() -> None:
+    """Installs the Keras hooks a strategy needs (once)."""
+    from keras_distribute.integration import hooks
+
+    hooks.install()
+
+
+def uninstall() -> None:
+    """Removes every hook, restoring Keras exactly as it was."""
+    from keras_distribute.integration import hooks
+
+    hooks.uninstall()
+
+
+def _deferred_restores() -> None:
+    from keras_distribute.integration import hooks
+
+    hooks.install_checkpoint_hooks()
+
+
+def _torch_sharding() -> None:
+    from keras_distribute.integration import hooks
+
+    hooks.install_torch_sharding_hooks()
+
+
+def _seed_every_process() -> None:
+    # One global seed in every JAX process once jax.distributed started, as
+    # keras.distribution.initialize does (variables start identical).
+    from keras_distribute.integration import registry
+
+    registry.check("jax", ["jax_distribution_lib"])
+    registry.resolve("jax_distribution_lib").initialize_rng()
+
+
+context.register_installer("deferred_restores", _deferred_restores)
+context.register_installer("torch_sharding", _torch_sharding)
+context.register_installer("seed_every_process", _seed_every_process)
+
+__all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]

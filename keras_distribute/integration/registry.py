@@ -1,0 +1,277 @@
+"""Every Keras-private name keras_distribute touches, as rows of one table.
+
+Keras' public API (`keras.*`, `keras.distribution.*`) is the contract;
+`keras.src.*` names are private and move between releases (3.16 renamed
+`trainers.trainer.Trainer` to `BaseTrainer`, moved `backend.<name>.core` to
+`backend.<name>.ops.core`, renamed the backend trainers `Trainer`). Each row
+says what is used, why, on which Keras versions, what upstream change would
+make it unnecessary, and the parameters a patched callable must take; its
+`candidates` are the places it is found, tried in order. `check()` verifies
+every row that applies to the running backend before anything is patched
+and fails with one `KerasVersionError` naming the Keras version, the rows
+that do not fit and the supported range — never half-installed, never an
+`AttributeError` from inside Keras.
+
+This module imports Keras only when a row is resolved.
+"""
+
+import dataclasses
+import importlib
+import inspect
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+# What CI tests (pyproject.toml declares the same range): the release stack
+# in constraints.txt and the pinned next Keras in constraints-next.txt.
+SUPPORTED_KERAS = ">=3.15.1,<3.17 (tested: 3.15.1 and keras-nightly 3.16.0.dev2026102704)"
+
+
+class KerasVersionError(RuntimeError):
+    """The running Keras does not have what keras_distribute hooks into."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One Keras-private name.
+
+    Attributes:
+        key: How keras_distribute asks for it.
+        candidates: `(module, attribute path)` places, tried in order; an
+            empty attribute path means the module itself.
+        reason: Why keras_distribute needs it.
+        keras_versions: The Keras versions it is known on.
+        upstream: The upstream change that would make it unnecessary.
+        parameters: For a callable, the names its parameters must start
+            with (`None`: not checked).
+        backends: The backends that use it (empty: all).
+    """
+
+    key: str
+    candidates: Tuple[Tuple[str, str], ...]
+    reason: str
+    keras_versions: str
+    upstream: str = "-"
+    parameters: Optional[Tuple[str, ...]] = None
+    backends: Tuple[str, ...] = ()
+
+
+_S = "keras.src."
+ROWS: Tuple[Row, ...] = (
+    Row("BaseTrainer",
+        ((_S + "trainers.trainer", "BaseTrainer"),
+         (_S + "trainers.trainer", "Trainer")),
+        "a model remembers the strategy it was created under (__init__); "
+        "metric results and the symbolic build are read through it",
+        "3.10-3.15 (Trainer), 3.16 (BaseTrainer)",
+        "a public hook for 'model created in a distribution scope'"),
+    Row("BaseTrainer.__init__", (), "see BaseTrainer", "all",
+        parameters=("self",)),
+    Row("BaseTrainer._symbolic_build", (),
+        "deferred checkpoint restores apply before fit builds its step",
+        "3.10-3.16", parameters=("self", "iterator", "data_batch")),
+    Row("BaseTrainer.get_metrics_result", (),
+        "torch: metric states read once, combined over processes",
+        "3.10-3.15 (3.16's torch Trainer combines them itself)",
+        "keras 3.16 torch distribution_lib", parameters=("self",),
+        backends=("torch",)),
+    Row("Layer", ((_S + "layers.layer", "Layer"),),
+        "deferred checkpoint restores and torch sharded layers apply "
+        "after a layer's build (_post_build) and call", "3.10-3.16",
+        "a public post-build callback"),
+    Row("Layer._post_build", (), "see Layer", "3.10-3.16",
+        parameters=("self",)),
+    Row("BaseOptimizer", ((_S + "optimizers.base_optimizer",
+                           "BaseOptimizer"),),
+        "deferred restores of optimizer slots as they are created",
+        "3.10-3.16"),
+    Row("BaseOptimizer.add_variable_from_reference", (), "see BaseOptimizer",
+        "3.10-3.16", parameters=("self", "reference_variable", "name")),
+    Row("stateless_scope", ((_S + "backend.common.stateless_scope", ""),),
+        "a deferred restore waits out Keras' stateless symbolic build",
+        "3.10-3.16", "a public in_stateless_scope()"),
+    Row("jax_trainer", ((_S + "backend.jax.trainer", ""),),
+        "a short last batch gets its own data layout (the trainer reuses "
+        "the first batch's)", "3.10-3.16", backends=("jax",)),
+    Row("jax_trainer._distribute_data", (), "see jax_trainer", "3.10-3.16",
+        parameters=("data", "layouts"), backends=("jax",)),
+    Row("distribution_lib", ((_S + "distribution.distribution_lib", ""),),
+        "the distribution current while the JAX trainer lays out data",
+        "3.10-3.16", backends=("jax",)),
+    Row("jax_distribution_lib", ((_S + "backend.jax.distribution_lib", ""),),
+        "one global seed for every process after jax.distributed starts "
+        "(as keras.distribution.initialize does)", "3.10-3.16",
+        "keras.distribution.initialize accepting an initialized runtime",
+        backends=("jax",)),
+    Row("Loss", ((_S + "losses.loss", "Loss"),),
+        "TF: each replica's loss weighted by local/global batch (Keras "
+        "divides by the replica count: wrong for an uneven short batch)",
+        "3.10-3.16", backends=("tensorflow",)),
+    Row("Loss.__call__", (), "see Loss", "3.10-3.16",
+        parameters=("self", "y_true", "y_pred"), backends=("tensorflow",)),
+    Row("loss_module", ((_S + "losses.loss", ""),),
+        "TF: the logged loss undoes the weighting above", "3.10-3.16",
+        backends=("tensorflow",)),
+    Row("loss_module.unscale_loss_for_distribution", (), "see loss_module",
+        "3.10-3.16", parameters=("value",), backends=("tensorflow",)),
+    Row("tf_Variable", ((_S + "backend.tensorflow.ops.core", "Variable"),
+                        (_S + "backend.tensorflow.core", "Variable")),
+        "TF: int()/float() of a scalar variable made in a strategy scope",
+        "3.10-3.15 (core), 3.16 (ops.core)", backends=("tensorflow",)),
+    Row("tf_trainer", ((_S + "backend.tensorflow.trainer", ""),),
+        "TF: multi-worker fit (keras#20585) and the first uneven batch",
+        "3.10-3.16", "keras#20585", backends=("tensorflow",)),
+    Row("TFTrainer", ((_S + "backend.tensorflow.trainer",
+                       "TensorFlowTrainer"),
+                      (_S + "backend.tensorflow.trainer", "Trainer")),
+        "see tf_trainer", "3.10-3.15 (TensorFlowTrainer), 3.16 (Trainer)",
+        "keras#20585", backends=("tensorflow",)),
+    Row("TFTrainer._maybe_symbolic_build", (), "see tf_trainer", "3.10-3.16",
+        parameters=("self", "iterator", "data_batch"),
+        backends=("tensorflow",)),
+    Row("tf_trainer.reduce_per_replica", (), "see tf_trainer", "3.10-3.16",
+        parameters=("values", "strategy", "reduction"),
+        backends=("tensorflow",)),
+    Row("torch_Variable", ((_S + "backend.torch.ops.core", "Variable"),
+                           (_S + "backend.torch.core", "Variable")),
+        "torch: new variables recorded for the rank-0 broadcast; sharded "
+        "variables assigned shard-wise", "3.10-3.15 (core), 3.16 (ops.core)",
+        "keras 3.16 torch distribution_lib", backends=("torch",)),
+    Row("torch_Variable._initialize", (), "see torch_Variable", "3.10-3.16",
+        parameters=("self", "value"), backends=("torch",)),
+    Row("torch_Variable._direct_assign", (), "see torch_Variable",
+        "3.10-3.16", parameters=("self", "value"), backends=("torch",)),
+    Row("TorchTrainer", ((_S + "backend.torch.trainer", "TorchTrainer"),
+                         (_S + "backend.torch.trainer", "Trainer")),
+        "torch: the train step forwards through a held DDP (a DDP(model) "
+        "that Keras bypasses syncs nothing)",
+        "3.10-3.15 (TorchTrainer), 3.16 (Trainer)",
+        "keras 3.16 torch distribution_lib", backends=("torch",)),
+    Row("TorchTrainer.train_step", (), "see TorchTrainer", "3.10-3.16",
+        parameters=("self", "data"), backends=("torch",)),
+    # torch sharded layouts (DTensor over processes); checked when the
+    # first sharding engine installs them.
+    Row("keras_backend", ((_S + "backend", ""),),
+        "torch sharding: convert_to_numpy of a sharded variable reads it "
+        "whole", "3.10-3.16", backends=("torch_sharding",)),
+    Row("torch_package", ((_S + "backend.torch", ""),), "see keras_backend",
+        "3.10-3.16", backends=("torch_sharding",)),
+    Row("torch_core", ((_S + "backend.torch.ops.core", ""),
+                       (_S + "backend.torch.core", "")),
+        "see keras_backend", "3.10-3.15 (core), 3.16 (ops.core)",
+        backends=("torch_sharding",)),
+    Row("torch_core.convert_to_numpy", (), "see keras_backend", "3.10-3.16",
+        parameters=("x",), backends=("torch_sharding",)),
+    Row("TorchLayer", ((_S + "backend.torch.layer", "TorchLayer"),),
+        "torch sharding: a sharded layer's forward runs on its shards",
+        "3.10-3.16", backends=("torch_sharding",)),
+    Row("TorchLayer.forward", (), "see TorchLayer", "3.10-3.16",
+        backends=("torch_sharding",)),
+    Row("TorchParallelOptimizer",
+        ((_S + "backend.torch.optimizers.torch_parallel_optimizer",
+          "TorchParallelOptimizer"),),
+        "torch sharding: optimizer updates grouped by shard layout",
+        "3.10-3.16", backends=("torch_sharding",)),
+    Row("TorchParallelOptimizer._backend_update_step", (),
+        "see TorchParallelOptimizer", "3.10-3.16",
+        parameters=("self", "grads", "trainable_variables", "learning_rate"),
+        backends=("torch_sharding",)),
+    Row("TorchParallelOptimizer._backend_increment_gradient_accumulators",
+        (), "see TorchParallelOptimizer", "3.10-3.16",
+        parameters=("self", "grads", "acc_grads"),
+        backends=("torch_sharding",)),
+)
+_BY_KEY: Dict[str, Row] = {row.key: row for row in ROWS}
+_resolved: Dict[str, Any] = {}
+
+
+def keras_version() -> str:
+    import keras
+
+    return keras.__version__
+
+
+def _find(row: Row) -> Any:
+    """The object of `row`; raises `LookupError` saying what is missing."""
+    if not row.candidates:  # "Owner.attribute": an attribute of a row
+        owner_key, _, attribute = row.key.rpartition(".")
+        owner = _resolved.get(owner_key) or _find(_BY_KEY[owner_key])
+        if not hasattr(owner, attribute):
+            raise LookupError(f"{owner_key} has no attribute {attribute!r}")
+        return getattr(owner, attribute)
+    tried = []
+    for module_name, path in row.candidates:
+        try:
+            found = importlib.import_module(module_name)
+            for part in filter(None, path.split(".")):
+                found = getattr(found, part)
+            return found
+        except (ImportError, AttributeError):
+            tried.append(f"{module_name}:{path}" if path else module_name)
+    raise LookupError(f"none of {tried} exists")
+
+
+def _check_parameters(row: Row, found: Any) -> None:
+    if row.parameters is None:
+        return
+    try:
+        names = tuple(inspect.signature(found).parameters)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to compare
+    if names[:len(row.parameters)] != row.parameters:
+        raise LookupError(
+            f"its parameters are {names}, expected {row.parameters} first")
+
+
+def resolve(key: str) -> Any:
+    """The object the row `key` names, for the running Keras.
+
+    Raises:
+        KerasVersionError: if the running Keras has no such object.
+    """
+    if key not in _resolved:
+        row = _BY_KEY[key]
+        try:
+            found = _find(row)
+            _check_parameters(row, found)
+        except LookupError as error:
+            raise KerasVersionError(_message([(row, str(error))])) from None
+        _resolved[key] = found
+    return _resolved[key]
+
+
+def check(backend: str, keys: Optional[Sequence[str]] = None) -> None:
+    """Verifies every row the backend uses (or `keys`) before a patch.
+
+    Raises:
+        KerasVersionError: naming every row that does not fit.
+    """
+    rows = [_BY_KEY[k] for k in keys] if keys is not None else [
+        row for row in ROWS if not row.backends or backend in row.backends]
+    failures: List[Tuple[Row, str]] = []
+    for row in rows:
+        if row.key in _resolved:
+            continue
+        try:
+            found = _find(row)
+            _check_parameters(row, found)
+        except LookupError as error:
+            failures.append((row, str(error)))
+            continue
+        _resolved[row.key] = found
+    if failures:
+        raise KerasVersionError(_message(failures))
+
+
+def _message(failures: List[Tuple[Row, str]]) -> str:
+    lines = "\n".join(
+        f"  - {row.key}: {reason} (used for: {row.reason}; known on Keras "
+        f"{row.keras_versions})" for row, reason in failures)
+    return (
+        f"keras_distribute does not support the installed Keras "
+        f"{keras_version()}: what it hooks into is not there.\n{lines}\n"
+        f"Supported: keras{SUPPORTED_KERAS}. Install a supported Keras "
+        "(pip install 'keras>=3.15.1,<3.17'), or upgrade keras_distribute.")
+
+
+def forget() -> None:
+    """Drops the resolved objects (after a test changed a row)."""
+    _resolved.clear()

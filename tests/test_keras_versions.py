@@ -1,0 +1,72 @@
+"""The Keras integration layer: every Keras-private name is a registry row,
+checked before anything is patched; a Keras without one fails with one
+clear error, never half-installed (no strategy needed: runs everywhere)."""
+
+import pytest
+
+import keras
+import keras_distribute as kd
+from keras_distribute.integration import hooks
+from keras_distribute.integration import registry
+
+
+def test_every_row_of_this_backend_resolves_on_the_installed_keras():
+    registry.check(keras.backend.backend())
+    for row in registry.ROWS:
+        assert row.reason and row.keras_versions, row.key
+
+
+@pytest.fixture
+def broken_row(monkeypatch):
+    """The registry as a Keras that renamed the base trainer would have."""
+    broken = registry.Row(
+        "BaseTrainer", (("keras.src.trainers.trainer", "RenamedTrainer"),),
+        "a model remembers its strategy", "3.10-3.16")
+    rows = tuple(broken if r.key == "BaseTrainer" else r
+                 for r in registry.ROWS)
+    monkeypatch.setattr(registry, "ROWS", rows)
+    monkeypatch.setattr(registry, "_BY_KEY", {r.key: r for r in rows})
+    registry.forget()
+    kd.integration.uninstall()
+    yield
+    monkeypatch.undo()
+    registry.forget()
+    kd.integration.install()
+
+
+def test_a_renamed_keras_target_gives_one_clear_error(broken_row):
+    before = keras.Model.fit
+    with pytest.raises(kd.integration.KerasVersionError) as raised:
+        kd.integration.install()
+    message = str(raised.value)
+    assert f"installed Keras {keras.__version__}" in message
+    assert "BaseTrainer: none of ['keras.src.trainers.trainer:" \
+           "RenamedTrainer'] exists" in message
+    assert "Supported: keras>=3.15.1,<3.17" in message
+    # Never half-installed: nothing was patched.
+    assert keras.Model.fit is before and not hooks._originals
+
+
+def test_a_changed_signature_is_refused_before_patching(monkeypatch):
+    row = registry.Row("probe", (("keras.src.layers.layer", "Layer"),),
+                       "test", "all", parameters=("self", "different"))
+    call = registry.Row("probe.__call__", (), "test", "all",
+                        parameters=("self", "different"))
+    monkeypatch.setitem(registry._BY_KEY, "probe", row)
+    monkeypatch.setitem(registry._BY_KEY, "probe.__call__", call)
+    with pytest.raises(kd.integration.KerasVersionError,
+                       match="probe.__call__: its parameters are"):
+        registry.check("any", ["probe.__call__"])
+
+
+def test_only_the_integration_package_names_keras_private_modules():
+    import pathlib
+    import re
+
+    root = pathlib.Path(kd.__file__).parent
+    offenders = [
+        str(path.relative_to(root)) for path in root.rglob("*.py")
+        if "integration" not in path.parts
+        and re.search(r"^\s*(from|import) keras\.src", path.read_text(),
+                      re.MULTILINE)]
+    assert offenders == []
