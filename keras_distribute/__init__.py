@@ -23,6 +23,7 @@ from keras_distribute import cluster_resolver
 from keras_distribute import default_strategy as _default_strategy  # noqa: F401
 from keras_distribute.context import ReplicaContext
 from keras_distribute.context import ValueContext
+from keras_distribute.custom_loop import train_step
 from keras_distribute.cross_device_ops import CommunicationImplementation
 from keras_distribute.cross_device_ops import CrossDeviceOps
 from keras_distribute.cross_device_ops import HierarchicalCopyAllReduce
@@ -112,4 +113,5 @@ __all__ = [
     "numpy",
     "scale_regularization_loss",
     "simulate_cpu_devices",
+    "train_step",
 ]

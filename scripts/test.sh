@@ -6,10 +6,18 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1
 export TF_CPP_MIN_LOG_LEVEL=2
 status=0
-for backend in ${KD_BACKENDS:-jax tensorflow torch}; do
+backends=${KD_BACKENDS:-jax tensorflow torch}
+rm -f .venv/bad-inputs-*.json
+for backend in $backends; do
   echo "=== KERAS_BACKEND=$backend ==="
-  KERAS_BACKEND=$backend .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
+  # Every bad input a test tries is recorded for docs/bad_inputs.md.
+  KD_RECORD_BAD_INPUTS=.venv/bad-inputs-$backend.json KERAS_BACKEND=$backend \
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
 done
+if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
+  echo "=== docs/bad_inputs.md lists what the suite tries ==="
+  .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json || status=1
+fi
 # The second stack: the pinned next Keras (constraints-next.txt) first on
 # the path. It must really be the one imported (else this proves nothing).
 next_version=$(sed -n 's/^keras-nightly==//p' constraints-next.txt)

@@ -66,3 +66,56 @@ def make_mlp():
         keras.layers.Dense(32, activation="tanh"),
         keras.layers.Dense(3),
     ])
+
+
+# ------------------------------------------------ the bad-input table
+# With KD_RECORD_BAD_INPUTS=<file>, every `pytest.raises` that catches its
+# exception records the test, the exception type and the message, for
+# docs/bad_inputs.md (scripts/bad_inputs_table.py; run by scripts/test.sh).
+_RECORD = os.environ.get("KD_RECORD_BAD_INPUTS")
+_recorded = []
+_current_test = [None, 0]  # node id, bad inputs recorded in it so far
+
+if _RECORD:
+    _real_raises = pytest.raises
+
+    class _Recording:
+        def __init__(self, context):
+            self._context = context
+
+        def __enter__(self):
+            self._info = self._context.__enter__()
+            return self._info
+
+        def __exit__(self, *exc):
+            handled = self._context.__exit__(*exc)
+            error = exc[1]
+            if handled and error is not None and _current_test[0]:
+                _current_test[1] += 1  # the n-th bad input of this test
+                _recorded.append({
+                    "test": f"{_current_test[0]}#{_current_test[1]}",
+                    "backend": BACKEND,
+                    "type": type(error).__name__,
+                    "message": str(error).strip().splitlines()[0][:300]
+                    if str(error).strip() else ""})
+            return handled
+
+    def _recording_raises(expected_exception=None, *args, **kwargs):
+        context = _real_raises(expected_exception, *args, **kwargs)
+        if args:  # the function form: nothing to wrap
+            return context
+        return _Recording(context)
+
+    pytest.raises = _recording_raises
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        _current_test[:] = [item.nodeid, 0]
+        yield
+        _current_test[:] = [None, 0]
+
+    def pytest_sessionfinish(session):
+        import json
+
+        with open(_RECORD, "w") as f:
+            json.dump(_recorded, f, indent=0)

@@ -127,3 +127,46 @@ def test_compute_average_loss_with_an_unknown_static_batch(strategy):
     expected = [np.arange(6 * n, dtype="float32")[i:i + 2 * n].mean()
                 for i in range(0, 6 * n, 2 * n)]
     np.testing.assert_allclose(totals, expected, rtol=1e-6)
+
+
+def test_tutorial_loop_with_an_optimizer_not_built_yet(strategy):
+    # keras#23085: `@tf.function` around `strategy.run(step)` with an
+    # optimizer that makes its slots in the first step failed with "You must
+    # feed a value for placeholder tensor" on Keras 3.15.
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(64,))
+    reference = make_model()
+    reference.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras.optimizers.Adam(0.01)  # not built
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+
+    def step(inputs):
+        xb, yb = inputs
+        with tf.GradientTape() as tape:
+            loss = kd.compute_average_loss(loss_fn(yb, model(xb)),
+                                           global_batch_size=32)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_step(inputs):
+        return strategy.reduce("SUM", strategy.run(step, args=(inputs,)),
+                               axis=None)
+
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
+    for _ in range(2):
+        for batch in dataset:
+            distributed_step(batch)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -105,6 +105,20 @@ def test_custom_loop_matches_fit():
     assert results[0]["losses"] == results[1]["losses"]
 
 
+def test_backend_neutral_train_step_matches_fit():
+    results = kd.launch(workers.train_step_loop, num_processes=2,
+                        timeout=TIMEOUT)
+    x, y = workers.make_data(n=128)
+    model = workers.make_model(workers.initial_weights())
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                        verbose=0).history
+    for result in results:
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(result["accuracies"], history["accuracy"],
+                                   rtol=1e-6)
+
+
 def test_fit_on_tf_data_py_dataset_and_data_loader():
     results = kd.launch(workers.input_types, num_processes=2, timeout=TIMEOUT)
     x, y = workers.make_data(n=96)

@@ -83,6 +83,16 @@ class ReplicaEngine(Protocol):
 class BackendModule(Protocol):
     """The free functions of a backend module."""
 
+    def value_and_gradients(self, model: Any, compute_loss: Callable,
+                            x: Any) -> tuple:
+        """`(loss, gradients, y_pred)` on this replica: `compute_loss(y_pred,
+        model_losses)` and its gradients over `model.trainable_variables`
+        (in `kd.train_step`, inside `run`)."""
+
+    def apply_gradients(self, optimizer: Any, grads: Any,
+                        variables: Any) -> None:
+        """Combines the replicas' gradients (sum) and applies them once."""
+
     name: str
 
     def default_devices(self) -> list:

@@ -27,6 +27,8 @@ from keras_distribute.backend.jax_collectives import as_array
 from keras_distribute.backend.jax_collectives import unwrap
 from keras_distribute.backend.jax_checkpoint import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.jax_checkpoint import checkpoint_pieces  # noqa: F401
+from keras_distribute.backend.jax_run import apply_gradients  # noqa: F401
+from keras_distribute.backend.jax_run import value_and_gradients  # noqa: F401
 from keras_distribute.backend.jax_layouts import StrategyDataParallel
 from keras_distribute.backend.jax_layouts import StrategyModelParallel
 from keras_distribute.backend.jax_layouts import check_keys_match

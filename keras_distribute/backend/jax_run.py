@@ -129,3 +129,32 @@ def local_copy(variable: Any, device: Any) -> Optional[Any]:
         if shard.device == device:
             return shard.data
     return jax.device_put(value, device)
+
+
+def value_and_gradients(model: Any, compute_loss: Callable, x: Any) -> tuple:
+    """`(loss, gradients, y_pred)` of `compute_loss(y_pred, losses)` over the
+    model's trainable variables (`jax.value_and_grad` of a stateless call;
+    the new non-trainable values, e.g. batch statistics, are assigned)."""
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss_of(values):
+        y_pred, new_non_trainable, losses = model.stateless_call(
+            values, non_trainable, x, training=True, return_losses=True)
+        return compute_loss(y_pred, losses), (y_pred, new_non_trainable)
+
+    (loss, (y_pred, new_non_trainable)), grads = jax.value_and_grad(
+        loss_of, has_aux=True)(trainable)
+    for variable, value in zip(model.non_trainable_variables,
+                               new_non_trainable):
+        variable.assign(value)
+    return loss, grads, y_pred
+
+
+def apply_gradients(optimizer: Any, grads: List[Any],
+                    variables: List[Any]) -> None:
+    """Sums the replicas' gradients, then applies them (inside `run`)."""
+    from keras_distribute import context
+
+    grads = context.get_replica_context().all_reduce("sum", grads)
+    optimizer.apply(grads, variables)

@@ -18,6 +18,8 @@ from tensorflow.python.distribute import values as tf_values
 from keras_distribute import context
 from keras_distribute import worker_callbacks
 from keras_distribute.backend import tf_fit
+from keras_distribute.backend.tf_fit import apply_gradients  # noqa: F401
+from keras_distribute.backend.tf_fit import value_and_gradients  # noqa: F401
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.devices import choose_local
 from keras_distribute.devices import parse_device_name

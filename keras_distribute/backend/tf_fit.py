@@ -94,3 +94,17 @@ def batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
     num_samples, batch_size = sizes
     return (batch_size % num_replicas == 0
             and (num_samples % batch_size) % num_replicas == 0)
+
+
+def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
+    """`(loss, gradients, y_pred)` by a `tf.GradientTape`."""
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = compute_loss(y_pred, model.losses)
+    return loss, tape.gradient(loss, model.trainable_variables), y_pred
+
+
+def apply_gradients(optimizer: Any, grads: Any, variables: Any) -> None:
+    """In a tf.distribute replica context the optimizer sums the replicas'
+    gradients itself (what the tutorials rely on)."""
+    optimizer.apply_gradients(zip(grads, variables))

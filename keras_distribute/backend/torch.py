@@ -30,6 +30,8 @@ from keras_distribute.values import PerReplica
 from keras_distribute.backend.torch_variables import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.torch_variables import checkpoint_pieces  # noqa: F401
 from keras_distribute.backend.torch_variables import whole_value
+from keras_distribute.backend.torch_training import apply_gradients  # noqa: F401
+from keras_distribute.backend.torch_training import value_and_gradients  # noqa: F401
 
 name = "torch"
 DEFAULT_TIMEOUT_S = 120.0

@@ -107,3 +107,24 @@ def restoring_metric_states(engine, variables: Sequence[Any]):
             for variable in variables:
                 if getattr(variable, "aggregation", None) == "sum":
                     variable.value.zero_()
+
+
+def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
+    """`(loss, gradients, y_pred)` by `loss.backward()` on this replica."""
+    model.zero_grad()
+    y_pred = model(x, training=True)
+    loss = compute_loss(y_pred, model.losses)
+    loss.backward()
+    grads = [v.value.grad for v in model.trainable_variables]
+    return loss.detach(), grads, y_pred.detach() if hasattr(
+        y_pred, "detach") else y_pred
+
+
+def apply_gradients(optimizer: Any, grads: Sequence[Any],
+                    variables: Sequence[Any]) -> None:
+    """Sums the processes' gradients, then applies them."""
+    from keras_distribute import context
+
+    grads = context.get_replica_context().all_reduce("sum", list(grads))
+    with torch.no_grad():
+        optimizer.apply(grads, variables)

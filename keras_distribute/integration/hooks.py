@@ -248,6 +248,29 @@ def _install_tf_hooks() -> None:
            unscale_loss_for_distribution)
     _install_tf_scalar_conversions()
     _install_tf_multi_worker_fixes()
+    _install_tf_optimizer_build_fix()
+
+
+def _install_tf_optimizer_build_fix() -> None:
+    """The tf.distribute custom-training tutorial's loop: `@tf.function`
+    around `strategy.run(step)` whose optimizer is not built yet. Keras
+    3.15 makes the slots inside the traced function and the first step
+    fails ('You must feed a value for placeholder tensor', keras#23085);
+    Keras 3.16 makes them under `tf.init_scope()` (keras#23087). The same
+    here, on the versions without it."""
+    import tensorflow as tf
+
+    optimizer_class = registry.resolve("TFOptimizer")
+    if "add_variable" in optimizer_class.__dict__:
+        return  # Keras does it itself
+    original = optimizer_class.add_variable
+
+    @functools.wraps(original)
+    def add_variable(self, *args, **kwargs):
+        with tf.init_scope():
+            return original(self, *args, **kwargs)
+
+    _patch(optimizer_class, "add_variable", add_variable)
 
 
 def _install_tf_scalar_conversions() -> None:

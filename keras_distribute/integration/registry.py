@@ -116,6 +116,16 @@ ROWS: Tuple[Row, ...] = (
                         (_S + "backend.tensorflow.core", "Variable")),
         "TF: int()/float() of a scalar variable made in a strategy scope",
         "3.10-3.15 (core), 3.16 (ops.core)", backends=("tensorflow",)),
+    Row("TFOptimizer", ((_S + "backend.tensorflow.optimizer",
+                         "TFOptimizer"),),
+        "TF: an optimizer first applied inside a tf.function under a "
+        "strategy makes its slots under init_scope (else 'You must feed a "
+        "value for placeholder tensor'); Keras 3.16 does this itself",
+        "3.10-3.15 (patched), 3.16 (own add_variable)", "keras#23087",
+        backends=("tensorflow",)),
+    Row("TFOptimizer.add_variable", (), "see TFOptimizer", "3.10-3.16",
+        parameters=("self", "shape", "initializer", "dtype"),
+        backends=("tensorflow",)),
     Row("tf_trainer", ((_S + "backend.tensorflow.trainer", ""),),
         "TF: multi-worker fit (keras#20585) and the first uneven batch",
         "3.10-3.16", "keras#20585", backends=("tensorflow",)),
