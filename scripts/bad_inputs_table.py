@@ -74,11 +74,16 @@ def listed_cases(text: str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["--write", "--check"])
-    parser.add_argument("records", nargs="+")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true",
+                      help="rewrite docs/bad_inputs.md")
+    mode.add_argument("--check", action="store_true",
+                      help="fail unless docs/bad_inputs.md is current")
+    parser.add_argument("records", nargs="+",
+                        help="the KD_RECORD_BAD_INPUTS files of a suite run")
     args = parser.parse_args()
     cases = merge(args.records)
-    if args.mode == "--write":
+    if args.write:
         PAGE.write_text(render(cases))
         print(f"wrote {PAGE} ({len(cases)} cases)")
         return 0

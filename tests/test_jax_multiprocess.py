@@ -39,17 +39,10 @@ def test_multi_worker_fit_matches_one_device():
 def test_multi_worker_custom_loop_with_train_step_matches_fit():
     # Regression: the documented JAX loop failed at step 2 ("does not
     # support cross-host device transfers").
-    results = kd.launch(workers.multi_worker_train_step, num_processes=2,
-                        timeout=TIMEOUT)
-    x, y = workers.make_data(n=128)
-    model = workers.make_model(workers.initial_weights())
-    history = model.fit(x, y, batch_size=workers.BATCH, epochs=2,
-                        shuffle=False, verbose=0).history
-    for result in results:
-        for a, b in zip(result["weights"], model.get_weights()):
-            np.testing.assert_allclose(a, b, atol=1e-5)
-        np.testing.assert_allclose(result["accuracies"], history["accuracy"],
-                                   rtol=1e-6)
+    from worker_common import assert_train_step_loop_matches_fit
+
+    assert_train_step_loop_matches_fit(kd.launch(
+        workers.multi_worker_train_step, num_processes=2, timeout=TIMEOUT))
 
 
 def test_a_lost_worker_fails_the_survivor_within_the_timeout():

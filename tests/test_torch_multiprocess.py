@@ -106,17 +106,10 @@ def test_custom_loop_matches_fit():
 
 
 def test_backend_neutral_train_step_matches_fit():
-    results = kd.launch(workers.train_step_loop, num_processes=2,
-                        timeout=TIMEOUT)
-    x, y = workers.make_data(n=128)
-    model = workers.make_model(workers.initial_weights())
-    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
-                        verbose=0).history
-    for result in results:
-        for a, b in zip(result["weights"], model.get_weights()):
-            np.testing.assert_allclose(a, b, atol=1e-5)
-        np.testing.assert_allclose(result["accuracies"], history["accuracy"],
-                                   rtol=1e-6)
+    from worker_common import assert_train_step_loop_matches_fit
+
+    assert_train_step_loop_matches_fit(kd.launch(
+        workers.train_step_loop, num_processes=2, timeout=TIMEOUT))
 
 
 def test_fit_on_tf_data_py_dataset_and_data_loader():

@@ -63,6 +63,49 @@ def make_model(weights=None):
     return model
 
 
+def train_step_loop(strategy, batches, epochs=2):
+    """The custom loop with `kd.train_step` (SGD 0.1, accuracy metric) over
+    `batches` (global batches of 32), as every backend's worker runs it."""
+    import keras
+
+    import keras_distribute as kd
+
+    with strategy.scope():
+        model = make_model(initial_weights())
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+
+    def step(inputs):
+        xb, yb = inputs
+        return kd.train_step(model, optimizer, loss_fn, xb, yb,
+                             global_batch_size=32, metrics=[accuracy])
+
+    dataset = strategy.experimental_distribute_dataset(batches)
+    accuracies = []
+    for _ in range(epochs):
+        for batch in dataset:
+            strategy.run(step, args=(batch,))
+        accuracies.append(float(accuracy.result()))
+        accuracy.reset_state()
+    return {"weights": model.get_weights(), "accuracies": accuracies}
+
+
+def assert_train_step_loop_matches_fit(results, n=128):
+    """Every process of `train_step_loop` reached what `fit` reaches."""
+    x, y = make_data(n=n)
+    model = make_model(initial_weights())
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                        verbose=0).history
+    for result in results:
+        for a, b in zip(result["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(result["accuracies"], history["accuracy"],
+                                   rtol=1e-6)
+
+
 def train_unless_rank_one(strategy):
     """Rank 1 leaves at once; rank 0 trains and must fail within the timeout."""
     import os

@@ -57,36 +57,16 @@ def multi_worker_fit():
 def multi_worker_train_step():
     """docs/custom_training_loops.md's loop on 2 processes x 2 devices."""
     _jax_process()
-    import keras
     import tensorflow as tf
 
     import keras_distribute as kd
+    from worker_common import train_step_loop
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     x, y = make_data(n=128)
-    with strategy.scope():
-        model = make_model(initial_weights())
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-        accuracy = keras.metrics.SparseCategoricalAccuracy()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=None)
-
-    def step(inputs):
-        xb, yb = inputs
-        return kd.train_step(model, optimizer, loss_fn, xb, yb,
-                             global_batch_size=BATCH, metrics=[accuracy])
-
-    dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
-    accuracies = []
-    for _ in range(2):
-        for batch in dataset:
-            strategy.run(step, args=(batch,))
-        accuracies.append(float(accuracy.result()))
-        accuracy.reset_state()
-    return {"weights": model.get_weights(), "accuracies": accuracies}
+    return train_step_loop(strategy, tf.data.Dataset.from_tensor_slices(
+        (x, y)).batch(BATCH))
 
 
 def peer_leaves_early():

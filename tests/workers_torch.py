@@ -180,32 +180,12 @@ def custom_loop():
 def train_step_loop():
     """The same loop with `kd.train_step` (the backend-neutral step)."""
     _setup()
-    import keras
-
     import keras_distribute as kd
+    from worker_common import train_step_loop as loop
 
     x, y = make_data(n=128)
-    strategy = kd.MirroredStrategy()
-    with strategy.scope():
-        model = make_model(initial_weights())
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-        accuracy = keras.metrics.SparseCategoricalAccuracy()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=None)
-
-    def step(xb, yb):
-        return kd.train_step(model, optimizer, loss_fn, xb, yb,
-                             global_batch_size=32, metrics=[accuracy])
-
     batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 128, 32)]
-    accuracies = []
-    for _ in range(2):
-        for xb, yb in strategy.experimental_distribute_dataset(batches):
-            strategy.run(step, args=(xb, yb))
-        accuracies.append(float(accuracy.result()))
-        accuracy.reset_state()
-    return {"weights": model.get_weights(), "accuracies": accuracies}
+    return loop(kd.MirroredStrategy(), batches)
 
 
 def input_types():
