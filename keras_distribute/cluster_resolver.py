@@ -300,6 +300,10 @@ class TorchElasticClusterResolver(ClusterResolver):
         super().__init__([address] * world, rank)
         self._local_rank = (_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env
                             else rank)
+        # Under torchrun itself (not kd.launch) the agent's TCP store holds
+        # MASTER_PORT on the master node: a coordinator of another engine
+        # (jax.distributed) listens on the next port instead.
+        self.master_port_taken = bool(env.get("TORCHELASTIC_RUN_ID"))
 
     @classmethod
     def detect(cls, environ=None) -> bool:

@@ -1,5 +1,7 @@
 """MultiWorkerMirroredStrategy on JAX: 2 processes x 2 CPU devices, loopback."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -68,3 +70,46 @@ def test_checkpoint_callbacks_across_processes(tmp_path):
     results = kd.launch(workers.sharded_checkpoints, num_processes=2,
                         args=(directory,), timeout=TIMEOUT)
     assert_checkpoints_hold(results, directory)
+
+
+TORCHRUN_SCRIPT = """
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import os
+
+import numpy as np
+import keras_distribute as kd
+strategy = kd.MultiWorkerMirroredStrategy(
+    communication_options=kd.CommunicationOptions(timeout_seconds=20))
+values = strategy.experimental_distribute_values_from_function(
+    lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+print("RESULT", json.dumps({
+    "replicas": strategy.num_replicas_in_sync,
+    "sum": float(strategy.reduce("sum", values, axis=None))}), flush=True)
+"""
+
+
+def test_torchrun_launches_a_jax_job(tmp_path):
+    # Regression (docs/multi_worker.md: torchrun on any backend): JAX's
+    # coordinator tried MASTER_PORT, which torchrun's own store holds.
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+         "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+         str(script)], capture_output=True, text=True, timeout=240,
+        env={**os.environ, "KERAS_BACKEND": "jax"})
+    results = [json.loads(line.split(" ", 1)[1])
+               for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert all(r == {"replicas": 2, "sum": 3.0} for r in results)

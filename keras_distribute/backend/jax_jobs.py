@@ -21,9 +21,15 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
         # SIGTERM must still end a process (JAX's preemption service would
         # swallow it); a dead peer is then noticed within the timeout.
         jax.config.update("jax_enable_preemption_service", False)
+        coordinator = resolver.coordinator_address
+        if getattr(resolver, "master_port_taken", False):
+            # torchrun's store holds MASTER_PORT: JAX's coordinator takes the
+            # next port, the same on every host (docs/multi_worker.md).
+            host, _, port = coordinator.rpartition(":")
+            coordinator = f"{host}:{int(port) + 1}"
         try:
             jax.distributed.initialize(
-                coordinator_address=resolver.coordinator_address,
+                coordinator_address=coordinator,
                 num_processes=resolver.num_processes,
                 process_id=resolver.process_id,
                 initialization_timeout=timeout_s,
@@ -39,7 +45,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             raise TimeoutError(
                 f"Not every worker joined within {timeout_s} s: process "
                 f"{resolver.process_id} of {resolver.num_processes} waited "
-                f"for the coordinator {resolver.coordinator_address}. Check "
+                f"for the coordinator {coordinator}. Check "
                 "that every worker started with the same cluster description."
                 f" Cause: {error}") from error
         # As keras.distribution.initialize does: one global seed, so that
