@@ -179,7 +179,9 @@ def _atomic_save(original):
         strategy = model_strategy(self)
         engine = getattr(strategy, "_engine", None)
         if getattr(engine, "process_count", 1) <= 1 or not isinstance(
-                filepath, (str, os.PathLike)) or "://" in str(filepath):
+                filepath, (str, os.PathLike)) or "://" in str(filepath) or (
+                kwargs.get("overwrite") is False and os.path.exists(
+                    filepath)):  # Keras' own refusal / prompt applies
             return original(self, filepath, *args, **kwargs)
         filepath = os.fspath(filepath)
         directory, name = os.path.split(os.path.abspath(filepath))
