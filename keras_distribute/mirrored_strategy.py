@@ -93,6 +93,11 @@ class MirroredStrategy(Strategy):
                  cross_device_ops: Any = None, *, layout_map: Any = None):
         backend = get_backend()
         if layout_map is not None:
+            # A backend that cannot shard says so before its devices are
+            # looked up (TF: "CPU:1" of a mesh would be unknown first).
+            refuse = getattr(backend, "refuse_unsupported_layouts", None)
+            if refuse is not None:
+                refuse(layout_map)
             mesh_devices = _mesh_devices(backend, layout_map)
             if devices is not None and set(
                 _resolve_devices(backend, devices)

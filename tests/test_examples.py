@@ -38,9 +38,13 @@ def run_example(name, args):
 @pytest.mark.parametrize("name, args, expected", RUNS,
                          ids=[r[0] for r in RUNS])
 def test_example_runs(name, args, expected):
-    if name == "model_parallel.py" and BACKEND == "tensorflow":
-        pytest.skip("sharded layouts: JAX and torch, not tensorflow")
     done = run_example(name, args)
+    if name == "model_parallel.py" and BACKEND == "tensorflow":
+        # The documented refusal (was: "Unknown device 'CPU:1'" first).
+        assert done.returncode != 0
+        assert "Sharded variable layouts are not supported on the " \
+               "'tensorflow' Keras backend" in done.stderr, done.stderr[-3000:]
+        return
     if done.returncode in (-signal.SIGSEGV, -signal.SIGABRT):
         # TensorFlow crashed once in native code in 1 of ~40 runs of the
         # digits demo (CI, loaded machine; 0 of 16 reruns). A second crash

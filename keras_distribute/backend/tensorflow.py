@@ -182,6 +182,12 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     return engine
 
 
+def refuse_unsupported_layouts(layout_map: Any) -> None:
+    """Raises `NotImplementedError` for a layout map that shards variables
+    (called before the mesh's devices are resolved)."""
+    _refuse_sharded(layout_map)
+
+
 def _refuse_sharded(layout_map: Any) -> None:
     if layout_map is None:
         return
