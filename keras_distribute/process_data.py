@@ -234,7 +234,6 @@ def _is_default(method) -> bool:
 
 def _batch_logs_are_read(params: dict) -> bool:
     """Whether anything reads per-batch training logs (Keras' own test)."""
-    is_default = _is_default
 
     if params.get("verbose", "auto") in (1, "auto"):
         return True  # the progress bar shows running values every batch
@@ -242,8 +241,8 @@ def _batch_logs_are_read(params: dict) -> bool:
     if not isinstance(callbacks, (list, tuple)):
         return True  # a prepared CallbackList: assume the worst
     return any(
-        not is_default(callback.on_batch_end)
-        or not is_default(callback.on_train_batch_end)
+        not _is_default(callback.on_batch_end)
+        or not _is_default(callback.on_train_batch_end)
         for callback in callbacks)
 
 

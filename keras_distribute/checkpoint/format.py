@@ -384,9 +384,9 @@ def remove(path: str) -> None:
     if not os.path.lexists(path):
         return
     if not is_checkpoint(path):
-        remove_ours(path)  # raises for what is not ours
+        remove_ours(path)  # a marked temporary; raises for what is not ours
         return
-    os.remove(os.path.join(path, INDEX))
+    os.remove(os.path.join(path, INDEX))  # no longer a checkpoint first
     shutil.rmtree(path, ignore_errors=True)
 
 

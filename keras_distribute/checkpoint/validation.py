@@ -137,10 +137,11 @@ def _check_tiling(slices, shape, index_path: str, entry: str) -> None:
     total = 1
     for n in shape:
         total *= n
-    if sum(_volume(s) for s in slices) != total:
+    covered = sum(_volume(s) for s in slices)
+    if covered != total:
         _fail(index_path, f"{entry}/pieces",
               f"pieces covering shape {shape} exactly",
-              f"{len(slices)} pieces of {sum(_volume(s) for s in slices)} "
+              f"{len(slices)} pieces of {covered} "
               f"elements for {total}")
     if not shape:
         if len(slices) != 1:
