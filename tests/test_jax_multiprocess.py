@@ -120,3 +120,18 @@ def test_torchrun_launches_a_jax_job(tmp_path):
                for path in sorted(tmp_path.glob("result-*.json"))]
     assert done.returncode == 0 and results, done.stderr[-3000:]
     assert all(r == {"replicas": 2, "sum": 3.0} for r in results), results
+
+
+
+def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
+    # #20.6 regression, JAX: "passed to device_put is not the same on each process" (the chief's save built Keras' reference Optimizer under the distribution).
+    from worker_common import launch_keras_callbacks_resume
+
+    launch_keras_callbacks_resume(workers, str(tmp_path), TIMEOUT)
+
+
+def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
+    # #20.10 regression: JAX failed: "device_put ... not the same on each process".
+    from worker_common import launch_diverged_random_states
+
+    launch_diverged_random_states(workers, TIMEOUT)

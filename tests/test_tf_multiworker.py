@@ -45,3 +45,18 @@ def test_checkpoint_callbacks_across_processes(tmp_path):
     results = kd.launch(workers.sharded_checkpoints, num_processes=2,
                         args=(directory,), timeout=TIMEOUT)
     assert_checkpoints_hold(results, directory)
+
+
+
+def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
+    # #20.6 regression, TF: "Collective instance ... expected type 0 ... got type 1" (the chief's save built Keras' reference Optimizer under the strategy).
+    from worker_common import launch_keras_callbacks_resume
+
+    launch_keras_callbacks_resume(workers, str(tmp_path), TIMEOUT)
+
+
+def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
+    # #20.10 regression: TF broadcasts the chief's values itself.
+    from worker_common import launch_diverged_random_states
+
+    launch_diverged_random_states(workers, TIMEOUT)

@@ -500,3 +500,18 @@ def test_sharded_transformer_block_matches_one_process():
         assert result["query_local"] == (16, 1, 8)  # 2 heads over 2
         for a, b in zip(result["weights"], reference.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+
+def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
+    # #20.6 regression, torch: the same programs as on TF and JAX.
+    from worker_common import launch_keras_callbacks_resume
+
+    launch_keras_callbacks_resume(workers, str(tmp_path), TIMEOUT)
+
+
+def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
+    # #20.10 regression: torch broadcasts rank 0's values.
+    from worker_common import launch_diverged_random_states
+
+    launch_diverged_random_states(workers, TIMEOUT)

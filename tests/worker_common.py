@@ -357,3 +357,121 @@ def transformer_data():
     rng = np.random.default_rng(0)
     return (rng.normal(size=(64, 8, 16)).astype("float32"),
             rng.integers(0, 3, size=(64,)))
+
+
+def keras_callbacks_resume(strategy, directory):
+    """Keras' own ModelCheckpoint, CSVLogger and BackupAndRestore in a
+    2-process job: fit is interrupted in epoch 3 (as a crash would), then a
+    new model resumes from the backup. Returns the resumed run's history and
+    weights."""
+    import keras
+
+    x, y = make_data(n=96)
+
+    def fit(extra):
+        with strategy.scope():
+            model = make_model(initial_weights())
+        callbacks = [
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(directory, "ckpt_{epoch}.weights.h5"),
+                save_weights_only=True),
+            keras.callbacks.CSVLogger(os.path.join(directory, "log.csv"),
+                                      append=True),
+            keras.callbacks.BackupAndRestore(
+                os.path.join(directory, "backup"))]
+        history = model.fit(x, y, batch_size=32, epochs=4, shuffle=False,
+                            verbose=0, callbacks=callbacks + extra)
+        return history.history, model.get_weights()
+
+    try:
+        fit([interrupt_at(7)])  # 3 steps an epoch: in the third epoch
+    except Interrupt:
+        pass
+    history, weights = fit([])
+    return {"loss": history["loss"], "weights": weights}
+
+
+def launch_keras_callbacks_resume(workers, directory, timeout):
+    """Runs `workers.keras_callbacks_resume` on 2 processes: the resumed run
+    equals one uninterrupted process; the chief alone wrote the files."""
+    import pathlib
+
+    import keras_distribute as kd
+
+    results = kd.launch(workers.keras_callbacks_resume, num_processes=2,
+                        args=(directory,), timeout=timeout)
+
+    x, y = make_data(n=96)
+    model = make_model(initial_weights())
+    reference = model.fit(x, y, batch_size=32, epochs=4, shuffle=False,
+                          verbose=0).history
+    for result in results:
+        assert len(result["loss"]) == 2  # epochs 3 and 4, after the backup
+        np.testing.assert_allclose(result["loss"], reference["loss"][2:],
+                                   rtol=1e-5)
+        for a, b, c in zip(result["weights"], results[0]["weights"],
+                           model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, atol=1e-5)
+    directory = pathlib.Path(directory)
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "ckpt_3.weights.h5",
+        "ckpt_4.weights.h5", "log.csv"]  # the backup went at the end
+    rows = (directory / "log.csv").read_text().strip().splitlines()
+    assert [row.split(",")[0] for row in rows] == [
+        "epoch", "0", "1", "2", "3"]  # appended: one header
+
+
+def diverged_random_states(strategy):
+    """A model built in the scope after each process seeded differently
+    (as `set_random_seed(rank)` does): every process must start from the
+    chief's values and train one set of weights."""
+    import keras
+
+    rank = int(os.environ["RANK"])
+
+    def build():
+        keras.utils.set_random_seed(100 + rank)
+        return keras.Sequential([keras.Input((16,)), keras.layers.Dense(8),
+                                 keras.layers.Dense(3)])
+
+    own = [np.asarray(w) for w in build().get_weights()]  # no strategy
+    with strategy.scope():
+        model = build()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    initial = model.get_weights()
+    x, y = make_data(n=64)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {"own": own, "initial": initial, "trained": model.get_weights()}
+
+
+def launch_diverged_random_states(workers, timeout):
+    """Runs `workers.diverged_random_states` on 2 processes: process 0's
+    values everywhere; training them equals one process from those values."""
+    import keras
+
+    import keras_distribute as kd
+
+    results = kd.launch(workers.diverged_random_states, num_processes=2,
+                        timeout=timeout)
+
+    chief = results[0]["own"]
+    assert not np.array_equal(results[1]["own"][0], chief[0])  # diverged
+    for result in results:
+        for a, b in zip(result["initial"], chief):
+            np.testing.assert_array_equal(a, b)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8),
+                              keras.layers.Dense(3)])
+    model.set_weights(chief)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = make_data(n=64)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for result in results:
+        for a, b, c in zip(result["trained"], results[0]["trained"],
+                           model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, atol=1e-5)

@@ -106,3 +106,24 @@ def sharded_checkpoints(directory):
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     return fit_with_sharded_checkpoints(strategy, directory)
+
+
+def keras_callbacks_resume(directory):
+    """Keras' own file callbacks, interrupted and resumed (2 processes)."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_common import keras_callbacks_resume as body
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return body(strategy, directory)
+
+
+def diverged_random_states():
+    """Each process seeds differently, then builds the model."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_common import diverged_random_states as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)))

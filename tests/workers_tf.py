@@ -59,3 +59,22 @@ def sharded_checkpoints(directory):
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     return fit_with_sharded_checkpoints(strategy, directory)
+
+
+def keras_callbacks_resume(directory):
+    """Keras' own file callbacks, interrupted and resumed (2 workers)."""
+    import keras_distribute as kd
+    from worker_common import keras_callbacks_resume as body
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return body(strategy, directory)
+
+
+def diverged_random_states():
+    """Each worker seeds differently, then builds the model (2 workers)."""
+    import keras_distribute as kd
+    from worker_common import diverged_random_states as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)))

@@ -651,3 +651,21 @@ def sharded_transformer_block():
     query = model.get_layer("attention")._query_dense.kernel.value
     return {"weights": model.get_weights(),
             "query_local": tuple(query.to_local().shape)}
+
+
+def keras_callbacks_resume(directory):
+    """Keras' own file callbacks, interrupted and resumed (2 ranks)."""
+    _setup()
+    import keras_distribute as kd
+    from worker_common import keras_callbacks_resume as body
+
+    return body(kd.MirroredStrategy(), directory)
+
+
+def diverged_random_states():
+    """Each rank seeds differently, then builds the model."""
+    _setup()
+    import keras_distribute as kd
+    from worker_common import diverged_random_states as body
+
+    return body(kd.MirroredStrategy())

@@ -58,6 +58,10 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             f"jax.distributed runs {jax.process_count()} processes but the "
             f"cluster resolver describes {resolver.num_processes}. "
             f"Received: {resolver!r}.")
+    if jax.process_count() > 1:
+        from keras_distribute import context
+
+        context.install("chief_values")
     return jax_backend.make_engine(list(jax.devices()), layout_map)
 
 

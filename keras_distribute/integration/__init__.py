@@ -49,8 +49,17 @@ def _seed_every_process() -> None:
     registry.resolve("jax_distribution_lib").initialize_rng()
 
 
+def _chief_values() -> None:
+    # A variable made while the processes' random states differ takes
+    # process 0's value (integration/jax_processes.py).
+    from keras_distribute.integration import hooks
+
+    hooks.install_jax_process_hooks()
+
+
 context.register_installer("deferred_restores", _deferred_restores)
 context.register_installer("torch_sharding", _torch_sharding)
 context.register_installer("seed_every_process", _seed_every_process)
+context.register_installer("chief_values", _chief_values)
 
 __all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]

@@ -38,13 +38,13 @@ them, on first use (the first strategy created, never at import), and
 """
 
 import functools
-import os
 import threading
 
 import keras
 
 from keras_distribute import context
 from keras_distribute.integration import registry
+from keras_distribute.integration import saving
 from keras_distribute.context import model_strategy
 
 _TRAINER_METHODS = (
@@ -162,40 +162,10 @@ def _install_model_hooks() -> None:
         _patch(owner, name, _wrap_trainer_method(name, owner.__dict__[name]))
     for name in ("save", "save_weights"):
         owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
-        _patch(owner, name, _atomic_save(owner.__dict__[name]))
-
-
-def _atomic_save(original):
-    """`model.save(path)` / `save_weights(path)` in every process of a
-    multi-process job (as the multi-worker tutorials and a ported
-    `ModelCheckpoint` do) wrote the same file concurrently: a reader got a
-    corrupt zip or an HDF5 lock error. Each process now writes a file of its
-    own next to `path` and renames it into place, so a reader always sees a
-    whole file (the processes' weights are identical). No collective: a
-    save that only the chief makes cannot hang."""
-
-    @functools.wraps(original)
-    def method(self, filepath, *args, **kwargs):
-        strategy = model_strategy(self)
-        engine = getattr(strategy, "_engine", None)
-        if getattr(engine, "process_count", 1) <= 1 or not isinstance(
-                filepath, (str, os.PathLike)) or "://" in str(filepath) or (
-                kwargs.get("overwrite") is False and os.path.exists(
-                    filepath)):  # Keras' own refusal / prompt applies
-            return original(self, filepath, *args, **kwargs)
-        filepath = os.fspath(filepath)
-        directory, name = os.path.split(os.path.abspath(filepath))
-        writing = os.path.join(directory, f".kd-{os.getpid()}-{name}")
-        try:
-            result = original(self, writing, *args, **kwargs)
-            os.replace(writing, filepath)
-        finally:
-            if os.path.exists(writing):
-                os.remove(writing)
-        return result
-
-    method._kd_original = original
-    return method
+        _patch(owner, name, saving.atomic_save(owner.__dict__[name]))
+    saving_lib = registry.resolve("saving_lib")
+    _patch(saving_lib, "get_attr_skipset",
+           saving.outside_every_strategy(saving_lib.get_attr_skipset))
 
 
 def _install_jax_data_hook() -> None:
@@ -554,6 +524,25 @@ def install_checkpoint_hooks() -> None:
                    after(getattr(optimizer_class, name)))
 
 
+_jax_process_hooks_installed = False
+
+
+def install_jax_process_hooks() -> None:
+    """Several JAX processes: new variables take process 0's values."""
+    global _jax_process_hooks_installed
+    from keras_distribute.integration import jax_processes
+
+    with _lock:
+        if _jax_process_hooks_installed:
+            return
+        key = "jax_distribution_lib.distribute_tensor"
+        registry.check("jax", ["jax_distribution_lib", key])
+        library = registry.resolve("jax_distribution_lib")
+        _patch(library, "distribute_tensor",
+               jax_processes.chief_values(library.distribute_tensor))
+        _jax_process_hooks_installed = True
+
+
 def install() -> None:
     """Installs the hooks once; later calls do nothing."""
     with _lock:
@@ -573,8 +562,10 @@ def install() -> None:
 def uninstall() -> None:
     """Removes every hook, restoring Keras exactly as it was."""
     global _checkpoint_hooks_installed, _torch_sharding_hooks_installed
+    global _jax_process_hooks_installed
     with _lock:
         _checkpoint_hooks_installed = False
+        _jax_process_hooks_installed = False
         _torch_sharding_hooks_installed = False
         while _originals:
             owner, name, original, had_own = _originals.pop()

@@ -85,6 +85,13 @@ ROWS: Tuple[Row, ...] = (
         "3.10-3.16"),
     Row("BaseOptimizer.add_variable_from_reference", (), "see BaseOptimizer",
         "3.10-3.16", parameters=("self", "reference_variable", "name")),
+    Row("saving_lib", ((_S + "saving.saving_lib", ""),),
+        "a chief-only save builds Keras' reference objects (an Optimizer "
+        "with variables) outside every strategy: under it, their variables "
+        "are a collective only the saving process joins", "3.10-3.16",
+        "saving that builds no variables to list attribute names"),
+    Row("saving_lib.get_attr_skipset", (), "see saving_lib", "3.10-3.16",
+        parameters=("obj_type",)),
     Row("stateless_scope", ((_S + "backend.common.stateless_scope", ""),),
         "a deferred restore waits out Keras' stateless symbolic build",
         "3.10-3.16", "a public in_stateless_scope()"),
@@ -101,6 +108,12 @@ ROWS: Tuple[Row, ...] = (
         "(as keras.distribution.initialize does)", "3.10-3.16",
         "keras.distribution.initialize accepting an initialized runtime",
         backends=("jax",)),
+    Row("jax_distribution_lib.distribute_tensor", (),
+        "several JAX processes: a new variable takes process 0's value "
+        "(as tf.distribute and torch broadcast it), not an error when the "
+        "processes' random states differ", "3.10-3.16",
+        "a broadcast option in keras.distribution",
+        parameters=("tensor", "layout"), backends=("jax",)),
     Row("Loss", ((_S + "losses.loss", "Loss"),),
         "TF: each replica's loss weighted by local/global batch (Keras "
         "divides by the replica count: wrong for an uneven short batch)",
