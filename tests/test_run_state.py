@@ -78,6 +78,36 @@ def test_metrics_updated_inside_run_are_global(strategy, rows):
                                np.mean(expected.argmax(-1) == y), rtol=1e-6)
 
 
+def test_metrics_updated_with_gathered_and_reduced_values(strategy):
+    # Regression (#20.9, JAX): a gathered value was committed to one device
+    # and a metric's variables (made in the scope) to all of them:
+    # "Received incompatible devices for jitted computation".
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+        mean = keras.metrics.Mean()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(37, 4)).astype("float32")
+    y = rng.integers(0, 3, size=(37,))
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    for xb, yb in strategy.experimental_distribute_dataset(dataset):
+        logits = strategy.run(lambda b: model(b), args=(xb,))
+        accuracy.update_state(strategy.gather(yb, axis=0),
+                              strategy.gather(logits, axis=0))
+        mean.update_state(strategy.reduce(
+            "sum", strategy.run(lambda b: keras.ops.sum(model(b)),
+                                args=(xb,)), axis=None))
+    expected = keras.ops.convert_to_numpy(model(x))
+    np.testing.assert_allclose(float(accuracy.result()),
+                               np.mean(expected.argmax(-1) == y), rtol=1e-6)
+    sums = [expected[i:i + 16].sum() for i in range(0, 37, 16)]
+    np.testing.assert_allclose(float(mean.result()), np.mean(sums),
+                               rtol=1e-5)
+
+
 def test_metric_of_per_replica_values_as_in_tf_distribute(strategy):
     # The example: Mean over range(8) spread over the replicas.
     n = strategy.num_replicas_in_sync

@@ -564,13 +564,14 @@ class JaxEngine:
                 f"`axis`={axis} is out of range for per-replica values of "
                 f"rank {rank}. Use an axis in [{-rank}, {rank})."
             )
-        host = self.local_replica_devices[0]
-        local = jnp.concatenate(
-            [jax.device_put(v, host) for v in values], axis=axis)
-        if not self.multi_process:
-            return local
-        moved = np.moveaxis(np.asarray(local), axis, 0)
-        return jnp.asarray(np.moveaxis(self.gather_rows(moved), 0, axis))
+        # Concatenated on the host: an uncommitted array, which combines
+        # with arrays on any device (a metric's replicated variables: a
+        # result committed to one device failed with "incompatible devices").
+        local = np.concatenate([np.asarray(v) for v in values], axis=axis)
+        if self.multi_process:
+            local = np.moveaxis(
+                self.gather_rows(np.moveaxis(local, axis, 0)), 0, axis)
+        return jnp.asarray(local)
 
 
 @jax.jit
