@@ -13,7 +13,6 @@ first use of `kd.callbacks`.
 
 import contextlib
 import os
-import shutil
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 

@@ -9,6 +9,7 @@ thread-local, like Keras' own global state.
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from keras_distribute.reduce_op import ReduceOp
@@ -56,6 +57,30 @@ def model_strategy(model: Any) -> Any:
     """The strategy `model` was created under (recorded by the Keras
     integration when the model is made inside a `scope()`), or `None`."""
     return getattr(model, "__dict__", {}).get("_kd_strategy")
+
+
+_job_strategies: list = []  # weak references, oldest first
+
+
+def register_job_strategy(strategy: Any) -> None:
+    """Records a strategy spanning several processes (`latest_job_strategy`)."""
+    _job_strategies[:] = [r for r in _job_strategies
+                          if r() is not None] + [weakref.ref(strategy)]
+
+
+def latest_job_strategy() -> Any:
+    """The most recent live strategy spanning several processes, if any.
+
+    A collective over the job (e.g. a checkpoint of objects that carry no
+    strategy, saved outside every scope) runs on it rather than on the
+    single-process default strategy, whose every process would act as the
+    chief.
+    """
+    for reference in reversed(_job_strategies):
+        strategy = reference()
+        if strategy is not None:
+            return strategy
+    return None
 
 
 _installers: dict = {}

@@ -1,7 +1,6 @@
 """`Strategy`: the backend-neutral half of every distribution strategy."""
 
 import contextlib
-import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from keras_distribute import context
@@ -16,24 +15,6 @@ def _tree():
     import keras
 
     return keras.tree
-
-
-_job_strategies: list = []  # weak references, oldest first
-
-
-def latest_job_strategy() -> Optional["Strategy"]:
-    """The most recent live strategy spanning several processes, if any.
-
-    A collective over the job (e.g. a checkpoint of objects that carry no
-    strategy, saved outside every scope) runs on it rather than on the
-    single-process default strategy, whose every process would act as the
-    chief.
-    """
-    for reference in reversed(_job_strategies):
-        strategy = reference()
-        if strategy is not None:
-            return strategy
-    return None
 
 
 class Strategy:
@@ -54,8 +35,7 @@ class Strategy:
 
         integration.install()
         if getattr(engine, "process_count", 1) > 1:
-            _job_strategies[:] = [r for r in _job_strategies
-                                  if r() is not None] + [weakref.ref(self)]
+            context.register_job_strategy(self)
 
     # ------------------------------------------------------------------ info
     @property

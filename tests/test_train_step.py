@@ -6,7 +6,6 @@ import pytest
 
 import keras
 import keras_distribute as kd
-from conftest import BACKEND
 from conftest import make_mlp as make_model
 
 GLOBAL_BATCH = 32

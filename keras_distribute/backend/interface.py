@@ -123,3 +123,18 @@ def broadcast_text_by(broadcast_array: Callable[[Any], Any],
     return np.asarray(broadcast_array(payload)).astype(
         np.uint8).tobytes().decode()
 
+
+
+# The checkpoint's view of a variable, which engines implement
+# (`checkpoint_pieces` / `checkpoint_assign`): a region is the global slice
+# `((start, stop), ...)` of each dimension a piece covers.
+def whole_region(shape: Sequence[int]) -> tuple:
+    """The region covering a whole array of `shape`."""
+    return tuple((0, int(n)) for n in shape)
+
+
+def assign_whole(variable: Any, read_regions: Callable) -> None:
+    """Restores a replicated variable from its whole saved region
+    (`read_regions([region]) -> [array]`)."""
+    (value,) = read_regions([whole_region(variable.shape)])
+    variable.assign(value)

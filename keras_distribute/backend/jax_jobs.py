@@ -3,14 +3,13 @@
 Also makes Keras' JAX `predict` work when arrays span several processes.
 """
 
-import contextlib
 from typing import Any, Optional
 
 import jax
 import numpy as np
 from keras.distribution import DeviceMesh
 
-from keras_distribute.backend import jax as jax_backend
+from keras_distribute.backend import jax_engine as jax_backend
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
@@ -103,48 +102,3 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     engine = jax_backend.JaxEngine(devices, layout_map)
     engine.num_logical_devices = logical
     return engine
-
-
-def process_rows(array: Any) -> Any:
-    """This process's rows of a global array sharded along axis 0."""
-    if not isinstance(array, jax.Array) or array.is_fully_addressable:
-        return array
-    if array.is_fully_replicated:
-        return array.addressable_data(0)
-    rows = {}
-    for shard in array.addressable_shards:
-        rows.setdefault(shard.index[0].start or 0, shard.data)
-    # The shards live on different devices: meet on the host.
-    return np.concatenate([np.asarray(rows[start]) for start in sorted(rows)],
-                          axis=0)
-
-
-@contextlib.contextmanager
-def process_local_predictions(model):
-    """Makes Keras' predict function return process-local rows.
-
-    Keras' JAX `predict` turns every batch's output into numpy, which a
-    global array spanning several processes refuses; each process takes its
-    own rows instead, and `process_data` puts them back together.
-    """
-    original = model.make_predict_function
-
-    def make_predict_function(force=False):
-        original(force)
-        inner = model.predict_function
-        if not getattr(inner, "_kd_process_rows", False):
-            def predict_function(state, iterator):
-                outputs, state = inner(state, iterator)
-                return jax.tree_util.tree_map(process_rows, outputs), state
-
-            predict_function._kd_process_rows = True
-            model.predict_function = predict_function
-        return model.predict_function
-
-    object.__setattr__(model, "make_predict_function", make_predict_function)
-    try:
-        yield
-    finally:
-        model.__dict__.pop("make_predict_function", None)
-
-

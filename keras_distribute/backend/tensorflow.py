@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
+from keras_distribute.backend.interface import assign_whole
 from keras_distribute import context
 from keras_distribute import worker_callbacks
 from keras_distribute.backend import tf_fit
@@ -84,10 +85,8 @@ def checkpoint_assign(variable: Any, read_regions) -> None:
     step. An assignment there would be an op of the step (run later, or
     pruned), so it is lifted out of the trace and runs eagerly, once.
     """
-    from keras_distribute.checkpoint import saved_objects
-
     with tf.init_scope():
-        saved_objects.assign_whole(variable, read_regions)
+        assign_whole(variable, read_regions)
 
 
 def device_name(device: Any) -> str:

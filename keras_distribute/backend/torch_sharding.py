@@ -32,14 +32,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
 import keras
 from keras.distribution import TensorLayout
 
 from keras_distribute import context
-from keras_distribute.backend.torch import TorchEngine
+from keras_distribute.backend.torch_engine import TorchEngine
 from keras_distribute.backend.torch_variables import whole_value
 from keras_distribute.layouts import check_keys_match
 from keras_distribute.layouts import check_layout_fits
@@ -272,39 +271,3 @@ def _align_gradient(parameter: Any) -> None:
             parameter.placements):
         parameter.grad = grad.redistribute(parameter.device_mesh,
                                            parameter.placements)
-
-
-def local_region(value: Any) -> tuple:
-    """`((start, stop), ...)` of the global tensor this process holds."""
-    shape, offset = compute_local_shape_and_global_offset(
-        value.shape, value.device_mesh, value.placements)
-    return tuple((o, o + n) for o, n in zip(offset, shape))
-
-
-def writes_piece(engine: Any, value: Any) -> bool:
-    """Whether this process writes its piece of `value` to a checkpoint:
-    in replica 0 only, and first along the model dimensions that replicate
-    it (every piece once)."""
-    coordinate = value.device_mesh.get_coordinate()
-    return engine.input_pipeline_id == 0 and all(
-        c == 0 for c, p in zip(coordinate, value.placements)
-        if not isinstance(p, Shard))
-
-
-def assign_whole(variable: Any, array: Any) -> None:
-    """Copies this process's part of a whole value into a sharded variable."""
-    value = variable._value
-    region = local_region(value)
-    whole_value = torch.as_tensor(np.asarray(array)) if not isinstance(
-        array, torch.Tensor) else array
-    for dim, (start, stop) in enumerate(region):
-        whole_value = whole_value.narrow(dim, start, stop - start)
-    assign_piece(variable, whole_value)
-
-
-def assign_piece(variable: Any, piece: Any) -> None:
-    """Copies `piece` (this process's region) into a sharded variable."""
-    local = variable._value.to_local()
-    with torch.no_grad():
-        local.copy_(torch.as_tensor(np.asarray(piece)) if not isinstance(
-            piece, torch.Tensor) else piece.to(local.dtype))

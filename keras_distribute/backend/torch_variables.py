@@ -1,7 +1,7 @@
 """Keras variables on the torch backend that may be DTensors.
 
 What the Keras hooks and the checkpoint need from a torch variable whether
-it is a plain tensor or sharded over processes (`torch_sharding`): building
+it is a plain tensor or a DTensor sharded over processes: building
 and slot hooks, reading and assigning whole values, the pieces a process
 writes to a checkpoint and the region it restores, and keeping torch's
 `_foreach_*` optimizer ops off lists that mix DTensors and tensors. Imports
@@ -10,14 +10,17 @@ nothing of the engine modules at load time.
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import keras
 
-from keras_distribute.checkpoint.reading import whole_region
-from keras_distribute.checkpoint.saved_objects import assign_whole
+from keras_distribute.backend.interface import assign_whole
+from keras_distribute.backend.interface import whole_region
 
 
 def on_layer_built(layer: Any) -> None:
@@ -45,12 +48,10 @@ def checkpoint_pieces(variable: Any) -> list:
     DTensor; a plain variable whole, from process 0 only."""
     value = variable._value if isinstance(variable, keras.Variable) else None
     if _is_dtensor(value):
-        from keras_distribute.backend import torch_sharding
-
-        if not torch_sharding.writes_piece(variable._kd_engine, value):
+        if not writes_piece(variable._kd_engine, value):
             return []  # another replica's, or another process's of this one
         local = keras.ops.convert_to_numpy(value.to_local())
-        return [(torch_sharding.local_region(value), local)]
+        return [(local_region(value), local)]
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
     array = keras.ops.convert_to_numpy(variable.value)
@@ -61,10 +62,8 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
     """Restores a variable, reading only this process's region of it."""
     value = variable._value if isinstance(variable, keras.Variable) else None
     if _is_dtensor(value):
-        from keras_distribute.backend import torch_sharding
-
-        (piece,) = read_regions([torch_sharding.local_region(value)])
-        torch_sharding.assign_piece(variable, piece)
+        (piece,) = read_regions([local_region(value)])
+        assign_piece(variable, piece)
         return
     assign_whole(variable, read_regions)
 
@@ -82,9 +81,7 @@ def assign_sharded(variable: Any, value: Any) -> bool:
     process); `False` for a plain variable or a DTensor `value`."""
     if not _is_dtensor(variable._value) or _is_dtensor(value):
         return False
-    from keras_distribute.backend import torch_sharding
-
-    torch_sharding.assign_whole(variable, value)
+    assign_whole_sharded(variable, value)
     return True
 
 
@@ -110,3 +107,39 @@ def zero_variables(variables: Sequence[Any]) -> None:
 
 def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
+
+
+def local_region(value: Any) -> tuple:
+    """`((start, stop), ...)` of the global tensor this process holds."""
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def writes_piece(engine: Any, value: Any) -> bool:
+    """Whether this process writes its piece of `value` to a checkpoint:
+    in replica 0 only, and first along the model dimensions that replicate
+    it (every piece once)."""
+    coordinate = value.device_mesh.get_coordinate()
+    return engine.input_pipeline_id == 0 and all(
+        c == 0 for c, p in zip(coordinate, value.placements)
+        if not isinstance(p, Shard))
+
+
+def assign_whole_sharded(variable: Any, array: Any) -> None:
+    """Copies this process's part of a whole value into a sharded variable."""
+    value = variable._value
+    region = local_region(value)
+    whole_value = torch.as_tensor(np.asarray(array)) if not isinstance(
+        array, torch.Tensor) else array
+    for dim, (start, stop) in enumerate(region):
+        whole_value = whole_value.narrow(dim, start, stop - start)
+    assign_piece(variable, whole_value)
+
+
+def assign_piece(variable: Any, piece: Any) -> None:
+    """Copies `piece` (this process's region) into a sharded variable."""
+    local = variable._value.to_local()
+    with torch.no_grad():
+        local.copy_(torch.as_tensor(np.asarray(piece)) if not isinstance(
+            piece, torch.Tensor) else piece.to(local.dtype))

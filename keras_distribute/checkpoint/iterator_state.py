@@ -14,6 +14,7 @@ from typing import Any, Dict
 
 import numpy as np
 
+from keras_distribute.backend.interface import whole_region
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import CheckpointError
 
@@ -121,7 +122,7 @@ def entries(iterators: Dict[str, Any], process_id: int) -> Dict[str, tuple]:
         state = save(iterator)  # a fresh copy
         found[state_key(name, process_id)] = (
             state.shape, "uint8", [None],
-            [(reading.whole_region(state.shape), state)],
+            [(whole_region(state.shape), state)],
             f"{name} (input iterator)")
     return found
 

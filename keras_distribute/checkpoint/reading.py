@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from keras_distribute.backend.interface import whole_region
 from keras_distribute.checkpoint import validation
 from keras_distribute.checkpoint.format import INDEX
 from keras_distribute.checkpoint.format import CheckpointError
@@ -64,11 +65,6 @@ def read_index(path: str) -> dict:
     return index
 
 
-def whole_region(shape) -> Slice:
-    """The global slice covering a whole array of `shape`."""
-    return tuple((0, int(n)) for n in shape)
-
-
 def read_whole(path: str, record: dict) -> np.ndarray:
     """The whole of one saved variable (see `read_regions`)."""
     (value,) = read_regions(path, record, [whole_region(record["shape"])])
@@ -96,8 +92,6 @@ def read_regions(path: str, record: dict,
         CheckpointError: on a missing, truncated, corrupted or hostile
             shard file, or a region outside the variable.
     """
-    import h5py
-
     shape = tuple(record["shape"])
     regions = [tuple(tuple(int(x) for x in r) for r in region)
                for region in regions]

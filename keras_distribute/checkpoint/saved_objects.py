@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Set
 
 import numpy as np
 
+from keras_distribute.backend.interface import whole_region
 from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import reading
 
@@ -110,7 +111,7 @@ def host_array_entries(holders: Dict[str, Any],
     for name, holder in holders.items():
         for key, array in holder._host_arrays().items():
             array = np.array(array, copy=True)
-            pieces = ([(reading.whole_region(array.shape), array)]
+            pieces = ([(whole_region(array.shape), array)]
                       if process_id == 0 else [])
             entries[f"{name}/{key}"] = (
                 array.shape, array.dtype.name, [None] * array.ndim, pieces,
@@ -175,10 +176,6 @@ def whole_value(variable: Any, backend: Any) -> list:
     value_of = getattr(backend, "checkpoint_value", None)
     value = (value_of(variable) if value_of is not None
              else keras.ops.convert_to_numpy(variable.value))
-    return [(reading.whole_region(value.shape), value)]
+    return [(whole_region(value.shape), value)]
 
 
-def assign_whole(variable: Any, read_regions) -> None:
-    """Restores a replicated variable from its whole saved region."""
-    (value,) = read_regions([reading.whole_region(variable.shape)])
-    variable.assign(value)

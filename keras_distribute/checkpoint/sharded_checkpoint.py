@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 
+from keras_distribute.backend.interface import assign_whole
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
@@ -177,7 +178,6 @@ class ShardedCheckpoint:
         every scope in a multi-process job, the job's strategy: a save is
         a collective with one chief, never one chief per process."""
         from keras_distribute import context
-        from keras_distribute import strategy as strategy_module
 
         for obj in self._leaf_objects().values():
             strategy = context.model_strategy(obj)
@@ -187,7 +187,7 @@ class ShardedCheckpoint:
                 return strategy._engine
         engine = context.get_strategy()._engine
         if engine.process_count == 1:
-            job = strategy_module.latest_job_strategy()
+            job = context.latest_job_strategy()
             if job is not None:
                 return job._engine
         return engine
@@ -366,7 +366,7 @@ class ShardedCheckpoint:
         from keras_distribute.backend import get_backend
 
         assign = getattr(get_backend(), "checkpoint_assign",
-                         saved_objects.assign_whole)
+                         assign_whole)
         for key, variable in variables.items():
             record = saved.get(key)
             if record is None:

@@ -1,0 +1,584 @@
+"""The JAX engine (the backend module is `jax.py`): `keras.distribution` layouts, XLA SPMD and `shard_map`.
+
+Variables follow a `keras.distribution.DataParallel` (or `ModelParallel`)
+that the strategy's scope makes current; Keras' JAX trainer then compiles
+each step as one SPMD program, so gradients are combined by XLA. `run`
+compiles `fn` once per replica with `jax.shard_map` over the batch axis;
+per-replica inputs of unequal shape (a short last batch) run one thread per
+replica instead, with collectives that meet at a barrier.
+"""
+
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+import keras
+from keras.distribution import DeviceMesh
+
+from keras_distribute import context
+from keras_distribute.backend import jax_collectives
+from keras_distribute.backend import jax_run
+from keras_distribute.backend.jax_collectives import as_array
+from keras_distribute.backend.jax_collectives import unwrap
+from keras_distribute.backend.jax_layouts import StrategyDataParallel
+from keras_distribute.backend.jax_layouts import StrategyModelParallel
+from keras_distribute.backend.jax_layouts import check_keys_match
+from keras_distribute.backend.jax_layouts import check_layout_map
+from keras_distribute.backend.jax_predict import process_local_predictions
+from keras_distribute.devices import DeviceSpec
+from keras_distribute.devices import choose_local
+from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.values import PerReplica
+
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+_RUN_CACHE_SIZE = 64
+
+
+def default_devices() -> list:
+    """All local devices of JAX's default platform (GPU/TPU, else CPU)."""
+    return list(jax.local_devices())
+
+
+def device_name(device: Any) -> str:
+    """`"cpu:0"`-style name of a `jax.Device`."""
+    return f"{device.platform}:{device.id}"
+
+
+def _available_names(platform: Optional[str] = None) -> list:
+    try:
+        devices = jax.local_devices(backend=platform) if platform else (
+            jax.local_devices())
+    except RuntimeError:
+        devices = jax.local_devices()
+    return [device_name(d) for d in devices]
+
+
+def resolve_device(device: "DeviceSpec | Any") -> Any:
+    """Resolves a `DeviceSpec` (or a `jax.Device`) to a local `jax.Device`."""
+    if isinstance(device, jax.Device):
+        if device not in jax.local_devices(backend=device.platform):
+            raise ValueError(
+                f"The device {device} is not local to this process. "
+                f"Received: device={device!r}. Local devices: "
+                f"{_available_names(device.platform)}."
+            )
+        return device
+    if not isinstance(device, DeviceSpec):
+        raise ValueError(
+            "Expected a device name (e.g. 'GPU:0', 'cpu:1') or a "
+            f"`jax.Device`. Received: device={device!r} of type "
+            f"{type(device).__name__}."
+        )
+    platform = _PLATFORMS.get(device.device_type)
+    try:
+        candidates = jax.local_devices(backend=platform) if platform else []
+    except RuntimeError:
+        candidates = []
+    return choose_local(
+        device, candidates, local_task=jax.process_index(),
+        available=_available_names(),
+        how_to_add="On CPU, simulate more devices with XLA_FLAGS=--xla_force_"
+        "host_platform_device_count=N (set before importing JAX).")
+
+
+def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
+    """Builds the engine of a strategy over `devices`."""
+    return JaxEngine(devices, layout_map)
+
+
+class JaxEngine:
+    """The per-strategy JAX engine (see `interface.ReplicaEngine`)."""
+
+    def __init__(self, devices: Sequence[Any], layout_map: Any = None):
+        self.devices = tuple(devices)
+        if layout_map is None:
+            self.device_mesh = DeviceMesh(
+                shape=(len(self.devices),),
+                axis_names=["batch"],
+                devices=[device_name(d) for d in self.devices],
+            )
+            self.distribution = StrategyDataParallel(self.device_mesh)
+        else:
+            check_layout_map(layout_map)
+            self.device_mesh = layout_map.device_mesh
+            self.distribution = StrategyModelParallel(
+                layout_map, self.device_mesh.axis_names[0]
+            )
+        self.layout_map = layout_map
+        self.batch_axis = self.device_mesh.axis_names[0]
+        self.num_replicas = self.device_mesh.shape[0]
+        self.rank, self.world_size = jax.process_index(), jax.process_count()
+        self.multi_process = self.world_size > 1
+        self.num_input_pipelines = self.world_size
+        self.input_pipeline_id = self.rank
+        self.process_count, self.process_id = self.world_size, self.rank
+        if self.multi_process:
+            # Each process is handed its own rows (process_data.py).
+            self.distribution.auto_shard_dataset = False
+        self.mesh = self.device_mesh.backend_mesh
+        self._device_set = frozenset(self.mesh.devices.flat)
+        self._keys_checked = weakref.WeakSet()  # models whose keys matched
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._replica_of_device = {}
+        batch_index = self.device_mesh.axis_names.index(self.batch_axis)
+        for coords, device in np.ndenumerate(self.mesh.devices):
+            self._replica_of_device[device] = coords[batch_index]
+        # The device each replica's per-replica values live on: the first
+        # device of its row along the batch axis (the mesh's first axis).
+        self.replica_devices = tuple(
+            self.mesh.devices[(i,) + (0,) * (self.mesh.devices.ndim - 1)]
+            for i in range(self.num_replicas)
+        )
+        # The replicas this process runs; per-replica values hold these only.
+        self.local_replica_ids = tuple(
+            i for i, d in enumerate(self.replica_devices)
+            if d.process_index == self.rank)
+        self._local_position = {
+            replica: position
+            for position, replica in enumerate(self.local_replica_ids)}
+        self.local_replica_devices = tuple(
+            self.replica_devices[i] for i in self.local_replica_ids)
+        self._run_cache = {}
+
+    # ------------------------------------------------------------ variables
+    def scope(self):
+        return self.distribution.scope()
+
+    def owns_variable(self, variable: Any) -> bool:
+        value = getattr(variable, "_value", None)
+        sharding = getattr(value, "sharding", None)
+        return isinstance(sharding, NamedSharding) and (
+            sharding.mesh.devices.shape == self.mesh.devices.shape
+            and sharding.device_set == self._device_set
+        )
+
+    def variable_layout(self, variable: Any) -> tuple:
+        value = variable.value
+        spec = getattr(value.sharding, "spec", None)
+        axes = tuple(spec) + (None,) * (len(variable.shape) - len(spec)) if (
+            spec is not None) else (None,) * len(variable.shape)
+        shard = value.addressable_shards[0].data
+        return axes, int(shard.size * shard.dtype.itemsize)
+
+    def adopt_variables(self, variables: Sequence[Any]) -> None:
+        for variable in variables:
+            if variable._value is None or self.owns_variable(variable):
+                continue
+            variable._layout = None
+            variable._layout = self.distribution.get_variable_layout(variable)
+            variable._direct_assign(variable._value)
+
+    def variable_local_results(self, variable: Any) -> Optional[tuple]:
+        if not isinstance(variable, keras.Variable) or not self.owns_variable(
+            variable
+        ):
+            return None
+        return self._per_replica_shards(variable.value)
+
+    def barrier(self, name: str) -> None:
+        if self.multi_process:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+
+    def broadcast_text(self, text: str) -> str:
+        if not self.multi_process:
+            return text
+        from jax.experimental import multihost_utils
+
+        from keras_distribute.backend.interface import broadcast_text_by
+
+        return broadcast_text_by(multihost_utils.broadcast_one_to_all, text)
+
+    def call_trainer(self, method: Callable, model: Any, args: tuple,
+                     kwargs: dict) -> Any:
+        # Keras' JAX trainer detaches variable values during `fit`; if the
+        # call dies before re-attaching them, put the last values back so
+        # the model stays usable (the next `fit` would otherwise fail).
+        if self.layout_map is not None and model.built and (
+                model not in self._keys_checked):
+            check_keys_match(self.layout_map, model)
+            self._keys_checked.add(model)
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and hasattr(optimizer, "variables"):
+            variables += list(optimizer.variables)
+        saved = [(v, v._value) for v in variables]
+        try:
+            if self.multi_process:
+                from keras_distribute import process_data
+
+                with process_local_predictions(model):
+                    return process_data.call_sharded(self, method, model,
+                                                     args, kwargs)
+            return method(model, *args, **kwargs)
+        except BaseException:
+            for variable, value in saved:
+                if variable._value is None:
+                    variable._value = value
+            raise
+
+    def constrain(self, tensor: Any, parts: Sequence[int],
+                  in_replica: bool) -> Any:
+        """Lays `tensor` out over each replica's logical devices."""
+        cut = [dim for dim, count in enumerate(parts) if count > 1]
+        if in_replica:
+            # Inside `run`: the replica axis is manual, the model axis not.
+            if len(cut) > 1:
+                raise ValueError(
+                    "Inside `strategy.run` a tensor can be split along one "
+                    "dimension only on JAX. Received: partition_dimensions="
+                    f"{list(parts)}. Split one dimension, or call it in a "
+                    "fit/evaluate step.")
+            spec = [None] * len(parts)
+            for dim in cut:
+                spec[dim] = "model"
+            return jax.lax.with_sharding_constraint(
+                tensor, PartitionSpec(*spec))
+        # A global step (fit, jit): dimension 0 is also the replica axis.
+        names = [f"model_{i}" for i in range(len(cut))]
+        rows = self.mesh.devices.shape[0]
+        counts = tuple(parts[d] for d in cut)
+        rest = self.mesh.devices.size // (rows * int(np.prod(counts)))
+        mesh = jax.sharding.Mesh(
+            self.mesh.devices.reshape((rows,) + counts + (rest,)),
+            (self.batch_axis, *names, "model_rest"))
+        spec = [None] * len(parts)
+        for dim, name in zip(cut, names):
+            spec[dim] = name
+        spec[0] = self.batch_axis if spec[0] is None else (
+            self.batch_axis, spec[0])
+        return jax.lax.with_sharding_constraint(
+            tensor, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    # ---------------------------------------------------- several processes
+    def split_rows(self, batch: int, rank: Optional[int] = None):
+        """This process's rows of a global batch.
+
+        A batch that divides by the replica count is cut into equal
+        per-process slices (laid out sharded); any other batch is given
+        whole to every process and laid out replicated, which keeps the
+        single-device result.
+        """
+        whole = batch % self.num_replicas != 0
+        if rank is None:
+            rank = self.rank
+            self.distribution.batch_given_whole = whole
+        if whole:
+            return 0, batch
+        per_process = batch // self.world_size
+        return rank * per_process, (rank + 1) * per_process
+
+    def shared_seed(self) -> int:
+        """A seed from the global numpy RNG, the same in every process (each
+        draws one; process 0's wins)."""
+        from jax.experimental import multihost_utils
+
+        seed = np.int32(np.random.randint(0, 2**31 - 1))
+        return int(multihost_utils.broadcast_one_to_all(seed))
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is true in any process (a collective)."""
+        if not self.multi_process:
+            return bool(flag)
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([int(bool(flag))]))
+        return bool(np.any(flags))
+
+    def gather_rows(self, array: np.ndarray) -> np.ndarray:
+        """Every process's rows (counts may differ), in process order."""
+        from jax.experimental import multihost_utils
+
+        counts = multihost_utils.process_allgather(
+            np.array([array.shape[0]]))
+        longest = int(np.max(counts))
+        padded = np.zeros((longest,) + array.shape[1:], array.dtype)
+        padded[:array.shape[0]] = array
+        everyone = multihost_utils.process_allgather(padded)
+        return np.concatenate([everyone[p][:int(counts[p][0])]
+                               for p in range(self.world_size)], axis=0)
+
+    # ------------------------------------------------------- placing values
+    def from_native(self, value: Any) -> Any:
+        return value
+
+    def distribute_datasets_from_function(self, dataset_fn, options) -> Any:
+        return None  # built by the neutral layer
+
+    def distribute_dataset(self, dataset: Any, options: Any) -> Any:
+        return None  # split by the neutral DistributedDataset
+
+    def put_per_replica(self, structures: Sequence[Any],
+                        on_device: bool = True) -> Any:
+        def put(*leaves):
+            if leaves[0] is None:
+                return None
+            if not on_device:
+                return PerReplica([np.asarray(leaf) for leaf in leaves])
+            return PerReplica([
+                jax.device_put(as_array(leaf), device)
+                for leaf, device in zip(leaves, self.local_replica_devices)
+            ])
+
+        return keras.tree.map_structure(put, *structures)
+
+    def _per_replica_shards(self, array: Any) -> tuple:
+        """This process's replicas' parts of a global array, in order."""
+        parts = [None] * len(self.local_replica_ids)
+        for shard in array.addressable_shards:
+            position = self._local_position.get(
+                self._replica_of_device.get(shard.device))
+            if position is not None and parts[position] is None:
+                parts[position] = shard.data
+        return tuple(parts)
+
+    def _stack(self, values: Sequence[Any]) -> jax.Array:
+        """One global array `(num_replicas, *shape)` from per-replica parts."""
+        first = as_array(values[0])
+        shape = (self.num_replicas,) + tuple(np.shape(first))
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
+        pieces = []
+        for device in sharding.addressable_devices_indices_map(shape):
+            position = self._local_position[self._replica_of_device[device]]
+            pieces.append(
+                jax.device_put(as_array(values[position])[None], device)
+            )
+        return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+    def _replicate(self, value: Any) -> Any:
+        if isinstance(value, jax.Array) and (
+                value.sharding.device_set != self._device_set):
+            return jax.device_put(value, self._replicated)
+        return value
+
+    # ------------------------------------------------------------------ run
+    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (args, kwargs), is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+        kinds = tuple(_leaf_kind(leaf) for leaf in leaves)
+        local = len(self.local_replica_ids)
+        for leaf in leaves:
+            if isinstance(leaf, PerReplica) and len(leaf) != local:
+                raise ValueError(
+                    f"A per-replica argument has {len(leaf)} components but "
+                    f"this process runs {local} of the strategy's replicas. "
+                    "Make it with this strategy's distributed dataset or "
+                    "`experimental_distribute_values_from_function`."
+                )
+        if all(_even(leaf) for leaf, k in zip(leaves, kinds) if k == "split"):
+            return self._run_spmd(strategy, fn, leaves, kinds, treedef)
+        if self.multi_process:
+            raise ValueError(
+                "Per-replica inputs of different shapes (a short last batch) "
+                "cannot run across several JAX processes: SPMD needs equal "
+                "shapes. Batch the dataset with `drop_remainder=True`, or "
+                "pad the last batch.")
+        return jax_collectives.run_in_threads(self, strategy, fn, leaves,
+                                              kinds, treedef)
+
+    def _run_spmd(self, strategy, fn, leaves, kinds, treedef):
+        statics = tuple(
+            leaf if kind == "static" else None
+            for leaf, kind in zip(leaves, kinds)
+        )
+        dynamic = [
+            self._stack(leaf.values) if kind == "split" else self._replicate(
+                as_array(leaf))
+            for leaf, kind in zip(leaves, kinds) if kind != "static"
+        ]
+        compiled, variables, written = self._compiled_run(
+            strategy, fn, treedef, kinds, statics, dynamic)
+        # Read now, not when compiled: the weights a run sees are current.
+        values = [v.value for v in variables]
+        value_of = {id(v): value for v, value in zip(variables, values)}
+        before = [value_of[id(v)] for v in written]
+        outputs, updates = compiled(values, *dynamic)
+        jax_run.apply_updates(written, before, updates)
+        return jax.tree_util.tree_map(
+            lambda out: PerReplica(
+                [part[0] for part in self._per_replica_shards(out)]
+            ),
+            outputs,
+        )
+
+    def _compiled_run(self, strategy, fn, treedef, kinds, statics, dynamic):
+        """`(compiled, variables it reads, variables it assigns)`.
+
+        The variables are found by abstract traces (see `jax_run`): each
+        trace passes the ones found so far as inputs, until no new one is
+        read.
+        """
+        key = (fn, treedef, kinds, tuple(_static_key(s) for s in statics))
+        cached = self._run_cache.get(key)
+        if cached is not None:
+            return cached[0]
+        variables: list = []
+        for _ in range(8):
+            found = {}
+            program = self._run_program(strategy, fn, treedef, kinds,
+                                        statics, variables, [], found)
+            jax.eval_shape(program, [v.value for v in variables], *dynamic)
+            new = [v for key_, v in found["read"].items()
+                   if key_ not in {id(known) for known in variables}]
+            jax_run.check_initialized(new)
+            if not new:
+                break
+            variables += new
+        written = list(found["written"].values())
+        compiled = jax.jit(self._run_program(
+            strategy, fn, treedef, kinds, statics, variables, written, {}))
+        if len(self._run_cache) >= _RUN_CACHE_SIZE:
+            self._run_cache.pop(next(iter(self._run_cache)))
+        # Keep `statics` alive so their ids in the key stay unique.
+        entry = (compiled, variables, written)
+        self._run_cache[key] = (entry, statics)
+        return entry
+
+    def _run_program(self, strategy, fn, treedef, kinds, statics, variables,
+                     written, found):
+        """`fn` per replica under `shard_map`: `(variable values, *inputs)
+        -> (outputs, new values of `written`)`; `found` receives the
+        variables the trace read and wrote."""
+        axis = self.batch_axis
+        collectives = jax_collectives.SpmdCollectives(axis)
+
+        def per_replica(values, *dynamic):
+            dynamic = iter(dynamic)
+            full = [
+                static if kind == "static" else (
+                    next(dynamic)[0] if kind == "split" else next(dynamic))
+                for kind, static in zip(kinds, statics)
+            ]
+            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            ctx = context.ReplicaContext(
+                strategy, jax.lax.axis_index(axis), collectives
+            )
+            given = {id(v): value for v, value in zip(variables, values)}
+            scope = jax_run.VariableScope(lambda v: given.get(id(v)))
+            with scope, context._enter(strategy, ctx):
+                result = fn(*call_args, **call_kwargs)
+            found.update(read=scope.read, written=scope.written)
+            updates = [
+                scope.state_mapping[id(v)] for v in written]
+            return (
+                jax.tree_util.tree_map(
+                    lambda out: jnp.asarray(unwrap(out))[None], result),
+                [jnp.asarray(u)[None] if jax_run.is_stacked(v) else
+                 jnp.asarray(u) for v, u in zip(written, updates)],
+            )
+
+        in_specs = (
+            [PartitionSpec()] * len(variables),
+        ) + tuple(
+            PartitionSpec(axis) if kind == "split" else PartitionSpec()
+            for kind in kinds if kind != "static"
+        )
+        out_specs = (
+            PartitionSpec(axis),
+            [PartitionSpec(axis) if jax_run.is_stacked(v) else
+             PartitionSpec() for v in written],
+        )
+        return jax.shard_map(
+            per_replica, mesh=self.mesh, in_specs=in_specs,
+            out_specs=out_specs, check_vma=False,
+            # Only the replica axis is manual: a model axis stays with
+            # XLA, so layouts and logical-device constraints apply.
+            axis_names=frozenset({axis}),
+        )
+
+    # -------------------------------------------------- cross-replica ops
+    def reduce(self, op: ReduceOp, values: Sequence[Any],
+               axis: Optional[int]) -> Any:
+        values = [as_array(v) for v in values]
+        if axis is None:
+            shapes = {tuple(np.shape(v)) for v in values}
+            if len(shapes) > 1:
+                raise ValueError(
+                    "Cannot reduce per-replica values of different shapes "
+                    f"{sorted(shapes)} with axis=None. Pass the batch "
+                    "dimension as `axis` (usually `axis=0`)."
+                )
+            stacked = self._stack(values)
+            result = _sum0(stacked) if op is ReduceOp.SUM else _mean0(stacked)
+            return self._local(result)
+        rank = np.ndim(values[0])
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"`axis`={axis} is out of range for per-replica values of "
+                f"rank {rank}. Use an axis in [{-rank}, {rank})."
+            )
+        partial_sums = [jnp.sum(v, axis=axis) for v in values]
+        total = self._local(_sum0(self._stack(partial_sums)))
+        if op is ReduceOp.SUM:
+            return total
+        counts = [np.float32(np.shape(v)[axis]) for v in values]
+        return total / self._local(_sum0(self._stack(counts)))
+
+    def _local(self, replicated: Any) -> Any:
+        """A replicated global array as an array this process can read."""
+        if self.multi_process:
+            return replicated.addressable_data(0)
+        return replicated
+
+    def gather(self, values: Sequence[Any], axis: int) -> Any:
+        values = [as_array(v) for v in values]
+        rank = np.ndim(values[0])
+        if rank == 0:
+            raise ValueError(
+                "`gather` needs per-replica values of rank >= 1 to "
+                "concatenate. Received scalars. Use `reduce` for scalars, or "
+                "give each replica's value a leading dimension."
+            )
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"`axis`={axis} is out of range for per-replica values of "
+                f"rank {rank}. Use an axis in [{-rank}, {rank})."
+            )
+        # Concatenated on the host: an uncommitted array, which combines
+        # with arrays on any device (a metric's replicated variables: a
+        # result committed to one device failed with "incompatible devices").
+        local = np.concatenate([np.asarray(v) for v in values], axis=axis)
+        if self.multi_process:
+            local = np.moveaxis(
+                self.gather_rows(np.moveaxis(local, axis, 0)), 0, axis)
+        return jnp.asarray(local)
+
+
+@jax.jit
+def _sum0(stacked):
+    return jnp.sum(stacked, axis=0)
+
+
+@jax.jit
+def _mean0(stacked):
+    return jnp.mean(stacked, axis=0)
+
+
+def _leaf_kind(leaf: Any) -> str:
+    if isinstance(leaf, PerReplica):
+        return "split"
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(leaf, "numpy") and hasattr(leaf, "shape")
+        and not isinstance(leaf, keras.Variable)
+    ):
+        return "replicated"
+    return "static"
+
+
+def _even(leaf: PerReplica) -> bool:
+    shapes = {(tuple(np.shape(v)), str(getattr(v, "dtype", type(v))))
+              for v in leaf.values}
+    return len(shapes) == 1
+
+
+def _static_key(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return (type(value), value)
+    return ("id", id(value))
