@@ -28,17 +28,14 @@ from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as 
 from keras_distribute.checkpoint.sharded_checkpoint import finish_background_saves
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
-from keras_distribute.training_state import CALLBACK_STATE
 from keras_distribute.training_state import CallbackArrays
 from keras_distribute.training_state import NOT_SCALAR
 from keras_distribute.training_state import MetricVariables
-from keras_distribute.training_state import calling_callback_list
 from keras_distribute.training_state import capture_rng
 from keras_distribute.training_state import json_scalar
 from keras_distribute.training_state import keyed_callbacks
 from keras_distribute.training_state import link_checkpoint
 from keras_distribute.training_state import restore_rng
-from keras_distribute.training_state import skip_train_steps
 
 
 def _check_save_freq(save_freq: Any) -> None:
@@ -100,7 +97,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
         states = {}
         for key, callback in keyed_callbacks(self._others):
             state = {}
-            for name in CALLBACK_STATE:
+            for name in integration_training.CALLBACK_STATE:
                 if name in callback.__dict__:
                     value = json_scalar(callback.__dict__[name])
                     if value is not NOT_SCALAR:
@@ -137,7 +134,7 @@ class _TrainingStateCallback(keras.callbacks.Callback):
             warnings.warn(f"A background checkpoint save of an earlier, "
                           f"interrupted fit failed: {error}", stacklevel=2)
         self._checkpoint._engine().barrier("keras_distribute.callbacks.begin")
-        callback_list = calling_callback_list(self)
+        callback_list = integration_training.calling_callback_list(self)
         if callback_list is not None:
             self._others = [c for c in callback_list.callbacks
                             if c is not self]
@@ -406,7 +403,8 @@ class BackupAndRestore(_TrainingStateCallback):
             return
         self._checkpoint.save_counter = int(self._resume["save_counter"])
         self._resume_path = latest
-        self.model._initial_epoch = int(self._resume["epoch"])
+        integration_training.set_initial_epoch(self.model,
+                                               self._resume["epoch"])
 
     def _restore_newest_readable(self) -> Optional[str]:
         """Restores the newest backup that reads back whole, falling back to
@@ -467,8 +465,9 @@ class BackupAndRestore(_TrainingStateCallback):
                 # The order of the epoch's batches comes from the RNG at its
                 # start; dropout & co. then go on from the state at the save.
                 self._restore_epoch_metrics()
-                skip_train_steps(self.model, skip, lambda: restore_rng(
-                    resume["rng"]), on_first_batch=self._metrics_builder())
+                integration_training.skip_train_steps(
+                    self.model, skip, lambda: restore_rng(resume["rng"]),
+                    on_first_batch=self._metrics_builder())
         super().on_epoch_begin(epoch, logs)
         if resume is not None and resume.get("step"):
             # The epoch restarted mid-way: its step count goes on from there.
@@ -512,7 +511,7 @@ class BackupAndRestore(_TrainingStateCallback):
 
     def on_train_end(self, logs=None):
         self._checkpoint.sync()
-        self.model._initial_epoch = None
+        integration_training.set_initial_epoch(self.model, None)
         engine = self._checkpoint._engine()
         # Every process has seen the last backup committed before the chief
         # deletes it (the others failed, reading a deleted backup).

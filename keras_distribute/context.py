@@ -92,6 +92,21 @@ def register_installer(name: str, installer: Callable[[], None]) -> None:
     _installers[name] = installer
 
 
+def register_service(name: str, function: Callable[..., Any]) -> None:
+    """The integration layer registers a function the lower layers call by
+    name (`service`), e.g. `"chief_only_writes"`."""
+    _services[name] = function
+
+
+def service(name: str) -> Callable[..., Any]:
+    """A function the integration layer registered (see `register_service`);
+    the neutral layer and the backends never import it."""
+    return _services[name]  # registered when keras_distribute is imported
+
+
+_services: dict = {}
+
+
 def install(name: str) -> None:
     """Asks the integration layer to install `name` (once; later calls do
     nothing). The neutral layer and the backends never import it."""

@@ -17,7 +17,7 @@ import numpy as np
 
 import keras
 
-from keras_distribute import worker_callbacks
+from keras_distribute import context
 from keras_distribute.data_sources import iterate_source
 
 
@@ -196,7 +196,7 @@ def _fit(engine, method, model, params: dict) -> Any:
     engine.sync_metrics_each_step = engine.any_process(
         _batch_logs_are_read(params))
     try:
-        with worker_callbacks.chief_only_writes(
+        with context.service("chief_only_writes")(
                 params.get("callbacks"), engine.rank == 0,
                 getattr(engine, "collective_reads", False)):
             history = method(model, **params)

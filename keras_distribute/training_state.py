@@ -1,27 +1,18 @@
 """What `kd.callbacks` saves and restores besides the variables.
 
-The host RNG states, other callbacks' progress, skipping the train steps
-already done, linking a committed checkpoint elsewhere. Imports Keras: only
-`keras_distribute.callbacks` loads it.
+The host RNG states, other callbacks' array state, linking a committed
+checkpoint elsewhere (what reaches into a running Keras `fit` lives in
+`integration/training.py`). Only `keras_distribute.callbacks` loads it.
 """
 
 import os
 import random
 import shutil
-import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List
 
-import keras
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
-
-# The attributes that make up a Keras callback's progress (EarlyStopping,
-# ReduceLROnPlateau, ModelCheckpoint, ...); restored on resume.
-CALLBACK_STATE = ("best", "wait", "stopped_epoch", "best_epoch",
-                   "cooldown_counter", "epochs_since_last_save",
-                   "_batches_seen_since_last_saving", "_last_batch_seen",
-                   "_current_epoch")
 
 
 class MetricVariables:
@@ -121,57 +112,6 @@ def restore_rng(state: Dict[str, Any]) -> None:
         set_host_state(state["backend"])
 
 
-def calling_callback_list(callback: Any) -> Optional[Any]:
-    """The `CallbackList` dispatching to `callback` (found on the stack)."""
-    frame = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList) and any(
-                c is callback for c in owner.callbacks):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-def skip_train_steps(model: Any, count: int, when_done: Callable,
-                     on_first_batch: Optional[Callable] = None) -> None:
-    """Makes the next `count` train steps consume their batch and do nothing.
-
-    Those batches were trained on before the interruption; the restored
-    state already includes them. `on_first_batch(batch)` is called with the
-    first batch taken (e.g. to build what needs a batch's shapes).
-    """
-    original = model.train_function
-    remaining = [count]
-    first = [on_first_batch]
-    steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
-
-    def skip(*args):
-        data = args[-1]
-        if hasattr(data, "__next__"):  # an iterator: take the batches
-            for _ in range(steps_per_call):
-                batch = next(data, _END)
-                if batch is _END:
-                    break
-                if first[0] is not None:
-                    first[0], call = None, first[0]
-                    call(batch)
-        # Only after the batches were taken: the first one may be what
-        # draws the epoch's shuffle order from the RNG being restored.
-        remaining[0] -= steps_per_call
-        if remaining[0] <= 0:
-            model.train_function = original
-            when_done()
-        if keras.backend.backend() == "jax":  # (state, data) -> (logs, state)
-            return {}, args[0]
-        return {}
-
-    model.train_function = skip
-
-
-_END = object()
 
 
 def link_checkpoint(source: str, target: str) -> None:

@@ -70,3 +70,16 @@ def test_only_the_integration_package_names_keras_private_modules():
         and re.search(r"^\s*(from|import) keras\.src", path.read_text(),
                       re.MULTILINE)]
     assert offenders == []
+
+
+def test_a_renamed_private_attribute_is_refused_before_patching(monkeypatch):
+    # Private attributes of Keras objects (set in __init__) are probed on a
+    # fresh object: one clear error instead of an AttributeError mid-fit.
+    row = registry.Row("Model._renamed_epoch", (), "test", "3.16",
+                       instance_of="Model")
+    monkeypatch.setitem(registry._BY_KEY, row.key, row)
+    with pytest.raises(kd.integration.KerasVersionError,
+                       match=r"Model._renamed_epoch: a new keras Sequential "
+                             r"has no attribute '_renamed_epoch'"):
+        registry.check("any", [row.key])
+    registry.check("any", ["Model._initial_epoch", "Variable._value"])

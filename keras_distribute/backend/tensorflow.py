@@ -17,7 +17,6 @@ from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute import context
-from keras_distribute import worker_callbacks
 from keras_distribute.backend import tf_fit
 from keras_distribute.backend.tf_fit import apply_gradients  # noqa: F401
 from keras_distribute.backend.tf_fit import value_and_gradients  # noqa: F401
@@ -373,7 +372,7 @@ class TfEngine:
             tf_fit.even_fits.add(self.tf_strategy)
         callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
         try:
-            with worker_callbacks.chief_only_writes(
+            with context.service("chief_only_writes")(
                     callbacks if method.__name__ == "fit" else None,
                     self.is_chief):
                 return method(model, *args, **kwargs)

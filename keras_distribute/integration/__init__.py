@@ -62,4 +62,13 @@ context.register_installer("torch_sharding", _torch_sharding)
 context.register_installer("seed_every_process", _seed_every_process)
 context.register_installer("chief_values", _chief_values)
 
+
+def _chief_only_writes(*args, **kwargs):
+    from keras_distribute.integration import worker_callbacks
+
+    return worker_callbacks.chief_only_writes(*args, **kwargs)
+
+
+context.register_service("chief_only_writes", _chief_only_writes)
+
 __all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]

@@ -43,6 +43,9 @@ class Row:
         parameters: For a callable, the names its parameters must start
             with (`None`: not checked).
         backends: The backends that use it (empty: all).
+        instance_of: For a private attribute of Keras objects (set in
+            `__init__`, so absent from the class): the kind of object
+            probed for it (see `_PROBES`); the key is `"Kind.attribute"`.
     """
 
     key: str
@@ -52,6 +55,7 @@ class Row:
     upstream: str = "-"
     parameters: Optional[Tuple[str, ...]] = None
     backends: Tuple[str, ...] = ()
+    instance_of: Optional[str] = None
 
 
 _S = "keras.src."
@@ -202,7 +206,70 @@ ROWS: Tuple[Row, ...] = (
         parameters=("self", "grads", "acc_grads"),
         backends=("torch_sharding",)),
 )
+# Private attributes of Keras objects that modules outside this package read
+# or set. Each is probed on a fresh object (no strategy, no variables
+# beyond one scalar) before anything is patched.
+_A = "private attribute of Keras' "
+ROWS += (
+    Row("Variable._value", (), _A + "Variable: the backend value, read "
+        "without Keras' stateless-scope lookup and replaced when laid out "
+        "(all engines, checkpoint pieces)", "3.10-3.16",
+        "a public raw-value accessor", instance_of="Variable"),
+    Row("Variable._direct_assign", (), _A + "Variable: lays a variable out "
+        "again after its layout changed (JAX adopt, torch broadcast)",
+        "3.10-3.16", instance_of="Variable", backends=("jax", "torch")),
+    Row("Variable._layout", (), _A + "Variable: the layout a variable was "
+        "made with (JAX adopt, torch sharding)", "3.10-3.16",
+        instance_of="Variable", backends=("jax", "torch")),
+    Row("Model._initial_epoch", (), _A + "Trainer: the epoch a resumed fit "
+        "starts from, as Keras' own BackupAndRestore sets it", "3.10-3.16",
+        "a public resume hook", instance_of="Model"),
+    Row("Model._compute_loss", (), _A + "Trainer: torch's train step "
+        "through a held DDP computes the loss as Keras' does", "3.10-3.16",
+        instance_of="Model", backends=("torch",)),
+    Row("Model._loss_tracker", (), _A + "Trainer: see _compute_loss",
+        "3.10-3.16", instance_of="Model", backends=("torch",)),
+    Row("Model._flatten_layers", (), _A + "Layer: TF names layers whose "
+        "variables a replica cannot sync", "3.10-3.16", instance_of="Model",
+        backends=("tensorflow",)),
+    Row("Layer._call_has_training_arg", (), _A + "Layer: see "
+        "Model._compute_loss", "3.10-3.16", instance_of="Layer",
+        backends=("torch",)),
+    Row("Layer._track_variables", (), _A + "Layer: a sharded layer's "
+        "DTensors replace its variables' values", "3.10-3.16",
+        instance_of="Layer", backends=("torch_sharding",)),
+    Row("BackupAndRestore._save_model", (), _A + "BackupAndRestore: a "
+        "non-chief process's save goes to scratch (chief_only_writes)",
+        "3.10-3.16", instance_of="BackupAndRestore"),
+    Row("BackupAndRestore._weights_path", (), _A + "BackupAndRestore: see "
+        "_save_model", "3.10-3.16", instance_of="BackupAndRestore"),
+    Row("BackupAndRestore._training_metadata_path", (), _A +
+        "BackupAndRestore: see _save_model", "3.10-3.16",
+        instance_of="BackupAndRestore"),
+    Row("ModelCheckpoint._save_model", (), _A + "ModelCheckpoint: see "
+        "BackupAndRestore._save_model", "3.10-3.16",
+        instance_of="ModelCheckpoint"),
+)
 _BY_KEY: Dict[str, Row] = {row.key: row for row in ROWS}
+_probes: Dict[str, Any] = {}
+
+
+def _probe(kind: str) -> Any:
+    """A fresh Keras object of `kind`, made once, outside every strategy."""
+    if kind not in _probes:
+        import keras
+
+        makers = {
+            "Variable": lambda: keras.Variable(0.0, trainable=False),
+            "Model": lambda: keras.Sequential(),
+            "Layer": lambda: keras.layers.Dense(1),
+            "BackupAndRestore": lambda: keras.callbacks.BackupAndRestore(
+                "kd-probe-backup"),
+            "ModelCheckpoint": lambda: keras.callbacks.ModelCheckpoint(
+                "kd-probe.keras"),
+        }
+        _probes[kind] = makers[kind]()
+    return _probes[kind]
 _resolved: Dict[str, Any] = {}
 
 
@@ -214,6 +281,13 @@ def keras_version() -> str:
 
 def _find(row: Row) -> Any:
     """The object of `row`; raises `LookupError` saying what is missing."""
+    if row.instance_of is not None:
+        attribute = row.key.rpartition(".")[2]
+        probe = _probe(row.instance_of)
+        if not hasattr(probe, attribute):
+            raise LookupError(f"a new keras {type(probe).__name__} has no "
+                              f"attribute {attribute!r}")
+        return attribute
     if not row.candidates:  # "Owner.attribute": an attribute of a row
         owner_key, _, attribute = row.key.rpartition(".")
         owner = _resolved.get(owner_key) or _find(_BY_KEY[owner_key])
@@ -296,5 +370,6 @@ def _message(failures: List[Tuple[Row, str]]) -> str:
 
 
 def forget() -> None:
-    """Drops the resolved objects (after a test changed a row)."""
+    """Drops the resolved objects and probes (after a test changed a row)."""
     _resolved.clear()
+    _probes.clear()

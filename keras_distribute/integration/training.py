@@ -1,5 +1,13 @@
 """Keras-private state of a running `fit` that an exact resume must set.
 
+`kd.callbacks.BackupAndRestore` and `ShardedCheckpoint` resume mid-epoch:
+they find the `CallbackList` calling them, set the epoch `fit` starts from
+(`model._initial_epoch`, as Keras' own BackupAndRestore does), skip the
+train steps already done (by swapping `model.train_function` for a few
+calls) and restore other callbacks' progress (`CALLBACK_STATE`, some of it
+private attributes of Keras callbacks). Each relies on how Keras' `fit`
+runs; all of it is here.
+
 Keras 3.16 shuffles each epoch's samples by the data adapter's own epoch
 counter (`np.random.default_rng(epoch)`, stateless TF shuffles seeded by
 it), which starts at 0 in every `fit`. A `fit` resumed at epoch k must
@@ -12,7 +20,16 @@ nothing to do there.
 """
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import keras
+
+# The attributes that make up a Keras callback's progress (EarlyStopping,
+# ReduceLROnPlateau, ModelCheckpoint, ...); restored on resume.
+CALLBACK_STATE = ("best", "wait", "stopped_epoch", "best_epoch",
+                   "cooldown_counter", "epochs_since_last_save",
+                   "_batches_seen_since_last_saving", "_last_batch_seen",
+                   "_current_epoch")
 
 _ROW = ("fit's local `epoch_iterator.data_adapter._epoch` (Keras 3.16: the "
         "shuffle seed of each epoch)")
@@ -55,3 +72,62 @@ def set_data_epoch(value: Optional[int]) -> bool:
         return False
     adapter._epoch = int(value)
     return True
+
+
+def set_initial_epoch(model: Any, epoch: Optional[int]) -> None:
+    """The epoch the next `fit` starts from (`None`: its `initial_epoch`),
+    as Keras' own `BackupAndRestore` sets it."""
+    model._initial_epoch = None if epoch is None else int(epoch)
+
+
+def calling_callback_list(callback: Any) -> Optional[Any]:
+    """The `CallbackList` dispatching to `callback` (found on the stack)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) and any(
+                c is callback for c in owner.callbacks):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def skip_train_steps(model: Any, count: int, when_done: Callable,
+                     on_first_batch: Optional[Callable] = None) -> None:
+    """Makes the next `count` train steps consume their batch and do nothing.
+
+    Those batches were trained on before the interruption; the restored
+    state already includes them. `on_first_batch(batch)` is called with the
+    first batch taken (e.g. to build what needs a batch's shapes).
+    """
+    original = model.train_function
+    remaining = [count]
+    first = [on_first_batch]
+    steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
+
+    def skip(*args):
+        data = args[-1]
+        if hasattr(data, "__next__"):  # an iterator: take the batches
+            for _ in range(steps_per_call):
+                batch = next(data, _END)
+                if batch is _END:
+                    break
+                if first[0] is not None:
+                    first[0], call = None, first[0]
+                    call(batch)
+        # Only after the batches were taken: the first one may be what
+        # draws the epoch's shuffle order from the RNG being restored.
+        remaining[0] -= steps_per_call
+        if remaining[0] <= 0:
+            model.train_function = original
+            when_done()
+        if keras.backend.backend() == "jax":  # (state, data) -> (logs, state)
+            return {}, args[0]
+        return {}
+
+    model.train_function = skip
+
+
+_END = object()
