@@ -21,7 +21,7 @@ fi
 # The second stack: the pinned next Keras (constraints-next.txt) first on
 # the path. It must really be the one imported (else this proves nothing).
 next_version=$(sed -n 's/^keras-nightly==//p' constraints-next.txt)
-for backend in ${KD_NEXT_BACKENDS:-jax tensorflow}; do
+for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   echo "=== next Keras $next_version, KERAS_BACKEND=$backend ==="
   if ! PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend .venv/bin/python -c \
       "import keras, sys; sys.exit(keras.__version__ != '$next_version')"; then

@@ -669,3 +669,49 @@ def diverged_random_states():
     from worker_common import diverged_random_states as body
 
     return body(kd.MirroredStrategy())
+
+
+def counting_metrics_and_one_ddp():
+    """Counting metrics (TruePositives: its result is a view of its
+    variable) and the number of DDP wrappers and metric all-reduces."""
+    _setup()
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    made = []
+    original_init = torch.nn.parallel.DistributedDataParallel.__init__
+
+    def counting_init(self, *args, **kwargs):
+        made.append(type(args[0]).__name__)
+        original_init(self, *args, **kwargs)
+
+    torch.nn.parallel.DistributedDataParallel.__init__ = counting_init
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (rng.random(64) > 0.5).astype("float32")
+    with kd.MirroredStrategy().scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(1, activation="sigmoid")])
+        model.compile("sgd", "binary_crossentropy", metrics=[
+            keras.metrics.TruePositives(), keras.metrics.FalseNegatives()])
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                        shuffle=False).history
+    evaluation = model.evaluate(x, y, batch_size=16, verbose=0,
+                                return_dict=True)
+    reductions = []
+    original_all_reduce = torch.distributed.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        reductions.append(tuple(tensor.shape))
+        return original_all_reduce(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counting_all_reduce
+    try:
+        results = {k: float(v) for k, v in model.get_metrics_result().items()}
+    finally:
+        torch.distributed.all_reduce = original_all_reduce
+    return {"history": history, "evaluate": evaluation, "results": results,
+            "ddp": made, "reductions": reductions}

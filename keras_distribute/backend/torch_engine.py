@@ -270,6 +270,16 @@ class TorchEngine:
     def sync_gradients(self, variables: Sequence[Any]) -> None:
         """Nothing to do: the held DDP all-reduced the gradients."""
 
+    # Keras 3.16 wraps a model in its own DistributedDataParallel; the
+    # integration layer hands that one over (`hold_ddp`) instead of a second.
+    uses_keras_ddp = True
+
+    def hold_ddp(self, model: Any, wrapper: Any) -> None:
+        """Holds `wrapper` (a DDP of `model` made elsewhere) as its DDP."""
+        if wrapper is not None:
+            params = tuple(p for p in model.parameters() if p.requires_grad)
+            self._ddp[model] = (wrapper, tuple(map(id, params)))
+
     def ddp(self, model: Any) -> Any:
         """The DistributedDataParallel that wraps `model`, made once."""
         params = tuple(p for p in model.parameters() if p.requires_grad)

@@ -198,6 +198,8 @@ class ShardedTorchEngine(TorchEngine):
             np.prod(variable.shape)) * itemsize
 
     # ------------------------------------------------------------ training
+    uses_keras_ddp = False  # DTensor's collectives replace DDP's
+
     def ddp(self, model: Any) -> Any:
         return model  # DTensor's collectives replace DDP's all-reduce
 

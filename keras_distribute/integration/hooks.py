@@ -24,7 +24,10 @@ them, on first use (the first strategy created, never at import), and
 4. PyTorch only (in a process group): new variables are recorded for the
    rank-0 broadcast; `TorchTrainer.train_step` forwards through a held
    `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
-   nothing); `Trainer.get_metrics_result` reads all-process metric states.
+   nothing); `Trainer.get_metrics_result` reads all-process metric states
+   with one flat all-reduce. On Keras 3.16, whose torch Trainer makes its
+   own DDP and reduces metrics itself, the engine holds Keras' DDP (a
+   sharded engine prevents it) and its reduction replaces Keras'.
 5. JAX only: Keras' trainer computes the data layout from the first batch
    of an epoch and reuses it; a short last batch then fails with
    `IndivisibleError`. The hook asks the strategy's distribution for every
@@ -353,7 +356,12 @@ def _install_torch_hooks() -> None:
             return original_train_step(self, data)
         return engine.train_step(self, data)
 
-    original_results = base_trainer.get_metrics_result
+    # Keras 3.16's torch Trainer all-reduces metric variables itself; for a
+    # model a strategy owns, the engine's one flat reduction replaces it.
+    base_results = base_trainer.get_metrics_result  # reduces nothing
+    owner = torch_trainer if "get_metrics_result" in vars(
+        torch_trainer) else base_trainer
+    original_results = owner.get_metrics_result
 
     @functools.wraps(original_results)
     def get_metrics_result(self):
@@ -361,11 +369,31 @@ def _install_torch_hooks() -> None:
         if engine is None:
             return original_results(self)
         with engine.global_metric_states(self.metrics_variables):
-            return original_results(self)
+            results = base_results(self)
+            # A result can be a view of a metric variable (TruePositives'
+            # `accumulator[0]`), and the local values return on exit.
+            return keras.tree.map_structure(
+                lambda v: v.clone() if hasattr(v, "clone") else v, results)
 
     _patch(torch_variable, "_initialize", _initialize)
     _patch(torch_trainer, "train_step", train_step)
-    _patch(base_trainer, "get_metrics_result", get_metrics_result)
+    _patch(owner, "get_metrics_result", get_metrics_result)
+
+    initialize_ddp = registry.resolve("TorchTrainer._initialize_ddp")
+    if initialize_ddp is not None:  # Keras 3.16 makes its own DDP
+        @functools.wraps(initialize_ddp)
+        def _initialize_ddp(self):
+            engine = _torch_engine(self)
+            if engine is None:
+                return initialize_ddp(self)
+            if not engine.uses_keras_ddp:
+                return None  # DTensor collectives replace DDP's
+            engine.broadcast_new_variables()
+            result = initialize_ddp(self)
+            engine.hold_ddp(self, self.ddp_model)  # one DDP: Keras' own
+            return result
+
+        _patch(torch_trainer, "_initialize_ddp", _initialize_ddp)
 
 
 _torch_sharding_hooks_installed = False

@@ -43,6 +43,8 @@ class Row:
         parameters: For a callable, the names its parameters must start
             with (`None`: not checked).
         backends: The backends that use it (empty: all).
+        optional: Present on some of the supported Keras versions only
+            (`resolve` gives `None` where it is absent; `check` passes).
         instance_of: For a private attribute of Keras objects (set in
             `__init__`, so absent from the class): the kind of object
             probed for it (see `_PROBES`); the key is `"Kind.attribute"`.
@@ -55,6 +57,7 @@ class Row:
     upstream: str = "-"
     parameters: Optional[Tuple[str, ...]] = None
     backends: Tuple[str, ...] = ()
+    optional: bool = False
     instance_of: Optional[str] = None
 
 
@@ -174,6 +177,18 @@ ROWS: Tuple[Row, ...] = (
         "keras 3.16 torch distribution_lib", backends=("torch",)),
     Row("TorchTrainer.train_step", (), "see TorchTrainer", "3.10-3.16",
         parameters=("self", "data"), backends=("torch",)),
+    Row("TorchTrainer._initialize_ddp", (),
+        "torch: Keras 3.16 wraps a model in its own DDP; the engine uses "
+        "that one (one DDP, not two), and a sharded engine, whose DTensor "
+        "collectives replace DDP, keeps Keras from making it",
+        "3.16 (absent before)", parameters=("self",), backends=("torch",),
+        optional=True),
+    Row("TorchTrainer.get_metrics_result", (),
+        "torch: Keras 3.16 all-reduces every metric variable in every step "
+        "itself; for a model a strategy owns the engine's one flat "
+        "reduction, made when results are read, replaces it (not a second "
+        "reduction on top)", "3.16 (inherited before)",
+        parameters=("self",), backends=("torch",), optional=True),
     # torch sharded layouts (DTensor over processes); checked when the
     # first sharding engine installs them.
     Row("keras_backend", ((_S + "backend", ""),),
@@ -330,6 +345,8 @@ def resolve(key: str) -> Any:
             found = _find(row)
             _check_parameters(row, found)
         except LookupError as error:
+            if row.optional:
+                return None
             raise KerasVersionError(_message([(row, str(error))])) from None
         _resolved[key] = found
     return _resolved[key]
@@ -351,7 +368,8 @@ def check(backend: str, keys: Optional[Sequence[str]] = None) -> None:
             found = _find(row)
             _check_parameters(row, found)
         except LookupError as error:
-            failures.append((row, str(error)))
+            if not row.optional:
+                failures.append((row, str(error)))
             continue
         _resolved[row.key] = found
     if failures:
