@@ -523,22 +523,11 @@ def test_counting_metrics_are_global_with_one_ddp_and_one_reduction():
     # in one process). Keras 3.16 makes its own DDP and all-reduces every
     # metric variable itself: the engine uses that DDP and its one flat
     # reduction replaces Keras' (not two of each).
-    import keras
+    from worker_common import counting_metrics_fit
 
     results = kd.launch(workers.counting_metrics_and_one_ddp,
                         num_processes=2, timeout=TIMEOUT)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 4)).astype("float32")
-    y = (rng.random(64) > 0.5).astype("float32")
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,)),
-                              keras.layers.Dense(1, activation="sigmoid")])
-    model.compile("sgd", "binary_crossentropy", metrics=[
-        keras.metrics.TruePositives(), keras.metrics.FalseNegatives()])
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                        shuffle=False).history
-    evaluation = model.evaluate(x, y, batch_size=16, verbose=0,
-                                return_dict=True)
+    history, evaluation, _ = counting_metrics_fit()
     for result in results:
         for name in ("true_positives", "false_negatives"):
             assert result["history"][name] == history[name]

@@ -475,3 +475,24 @@ def launch_diverged_random_states(workers, timeout):
                            model.get_weights()):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_allclose(a, c, atol=1e-5)
+
+
+def counting_metrics_fit():
+    """A binary classifier with counting metrics (TruePositives,
+    FalseNegatives), fit for 2 epochs and evaluated: `(history, evaluation,
+    model)`. Call it inside a strategy's scope or outside any."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (rng.random(64) > 0.5).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile("sgd", "binary_crossentropy", metrics=[
+        keras.metrics.TruePositives(), keras.metrics.FalseNegatives()])
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                        shuffle=False).history
+    evaluation = model.evaluate(x, y, batch_size=16, verbose=0,
+                                return_dict=True)
+    return history, evaluation, model

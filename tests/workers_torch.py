@@ -675,7 +675,6 @@ def counting_metrics_and_one_ddp():
     """Counting metrics (TruePositives: its result is a view of its
     variable) and the number of DDP wrappers and metric all-reduces."""
     _setup()
-    import keras
     import torch
 
     import keras_distribute as kd
@@ -688,19 +687,10 @@ def counting_metrics_and_one_ddp():
         original_init(self, *args, **kwargs)
 
     torch.nn.parallel.DistributedDataParallel.__init__ = counting_init
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 4)).astype("float32")
-    y = (rng.random(64) > 0.5).astype("float32")
+    from worker_common import counting_metrics_fit
+
     with kd.MirroredStrategy().scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((4,)),
-                                  keras.layers.Dense(1, activation="sigmoid")])
-        model.compile("sgd", "binary_crossentropy", metrics=[
-            keras.metrics.TruePositives(), keras.metrics.FalseNegatives()])
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                        shuffle=False).history
-    evaluation = model.evaluate(x, y, batch_size=16, verbose=0,
-                                return_dict=True)
+        history, evaluation, model = counting_metrics_fit()
     reductions = []
     original_all_reduce = torch.distributed.all_reduce
 
