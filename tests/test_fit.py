@@ -300,3 +300,27 @@ def test_first_batch_that_does_not_divide_by_the_replicas(strategy, n,
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
     assert_same_weights(reference, model)
+
+
+def test_train_on_batch_with_a_tf_data_batch_equals_numpy(strategy):
+    # Regression (#19.4, JAX): tf.Tensors from a tf.data iterator, as the TF
+    # checkpoint guide's loop feeds them, raised "Cannot interpret
+    # 'tf.float32' as a data type".
+    import tensorflow as tf
+
+    import conftest
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(32,))
+    losses = []
+    for batch in [(x, y), next(iter(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32)))]:
+        with strategy.scope():
+            model = conftest.make_mlp()
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(
+                              from_logits=True))
+        losses.append(model.train_on_batch(*batch))
+        losses.append(model.train_on_batch(*batch))
+    assert losses[:2] == losses[2:]

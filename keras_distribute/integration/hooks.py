@@ -171,6 +171,16 @@ def _install_model_hooks() -> None:
            saving.outside_every_strategy(saving_lib.get_attr_skipset))
 
 
+def _host_array_unless_jax(value):
+    import jax
+    import numpy as np
+
+    if value is None or isinstance(value, (np.ndarray, jax.Array)) or (
+            not hasattr(value, "__array__")):
+        return value
+    return np.asarray(value)
+
+
 def _install_jax_data_hook() -> None:
     jax_trainer = registry.resolve("jax_trainer")
     distribution_lib = registry.resolve("distribution_lib")
@@ -183,6 +193,10 @@ def _install_jax_data_hook() -> None:
         distribution = distribution_lib.distribution()
         if getattr(distribution, "_kd_strategy_distribution", False):
             layouts = None  # per batch: a short batch gets its own layout
+            # `train_on_batch(x, y)` with a tf.data batch (tf.Tensors, as
+            # the TF checkpoint guide's loop feeds): Keras lays out only
+            # numpy and JAX arrays ("Cannot interpret 'tf.float32'").
+            data = keras.tree.map_structure(_host_array_unless_jax, data)
         return original(data, layouts, *args, **kwargs)
 
     _patch(jax_trainer, "_distribute_data", _distribute_data)

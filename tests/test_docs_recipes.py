@@ -1,0 +1,143 @@
+"""The shell recipes of docs/multi_worker.md, reproduced on one machine.
+
+Each starts the page's own `train.py` (its first Python block) as the
+recipe says — `python -m keras_distribute.launch`, torchrun, a SLURM step,
+`TF_CONFIG` workers — with the hosts replaced by 127.0.0.1 and free ports,
+two processes, and must end with every process exiting 0. JAX processes get
+2 simulated CPU devices each, as the page says.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BACKEND
+from test_docs_blocks import ROOT, page_blocks
+
+PAGE = ROOT / "docs" / "multi_worker.md"
+TIMEOUT_S = 300
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KD_DOCS_BLOCKS", "1") == "0",
+    reason="KD_DOCS_BLOCKS=0 (scripts/test.sh: the next-Keras stack)")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _recipe(start: str) -> str:
+    """The page's bash block that starts with `start` (so that an edit of
+    the page that drops the recipe fails here)."""
+    text = PAGE.read_text()
+    blocks = text.split("```bash\n")[1:]
+    found = [b.split("```")[0] for b in blocks if b.lstrip().startswith(start)]
+    assert found, f"docs/multi_worker.md has no recipe starting {start!r}"
+    return found[0]
+
+
+@pytest.fixture
+def train_script(tmp_path) -> pathlib.Path:
+    (line, code), *_ = page_blocks(PAGE, BACKEND)
+    assert "MultiWorkerMirroredStrategy" in code, (
+        f"multi_worker.md:{line}: the first block is not train.py")
+    path = tmp_path / "train.py"
+    path.write_text(code)
+    return path
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2",
+               JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join(
+                   filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for name in list(env):  # no cluster description from outside
+        if name.startswith(("SLURM_", "TF_CONFIG", "KERAS_DISTRIBUTE",
+                            "KERAS_DISTRIBUTION", "TORCHELASTIC")) or name in (
+                                "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name)
+    env.pop("KD_RECORD_BAD_INPUTS", None)
+    env.update(extra)
+    return env
+
+
+def _run_together(commands, cwd, refused: str = "") -> None:
+    """Starts every `(argv, env)` at once; all must exit 0 in time (or, with
+    `refused`, all fail saying it)."""
+    processes = [subprocess.Popen(argv, cwd=cwd, env=env,
+                                  stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for argv, env in commands]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    codes = [p.returncode for p in processes]
+    if refused:
+        assert all(c != 0 and refused in o for c, o in zip(codes, outputs))
+        return
+    assert codes == [0] * len(codes), "\n".join(
+        f"--- process {i} exited {c}:\n{o[-4000:]}"
+        for i, (c, o) in enumerate(zip(codes, outputs)))
+
+
+def test_the_launcher_recipe(train_script):
+    argv = _recipe("python -m keras_distribute.launch").split()
+    assert argv[:5] == ["python", "-m", "keras_distribute.launch", "--nproc",
+                        "2"] and argv[5] == "train.py"
+    _run_together([([sys.executable] + argv[1:], _env())],
+                  train_script.parent)
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow",
+                    reason="the page: TensorFlow takes TF_CONFIG, not torchrun")
+def test_the_torchrun_recipe(train_script):
+    recipe = _recipe("torchrun").replace("\\\n", " ").split()
+    assert recipe[:3] == ["torchrun", "--nnodes", "2"]
+    assert "--rdzv-backend" in recipe and recipe[-1] == "train.py"
+    # One machine: one node with both processes, the endpoint local.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+            "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "train.py"]
+    _run_together([(argv, _env())], train_script.parent)
+
+
+def test_the_slurm_recipe(train_script):
+    recipe = _recipe("#SBATCH")
+    assert "export KERAS_DISTRIBUTE_PORT=" in recipe
+    assert "srun python train.py" in recipe
+    port = str(_free_port())
+    # What srun gives each task of a 2-task step on one node.
+    commands = [([sys.executable, "train.py"], _env(
+        SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+        SLURM_JOB_NODELIST="127.0.0.1", SLURM_NODELIST="127.0.0.1",
+        KERAS_DISTRIBUTE_PORT=port)) for rank in range(2)]
+    # The page: TensorFlow needs one address per worker, which SLURM's
+    # variables do not give; it is refused, saying to use TF_CONFIG.
+    _run_together(commands, train_script.parent, refused=(
+        "Describe the job with TF_CONFIG" if BACKEND == "tensorflow"
+        else ""))
+
+
+def test_the_tf_config_recipe(train_script):
+    recipe = _recipe("export TF_CONFIG=")
+    assert '"cluster": {"worker":' in recipe and "python train.py" in recipe
+    workers = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    commands = [([sys.executable, "train.py"], _env(TF_CONFIG=json.dumps({
+        "cluster": {"worker": workers},
+        "task": {"type": "worker", "index": index}}))) for index in range(2)]
+    _run_together(commands, train_script.parent)
