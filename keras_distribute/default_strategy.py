@@ -54,7 +54,8 @@ class _InPlaceEngine:
     def from_native(self, value: Any) -> Any:
         return value
 
-    def distribute_datasets_from_function(self, dataset_fn, options) -> Any:
+    def distribute_datasets_from_function(self, dataset_fn, options,
+                                          input_context) -> Any:
         return None  # built by the neutral layer
 
     def distribute_dataset(self, dataset: Any, options: Any) -> Any:

@@ -404,17 +404,27 @@ class Strategy:
                 f"dataset_fn={dataset_fn!r}."
             )
         options = self._check_options(options)
-        native = self._engine.distribute_datasets_from_function(
-            dataset_fn, options)
-        if native is not None:
-            return native
         input_context = input_lib.InputContext(
             num_input_pipelines=self._num_input_pipelines(),
             input_pipeline_id=self._input_pipeline_id(),
             num_replicas_in_sync=self.num_replicas_in_sync,
         )
+        made = {}
+
+        def dataset_fn_once(ctx):
+            # An engine may look at what `dataset_fn` makes before choosing
+            # its own pipeline (TF: a tf.data.Dataset) or this one (arrays,
+            # lists of batches): `dataset_fn` still runs once per pipeline.
+            if ctx.input_pipeline_id not in made:
+                made[ctx.input_pipeline_id] = dataset_fn(ctx)
+            return made[ctx.input_pipeline_id]
+
+        native = self._engine.distribute_datasets_from_function(
+            dataset_fn_once, options, input_context)
+        if native is not None:
+            return native
         return input_lib.DistributedDatasetsFromFunction(
-            self, dataset_fn, input_context, options
+            self, dataset_fn_once, input_context, options
         )
 
     def experimental_distribute_values_from_function(self, value_fn: Callable

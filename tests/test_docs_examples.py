@@ -237,6 +237,30 @@ def test_distribute_datasets_from_function():
             ctx.num_replicas_in_sync) == (1, 0, 2)
 
 
+def test_distribute_datasets_from_function_with_arrays_and_lists():
+    # Regression (#19.7, TF): a dataset_fn returning arrays or a list of
+    # batches (accepted on JAX and torch) raised TF's "'list' object has no
+    # attribute 'element_spec'". Every backend: each element is one
+    # replica's batch, dataset_fn runs once.
+    strategy = kd.MirroredStrategy(cpu_names(2))
+    calls = []
+
+    def batches_fn(ctx):
+        calls.append(ctx.input_pipeline_id)
+        return [np.full((2, 3), i, "float32") for i in range(4)]
+
+    steps = [local(strategy, strategy.run(lambda b: b * 2, args=(batch,)))
+             for batch in strategy.distribute_datasets_from_function(
+                 batches_fn)]
+    assert steps == [[[[0.0] * 3] * 2, [[2.0] * 3] * 2],
+                     [[[4.0] * 3] * 2, [[6.0] * 3] * 2]]
+    assert calls == [0]
+    rows = strategy.distribute_datasets_from_function(
+        lambda ctx: np.arange(8, dtype="float32").reshape(4, 2))
+    assert [local(strategy, x) for x in rows] == [
+        [[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]]]
+
+
 def test_uneven_last_batch_runs_per_replica_with_collectives():
     import keras
 

@@ -50,8 +50,11 @@ class ReplicaEngine(Protocol):
         """The framework's own distributed dataset, or `None` to split here."""
 
     def distribute_datasets_from_function(self, dataset_fn: Callable,
-                                          options: Any) -> Any:
-        """The framework's own per-pipeline datasets, or `None`."""
+                                          options: Any,
+                                          input_context: Any) -> Any:
+        """The framework's own per-pipeline datasets, or `None` (the neutral
+        layer builds them). `dataset_fn` may be called to see what it makes:
+        it runs once per pipeline however often it is called."""
 
     def variable_local_results(self, variable: Any) -> Optional[tuple]:
         """The per-replica copies of a strategy variable, else `None`."""

@@ -413,8 +413,12 @@ class TfEngine:
         return None
 
     def distribute_datasets_from_function(self, dataset_fn: Callable,
-                                          options: Any) -> Any:
+                                          options: Any,
+                                          input_context: Any) -> Any:
         from keras_distribute.input_lib import InputContext
+
+        if not isinstance(dataset_fn(input_context), tf.data.Dataset):
+            return None  # arrays, a list of batches: kd's own pipeline
 
         def tf_dataset_fn(tf_context):
             return dataset_fn(InputContext(

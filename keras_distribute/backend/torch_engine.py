@@ -319,7 +319,8 @@ class TorchEngine:
     def distribute_dataset(self, dataset: Any, options: Any) -> Any:
         return None
 
-    def distribute_datasets_from_function(self, dataset_fn, options) -> Any:
+    def distribute_datasets_from_function(self, dataset_fn, options,
+                                          input_context) -> Any:
         return None
 
     def put_per_replica(self, structures: Sequence[Any],
