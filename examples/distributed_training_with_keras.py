@@ -13,7 +13,6 @@ Usage:
 
 import argparse
 import os
-import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -48,8 +47,10 @@ def decay(epoch):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="where checkpoints go (default: a temp dir)")
+    parser.add_argument("--checkpoint-dir", default="training_checkpoints",
+                        help="where checkpoints go, shared by every process "
+                             "(default, as in the tutorial: "
+                             "./training_checkpoints)")
     args = parser.parse_args(argv)
 
     if keras.backend.backend() == "tensorflow":
@@ -74,7 +75,10 @@ def main(argv=None):
             metrics=["accuracy"],
         )
 
-    checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="kd-ckpt-")
+    # Every process reads the chief's files after fit (the chief alone writes
+    # them; fit returns in every process once they are complete), so the
+    # directory is one they all see.
+    checkpoint_dir = args.checkpoint_dir
     checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch}.weights.h5")
 
     class PrintLR(keras.callbacks.Callback):

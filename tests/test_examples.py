@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -25,14 +26,21 @@ RUNS = [
 ]
 
 
-def run_example(name, args):
+def run_example(name, args, launch=False):
     # A crash in native code (a signal) prints the Python stack of each
-    # thread, so a failure here says where it happened.
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONFAULTHANDLER="1")
+    # thread, so a failure here says where it happened. Files an example
+    # writes go to a scratch working directory.
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONFAULTHANDLER="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [
+                   str(EXAMPLES.parent), os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)  # each example sets its own device count
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args], env=env,
-        capture_output=True, text=True, timeout=TIMEOUT)
+    env.pop("KD_RECORD_BAD_INPUTS", None)
+    launcher = [sys.executable, "-m", "keras_distribute.launch", "--nproc",
+                "2"] if launch else [sys.executable]
+    with tempfile.TemporaryDirectory(prefix="kd-example-") as directory:
+        return subprocess.run(
+            [*launcher, str(EXAMPLES / name), *args], env=env, cwd=directory,
+            capture_output=True, text=True, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("name, args, expected", RUNS,
@@ -56,6 +64,19 @@ def test_example_runs(name, args, expected):
         f"exit {done.returncode}\nstdout:\n{done.stdout[-1500:]}\n"
         f"stderr:\n{done.stderr[-6000:]}")
     assert expected in done.stdout
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch: one process per "
+                    "replica, so the docstring starts it with the launcher")
+def test_tutorial_example_under_the_launcher_as_its_docstring_says():
+    # Regression (#19.2): each process took its own temporary checkpoint
+    # directory and rank 1 found no `ckpt_12.weights.h5` (the chief alone
+    # writes it).
+    done = run_example("distributed_training_with_keras.py",
+                       ["--epochs", "1"], launch=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert done.stdout.count("Eval accuracy") == 2  # both processes
+    assert "Number of devices: 2" in done.stdout
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))

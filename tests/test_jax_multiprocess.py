@@ -135,3 +135,15 @@ def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
     from worker_common import launch_diverged_random_states
 
     launch_diverged_random_states(workers, TIMEOUT)
+
+
+def test_save_before_fit_with_one_device_per_process(tmp_path):
+    # Regression (#19.3): multi_worker.md's custom-loop checkpoint with one
+    # device per process raised "An argument array had 2 shard(s)".
+    results = kd.launch(workers.save_before_fit_one_device_per_process,
+                        num_processes=2, args=(str(tmp_path),),
+                        timeout=TIMEOUT)
+    assert [r["path"] for r in results] == [str(tmp_path / "ckpt-1")] * 2
+    for result in results:
+        for a, b in zip(result["weights"], workers.initial_weights()):
+            np.testing.assert_array_equal(a, b)

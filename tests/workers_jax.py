@@ -127,3 +127,29 @@ def diverged_random_states():
 
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)))
+
+
+def save_before_fit_one_device_per_process(directory):
+    """One device per process (the launcher's default, one GPU per
+    process): a checkpoint saved before any fit, then restored."""
+    _jax_process(devices_per_process=1)
+    import keras
+
+    import keras_distribute as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    with strategy.scope():
+        model = make_model(initial_weights())
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=optimizer)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, directory,
+                                              max_to_keep=1)
+    path = manager.save()
+    with strategy.scope():
+        restored = make_model()
+    kd.checkpoint.ShardedCheckpoint(model=restored).read(
+        path).expect_partial()
+    return {"path": path, "weights": restored.get_weights()}
