@@ -36,6 +36,7 @@ def batches():
 
 
 def make_model():
+    keras.utils.set_random_seed(0)  # the same initial weights every time
     return keras.Sequential([keras.Input((64,)),
                              keras.layers.Dense(64, activation="tanh"),
                              keras.layers.Dense(10)])
@@ -53,7 +54,10 @@ def train_jax(strategy, epochs):
         optimizer = keras.optimizers.SGD(0.1)
         optimizer.build(model.trainable_variables)
 
-    def step(trainable, non_trainable, opt_vars, x, y, global_batch):
+    def step(x, y, global_batch):
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
         def loss_of(trainable):
             logits, _ = model.stateless_call(trainable, non_trainable, x)
             return kd.compute_average_loss(LOSS(y, logits),
@@ -61,24 +65,19 @@ def train_jax(strategy, epochs):
 
         loss, grads = jax.value_and_grad(loss_of)(trainable)
         grads = kd.get_replica_context().all_reduce("sum", grads)
-        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads,
-                                                        trainable)
-        return loss, trainable, opt_vars
+        # Assigned inside `run`, written back into the model after it.
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
 
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    opt_vars = [v.value for v in optimizer.variables]
     data = batches()
     dist = strategy.experimental_distribute_dataset(data)
     for epoch in range(epochs):
         total = 0.0
         for (xb, _), (x, y) in zip(data, dist):
-            loss, trainable, opt_vars = strategy.run(
-                step, args=(trainable, non_trainable, opt_vars, x, y, len(xb)))
+            loss = strategy.run(step, args=(x, y, len(xb)))
             total += float(strategy.reduce("sum", loss, axis=None))
-            trainable = [v.values[0] for v in trainable]
-            opt_vars = [v.values[0] for v in opt_vars]
         print(f"epoch {epoch + 1}: mean loss {total / len(data):.4f}")
+    return model
 
 
 def train_tensorflow(strategy, epochs):
@@ -112,6 +111,7 @@ def train_tensorflow(strategy, epochs):
                 dataset)):
             total += float(distributed_step(inputs, tf.constant(len(xb))))
         print(f"epoch {epoch + 1}: mean loss {total / len(data):.4f}")
+    return model
 
 
 def train_torch_process(epochs):
@@ -164,7 +164,16 @@ def main(argv=None):
         kd.simulate_cpu_devices(4)
     strategy = kd.MirroredStrategy()
     print(f"{backend}: {strategy.num_replicas_in_sync} replicas")
-    (train_jax if backend == "jax" else train_tensorflow)(strategy, args.epochs)
+    untrained = make_model()  # the loop's model as it starts
+    model = (train_jax if backend == "jax" else train_tensorflow)(
+        strategy, args.epochs)
+    # The loop trained the model itself (its variables hold the result).
+    x = np.concatenate([b[0] for b in batches()])
+    y = np.concatenate([b[1] for b in batches()])
+    before, after = (float(np.mean(LOSS(y, m.predict(x, verbose=0))))
+                     for m in (untrained, model))
+    print(f"model loss before {before:.4f}, after {after:.4f}")
+    assert after < before, "the loop did not train the model"
 
 
 if __name__ == "__main__":
