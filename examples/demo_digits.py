@@ -1,7 +1,9 @@
 """Train a small classifier on scikit-learn's digits under kd.MirroredStrategy.
 
-On a machine without accelerators, JAX simulates 8 CPU devices so that the
-strategy has 8 replicas to split every global batch across.
+On a machine without accelerators, JAX and TensorFlow simulate 8 CPU devices
+so that the strategy has 8 replicas to split every global batch across. On
+PyTorch one process is one replica: start several with
+`python -m keras_distribute.launch --nproc 2 examples/demo_digits.py`.
 
 Usage:
     python examples/demo_digits.py [--epochs 10] [--batch-size 64]
@@ -39,10 +41,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     (x_train, y_train), (x_test, y_test) = load_data()
+    if keras.backend.backend() == "tensorflow":
+        kd.simulate_cpu_devices(8)  # TensorFlow: 8 logical CPU devices
     strategy = kd.MirroredStrategy()
     print(f"Keras backend: {keras.backend.backend()}")
     print(f"Number of replicas in sync: {strategy.num_replicas_in_sync}")
     print(f"Strategy: {strategy}")
+    if keras.backend.backend() == "torch" and "RANK" not in os.environ:
+        print("PyTorch runs one replica per process: for more, run "
+              "python -m keras_distribute.launch --nproc 2 "
+              "examples/demo_digits.py")
 
     with strategy.scope():
         model = keras.Sequential([
