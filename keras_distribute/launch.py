@@ -23,6 +23,47 @@ from typing import Any, Callable, List, Optional, Sequence
 
 DEFAULT_TIMEOUT_S = 900.0
 _GRACE_S = 5.0
+# After SIGTERM/SIGINT reached the launcher and was passed on, how long the
+# workers have to save and exit before they are killed (a scheduler's grace
+# period is usually 30 s or more).
+DEFAULT_SIGNAL_GRACE_S = 25.0
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+class _SignalForwarder:
+    """Passes SIGTERM/SIGINT sent to the launcher on to its workers.
+
+    A scheduler stops a job by signalling the process it started (the
+    launcher); left alone, the launcher died at once and its workers ran on
+    as orphans. While active (main thread only: Python delivers signals
+    there), each such signal is sent to every live worker and recorded, so
+    that the launcher waits for them and exits with 128 + the signal.
+    """
+
+    def __init__(self, send: Callable[[int], None]):
+        self._send = send
+        self.received: List[int] = []
+        self._previous = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in _FORWARDED:
+                self._previous[signum] = signal.signal(signum, self._forward)
+        return self
+
+    def _forward(self, signum, frame) -> None:
+        self.received.append(signum)
+        self._send(signum)
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _signal_exit_code(signum: int) -> int:
+    return 128 + int(signum)
 
 
 class LaunchError(RuntimeError):
@@ -180,18 +221,34 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
                               results))
         for rank in range(num_processes)
     ]
+    def send(signum):
+        for process in processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except OSError:
+                    pass
+
     for process in processes:
         process.start()
-    try:
-        return _collect(processes, results, timeout)
-    finally:
-        _end(processes)
+    with _SignalForwarder(send) as forwarder:
+        try:
+            return _collect(processes, results, timeout, forwarder)
+        finally:
+            _end(processes)
 
 
-def _collect(processes, results, timeout: float) -> List[Any]:
+def _collect(processes, results, timeout: float,
+             forwarder: Optional[_SignalForwarder] = None) -> List[Any]:
     values, deadline = {}, time.monotonic() + timeout
     exited_at = {}
     while len(values) < len(processes):
+        if forwarder is not None and forwarder.received:
+            signum = forwarder.received[0]
+            _wait_for_exit(processes, DEFAULT_SIGNAL_GRACE_S)
+            raise LaunchError(
+                f"The launcher received {signal.Signals(signum).name} and "
+                "passed it on to every process; the launch was ended.", None)
         if time.monotonic() > deadline:
             missing = sorted(set(range(len(processes))) - set(values))
             raise LaunchError(
@@ -201,12 +258,20 @@ def _collect(processes, results, timeout: float) -> List[Any]:
         try:
             rank, ok, value = results.get(timeout=0.2)
         except queue_module.Empty:
-            _check_dead(processes, values, exited_at)
+            if not (forwarder is not None and forwarder.received):
+                _check_dead(processes, values, exited_at)
             continue
         if not ok:
             raise _failure(processes, values, rank, value)
         values[rank] = value
     return [values[rank] for rank in range(len(processes))]
+
+
+def _wait_for_exit(processes, grace_s: float) -> None:
+    """Waits up to `grace_s` for every process (they were signalled)."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
 
 
 def _failure(processes, values, rank: int, trace: str) -> LaunchError:
@@ -297,11 +362,18 @@ def notebook_launcher(fn: Callable, num_processes: int,
 
 
 def run_script(script: str, script_args: Sequence[str], num_processes: int,
-               timeout: float = DEFAULT_TIMEOUT_S) -> int:
+               timeout: float = DEFAULT_TIMEOUT_S,
+               signal_grace: float = DEFAULT_SIGNAL_GRACE_S) -> int:
     """Runs `python script args...` in `num_processes` processes.
 
+    SIGTERM or SIGINT sent to the launcher is passed on to every process;
+    they get `signal_grace` seconds to exit before they are killed, and the
+    launcher exits with 128 + the signal (143 for SIGTERM). No process is
+    left behind.
+
     Returns:
-        0 if every process succeeded, else the first failure's exit code.
+        0 if every process succeeded, else the first failure's exit code
+        (124 on the timeout, 128 + the signal when signalled).
     """
     port, job_ports = _free_port(), _free_ports(num_processes)
     processes = []
@@ -310,9 +382,37 @@ def run_script(script: str, script_args: Sequence[str], num_processes: int,
                                              job_ports))
         processes.append(subprocess.Popen(
             [sys.executable, script, *script_args], env=env))
+    def send(signum):
+        for process in processes:
+            if process.poll() is None:
+                try:
+                    process.send_signal(signum)
+                except OSError:
+                    pass
+
     deadline = time.monotonic() + timeout
+    with _SignalForwarder(send) as forwarder:
+        return _watch(processes, num_processes, deadline, timeout, forwarder,
+                      signal_grace)
+
+
+def _watch(processes, num_processes, deadline, timeout, forwarder,
+           signal_grace) -> int:
+    """`run_script`'s loop: the first failure, a timeout or a signal ends
+    every process; returns the launcher's exit code."""
     try:
         while True:
+            if forwarder.received:
+                signum = forwarder.received[0]
+                print(f"keras_distribute.launch: received "
+                      f"{signal.Signals(signum).name}, passed it on to every "
+                      f"process; waiting up to {signal_grace:.0f} s for them "
+                      "to exit.", file=sys.stderr)
+                end = time.monotonic() + signal_grace
+                while time.monotonic() < end and any(
+                        p.poll() is None for p in processes):
+                    time.sleep(0.1)
+                return _signal_exit_code(signum)
             codes = [p.poll() for p in processes]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -350,12 +450,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         dest="nproc", help="number of processes (default 2)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds before every process is ended")
+    parser.add_argument("--signal-grace", type=float,
+                        default=DEFAULT_SIGNAL_GRACE_S,
+                        help="seconds the processes get to exit after a "
+                        "SIGTERM/SIGINT passed on to them (default 25)")
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1; received {args.nproc}")
-    return run_script(args.script, args.script_args, args.nproc, args.timeout)
+    return run_script(args.script, args.script_args, args.nproc, args.timeout,
+                      args.signal_grace)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""A scheduler stops a job by signalling the launcher: the workers hear it.
+
+Regression (#17): `python -m keras_distribute.launch` ended by SIGTERM died
+at once and left its workers running. Now the signal is passed on to every
+worker, they get a grace period to save and exit, and the launcher exits
+with 128 + the signal; nothing is left behind. The workers here are plain
+Python (no framework), so this runs once, under the JAX suite.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BACKEND
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    BACKEND != "jax", reason="no framework involved: run once")
+
+WORKER = """
+import os, signal, sys, time
+rank = os.environ["RANK"]
+def on_term(signum, frame):
+    open(f"got-{signum}-{rank}", "w").close()   # a worker saving its state
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(f"pid-{rank}", "w").write(str(os.getpid()))
+for _ in range(600):
+    time.sleep(0.1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_for(predicate, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+         "--signal-grace", "10", "worker.py"],
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: all((tmp_path / f"pid-{r}").exists() and
+                                     (tmp_path / f"pid-{r}").read_text()
+                                     for r in range(2)), 60)
+        pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 128 + signal.SIGTERM
+    for rank in range(2):  # each worker got the signal and could save
+        assert (tmp_path / f"got-{int(signal.SIGTERM)}-{rank}").exists()
+    assert _wait_for(lambda: not any(map(_alive, pids)), 10), "orphans"
+    assert "received SIGTERM, passed it on" in launcher.stderr.read()
+
+
+def test_a_worker_ignoring_the_signal_is_killed_after_the_grace(tmp_path):
+    (tmp_path / "worker.py").write_text(
+        WORKER.replace("sys.exit(0)", "pass  # ignores it"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+         "--signal-grace", "1", "worker.py"],
+        cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
+    try:
+        assert _wait_for(lambda: all((tmp_path / f"pid-{r}").exists() and
+                                     (tmp_path / f"pid-{r}").read_text()
+                                     for r in range(2)), 60)
+        pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        start = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - start < 15
+    assert _wait_for(lambda: not any(map(_alive, pids)), 10), "orphans"
+
+
+PARENT = """
+import os, time
+import keras_distribute as kd
+
+def work():
+    open(f"pid-{os.environ['RANK']}", "w").write(str(os.getpid()))
+    time.sleep(60)
+
+if __name__ == "__main__":
+    try:
+        kd.launch(work, num_processes=2)
+    except kd.LaunchError as error:
+        print("LaunchError:", error)
+        raise SystemExit(3)
+"""
+
+
+def test_sigterm_to_a_kd_launch_parent_ends_its_workers(tmp_path):
+    (tmp_path / "parent.py").write_text(PARENT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    parent = subprocess.Popen([sys.executable, "parent.py"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: all((tmp_path / f"pid-{r}").exists() and
+                                     (tmp_path / f"pid-{r}").read_text()
+                                     for r in range(2)), 120)
+        pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        parent.send_signal(signal.SIGTERM)
+        code = parent.wait(60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert code == 3
+    assert "received SIGTERM and passed it on" in parent.stdout.read()
+    assert _wait_for(lambda: not any(map(_alive, pids)), 10), "orphans"
