@@ -19,6 +19,8 @@ import resource
 import shutil
 import subprocess
 import sys
+
+from _results import record
 import tempfile
 import time
 
@@ -183,7 +185,7 @@ def main():
         result["async"]["blocked_vs_copy"] = round(
             result["async"]["blocked_s"]
             / result["async"]["device_to_host_copy_s"], 3)
-        print(json.dumps(result, indent=1))
+        record("checkpoint_jax", result)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -9,11 +9,11 @@ Usage:
     python benchmarks/bench_fit_jax.py [--devices 8] [--steps 60] [--trials 5]
 """
 
-import json
 import os
 import sys
 
 from _args import fit_benchmark_args
+from _results import record
 
 ARGS = fit_benchmark_args(__doc__.splitlines()[0], devices=8)
 os.environ["KERAS_BACKEND"] = "jax"
@@ -59,7 +59,7 @@ def main():
         keras.distribution.set_distribution(None)
     kd_ms = 1000 * float(np.median(kd_times))
     native_ms = 1000 * float(np.median(native_times))
-    print(json.dumps({
+    record("fit_jax", {
         "benchmark": "fit_step_time_jax",
         "devices": strategy.num_replicas_in_sync,
         "global_batch": ARGS.batch_size,
@@ -68,7 +68,7 @@ def main():
         "keras_data_parallel_ms": round(native_ms, 3),
         "ratio": round(kd_ms / native_ms, 3),
         "goal": "<= 1.02",
-    }))
+    })
     return 0
 
 

@@ -9,11 +9,11 @@ Usage:
     python benchmarks/bench_fit_tf.py [--devices 4] [--steps 60] [--trials 5]
 """
 
-import json
 import os
 import sys
 
 from _args import fit_benchmark_args
+from _results import record
 
 ARGS = fit_benchmark_args(__doc__.splitlines()[0], devices=4)
 os.environ["KERAS_BACKEND"] = "tensorflow"
@@ -51,7 +51,7 @@ def main():
         native_times += step_times(native.scope, x, y)
     kd_ms = 1000 * float(np.median(kd_times))
     native_ms = 1000 * float(np.median(native_times))
-    print(json.dumps({
+    record("fit_tensorflow", {
         "benchmark": "fit_step_time_tensorflow",
         "devices": strategy.num_replicas_in_sync,
         "global_batch": ARGS.batch_size,
@@ -60,7 +60,7 @@ def main():
         "tf_distribute_mirrored_ms": round(native_ms, 3),
         "ratio": round(kd_ms / native_ms, 3),
         "goal": "<= 1.02",
-    }))
+    })
     return 0
 
 

@@ -11,9 +11,10 @@ Usage:
 """
 
 import argparse
-import json
 import os
 import sys
+
+from _results import record
 
 os.environ["KERAS_BACKEND"] = "torch"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +141,7 @@ def main():
         kd.launch(keras_single_times, num_processes=1, args=(args,))[0]))
     torch_ms = 1000 * float(np.median(
         kd.launch(torch_single_times, num_processes=1, args=(args,))[0]))
-    print(json.dumps({
+    record("fit_torch", {
         "benchmark": "fit_step_time_torch",
         "processes": 2,
         "global_batch": args.batch_size,
@@ -152,7 +153,7 @@ def main():
         "control_single_process_keras_fit_ms": round(keras_ms, 3),
         "control_single_process_torch_loop_ms": round(torch_ms, 3),
         "control_keras_fit_overhead_ratio": round(keras_ms / torch_ms, 3),
-    }))
+    })
     return 0
 
 

@@ -14,9 +14,10 @@ Usage:
     python benchmarks/bench_model_parallel_jax.py [--steps 20] [--trials 3]
 """
 
-import json
 import os
 import sys
+
+from _results import record
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,9 +84,9 @@ def main():
             times[name] += per_step
             memory[name] = nbytes
     ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
-    print(json.dumps(sharded_vs_replicated(
+    record("model_parallel_jax", sharded_vs_replicated(
         "model_parallel_vs_replicated_jax", "device", ms, memory,
-        devices=8)))
+        devices=8))
     return 0
 
 

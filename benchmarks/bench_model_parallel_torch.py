@@ -18,9 +18,10 @@ Usage:
     python benchmarks/bench_model_parallel_torch.py [--steps 20] [--width 2048]
 """
 
-import json
 import os
 import sys
+
+from _results import record
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["KERAS_BACKEND"] = "torch"
@@ -89,9 +90,9 @@ def main():
     results = kd.launch(measure, args=(args.steps, args.trials, args.width),
                         num_processes=2, timeout=1800)
     ms, nbytes = results[0]["ms"], results[0]["bytes"]
-    print(json.dumps(sharded_vs_replicated(
+    record("model_parallel_torch", sharded_vs_replicated(
         "model_parallel_vs_replicated_torch", "process", ms, nbytes,
-        processes=2, width=args.width)))
+        processes=2, width=args.width))
     return 0
 
 

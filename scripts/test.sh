@@ -18,6 +18,8 @@ if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
   echo "=== docs/bad_inputs.md lists what the suite tries ==="
   .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json || status=1
 fi
+echo "=== docs/benchmarks.md tables match benchmarks/results/ ==="
+.venv/bin/python benchmarks/make_tables.py --check || status=1
 # The second stack: the pinned next Keras (constraints-next.txt) first on
 # the path. It must really be the one imported (else this proves nothing).
 next_version=$(sed -n 's/^keras-nightly==//p' constraints-next.txt)

@@ -1,0 +1,153 @@
+"""Writes the tables of docs/benchmarks.md from benchmarks/results/*.json.
+
+Each benchmark script records its result with the date, commit and versions
+it ran with (`_results.record`); this script renders them between the
+`<!-- table: NAME -->` and `<!-- /table -->` markers of the page. With
+`--check` it changes nothing and fails if the page's tables are not what the
+results say (the test command runs that).
+
+Usage:
+    python benchmarks/make_tables.py [--check]
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAGE = os.path.join(HERE, os.pardir, "docs", "benchmarks.md")
+RESULTS = os.path.join(HERE, "results")
+
+
+def _load(name):
+    with open(os.path.join(RESULTS, f"{name}.json")) as file:
+        return json.load(file)
+
+
+def _run(entry):
+    return f"{entry['date']}, `{entry['commit']}`"
+
+
+def _ms(value):
+    return f"{value:.2f} ms"
+
+
+def fit_table():
+    rows = ["| script | kd | native (the anchor) | ratio | goal | run |",
+            "|---|---|---|---|---|---|"]
+    for name, script, setup, native_key, native_name in (
+            ("fit_jax", "bench_fit_jax.py", "{devices} simulated devices",
+             "keras_data_parallel_ms", "`keras.distribution.DataParallel`"),
+            ("fit_tensorflow", "bench_fit_tf.py", "{devices} logical devices",
+             "tf_distribute_mirrored_ms",
+             "`tf.distribute.MirroredStrategy` + Keras `fit`"),
+            ("fit_torch", "bench_fit_torch.py", "{processes} gloo processes",
+             "hand_written_ddp_ms", "hand-written DDP loop")):
+        entry = _load(name)
+        r = entry["result"]
+        rows.append(
+            f"| `{script}` ({setup.format(**r)}) | {_ms(r['kd_mirrored_ms'])}"
+            f"/step | {native_name} {_ms(r[native_key])} | {r['ratio']:.3f} "
+            f"| {r['goal'].replace('<=', '≤')} | {_run(entry)} |")
+    for name, script, setup, unit in (
+            ("model_parallel_jax", "bench_model_parallel_jax.py",
+             "4 × 2 mesh", "device"),
+            ("model_parallel_torch", "bench_model_parallel_torch.py",
+             "2 gloo processes, (1, 2) mesh, DTensor", "process")):
+        entry = _load(name)
+        r = entry["result"]
+        rows.append(
+            f"| `{script}` ({setup}) | sharded {_ms(r['sharded_step_ms'])}, "
+            f"{r[f'sharded_variable_bytes_per_{unit}']:,} B/{unit} | "
+            f"replicated {_ms(r['replicated_step_ms'])}, "
+            f"{r[f'replicated_variable_bytes_per_{unit}']:,} B/{unit} | "
+            f"{r['step_time_ratio']:.2f} time, {r['memory_ratio']:.2f} "
+            f"memory | — | {_run(entry)} |")
+    torch = _load("fit_torch")["result"]
+    rows.append("")
+    rows.append(
+        f"Control in the same torch run: single-process Keras `fit` "
+        f"{_ms(torch['control_single_process_keras_fit_ms'])}/step against "
+        f"a raw torch loop "
+        f"{_ms(torch['control_single_process_torch_loop_ms'])} "
+        f"({torch['control_keras_fit_overhead_ratio']:.2f}×): the part of "
+        "the torch ratio that is Keras' own `fit` machinery.")
+    return "\n".join(rows)
+
+
+def checkpoint_table():
+    entry = _load("checkpoint_jax")
+    r = entry["result"]
+    names = (("numpy", "raw numpy (the limit)"),
+             ("kd", "**kd `ShardedCheckpoint`**"),
+             ("orbax", "orbax-checkpoint (`StandardCheckpointer`)"),
+             ("keras_save_weights", "Keras `save_weights` / `load_weights`"))
+    rows = [f"{r['megabytes']} MB of float32 Keras variables; run "
+            f"{_run(entry)} ({entry['machine']}; orbax "
+            f"{entry['versions'].get('orbax.checkpoint', 'not installed')}).",
+            "",
+            "| method | save | save / numpy | restore | restore / numpy | "
+            "extra peak RSS on restore | bit-exact |",
+            "|---|---|---|---|---|---|---|"]
+    for key, label in names:
+        if r["save_s"].get(key) is None:
+            continue
+        restore = r["restore"][key]
+        rows.append(
+            f"| {label} | {r['save_s'][key]:.2f} s | "
+            f"{r['save_time_vs_numpy'][key]:.2f} | "
+            f"{restore['restore_s']:.2f} s | "
+            f"{r['restore_time_vs_numpy'][key]:.2f} | "
+            f"{restore['extra_peak_rss_mb']:.0f} MB | "
+            f"{'yes' if restore['bit_exact'] else '**no**'} |")
+    a = r["async"]
+    rows.append("")
+    rows.append(
+        f"Asynchronous save: `fit` blocked {a['blocked_s']:.2f} s (the copy "
+        f"to host memory; a plain copy of the same arrays took "
+        f"{a['device_to_host_copy_s']:.2f} s in the same run), the whole "
+        f"save {a['total_s']:.2f} s in the background.")
+    return "\n".join(rows)
+
+
+TABLES = {"fit": fit_table, "checkpoint": checkpoint_table}
+_MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
+                     re.DOTALL)
+
+
+def render(text):
+    def replace(match):
+        return match.group(1) + TABLES[match.group(2)]() + "\n" + \
+            match.group(4)
+    found = {m.group(2) for m in _MARKED.finditer(text)}
+    missing = set(TABLES) - found
+    if missing:
+        raise SystemExit(f"docs/benchmarks.md has no marker for {missing}")
+    return _MARKED.sub(replace, text)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="fail if the page differs; change nothing")
+    args = parser.parse_args(argv)
+    with open(PAGE) as file:
+        text = file.read()
+    rendered = render(text)
+    if args.check:
+        if rendered != text:
+            print("docs/benchmarks.md is not what benchmarks/results/*.json "
+                  "say: run python benchmarks/make_tables.py",
+                  file=sys.stderr)
+            return 1
+        print("docs/benchmarks.md matches benchmarks/results/")
+        return 0
+    with open(PAGE, "w") as file:
+        file.write(rendered)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

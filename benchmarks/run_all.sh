@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every benchmark (one after another: they would share the cores) and
+# rewrites the tables of docs/benchmarks.md from their results. About 15
+# minutes on 2 cores. The checkpoint comparison needs orbax-checkpoint
+# (pip install "keras_distribute[bench]"); without it orbax's row is left out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+export TF_CPP_MIN_LOG_LEVEL=2
+for script in bench_fit_jax bench_fit_tf bench_fit_torch \
+              bench_model_parallel_jax bench_model_parallel_torch; do
+  echo "=== $script ==="
+  "$python" "benchmarks/$script.py"
+done
+echo "=== bench_checkpoint_jax (1 GiB) ==="
+"$python" benchmarks/bench_checkpoint_jax.py --megabytes 1024
+"$python" benchmarks/make_tables.py
