@@ -535,3 +535,37 @@ def test_counting_metrics_are_global_with_one_ddp_and_one_reduction():
             assert result["results"][name] == evaluation[name]
         assert result["ddp"] == ["Sequential"]  # one DDP, made once
         assert result["reductions"] == [(4,)]  # one flat all-reduce
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_equals_one_process_and_skips_together(policy):
+    # #16: parity under a mixed policy (tolerance of the compute dtype),
+    # float32 variables, and a non-finite gradient on one rank only skips
+    # the step on both (the loss scale halves on both).
+    import keras
+
+    results = kd.launch(workers.mixed_precision, num_processes=2,
+                        args=(policy,), timeout=TIMEOUT)
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        x, y = workers.make_data(n=96)
+        model = workers.make_model(workers.initial_weights())
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                            verbose=0).history
+        expected = model.get_weights()
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    tolerance = 5e-2 if policy == "mixed_bfloat16" else 5e-3
+    for result in results:
+        assert result["dtypes"] == ["float32"]
+        np.testing.assert_allclose(result["loss"], history["loss"],
+                                   rtol=tolerance)
+        for a, b, c in zip(result["weights"], results[0]["weights"],
+                           expected):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, atol=tolerance)
+        if policy == "mixed_float16":
+            skipped = result["skipped"]
+            assert skipped["unchanged"]
+            assert skipped["scale_after"] == skipped["scale_before"] / 2

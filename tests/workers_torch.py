@@ -705,3 +705,36 @@ def counting_metrics_and_one_ddp():
         torch.distributed.all_reduce = original_all_reduce
     return {"history": history, "evaluate": evaluation, "results": results,
             "ddp": made, "reductions": reductions}
+
+
+def mixed_precision(policy):
+    """`fit` under a mixed policy on 2 ranks, then a step whose gradient is
+    non-finite on rank 0 only (its half of the global batch)."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    keras.mixed_precision.set_dtype_policy(policy)
+    x, y = make_data(n=96)
+    with kd.MirroredStrategy().scope():
+        model = make_model(initial_weights())
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                        verbose=0).history
+    trained = model.get_weights()
+    skipped = None
+    if policy == "mixed_float16":
+        scale = float(keras.ops.convert_to_numpy(
+            model.optimizer.dynamic_scale))
+        poisoned = x[:32].copy()
+        poisoned[0, 0] = np.inf  # in rank 0's rows only
+        model.train_on_batch(poisoned, y[:32])
+        skipped = {
+            "unchanged": all(np.array_equal(a, b) for a, b in
+                             zip(model.get_weights(), trained)),
+            "scale_before": scale,
+            "scale_after": float(keras.ops.convert_to_numpy(
+                model.optimizer.dynamic_scale))}
+    return {"loss": history["loss"], "weights": trained,
+            "dtypes": sorted({v.dtype for v in model.trainable_variables}),
+            "skipped": skipped}
