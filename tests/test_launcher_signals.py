@@ -53,6 +53,14 @@ def _wait_for(predicate, seconds: float) -> bool:
     return predicate()
 
 
+def _worker_pids(directory, seconds: float) -> list:
+    """The two workers' pids, once both have written them."""
+    files = [directory / f"pid-{rank}" for rank in range(2)]
+    assert _wait_for(lambda: all(f.exists() and f.read_text()
+                                 for f in files), seconds)
+    return [int(f.read_text()) for f in files]
+
+
 def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -61,10 +69,7 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
          "--signal-grace", "10", "worker.py"],
         cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait_for(lambda: all((tmp_path / f"pid-{r}").exists() and
-                                     (tmp_path / f"pid-{r}").read_text()
-                                     for r in range(2)), 60)
-        pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        pids = _worker_pids(tmp_path, 60)
         launcher.send_signal(signal.SIGTERM)
         code = launcher.wait(30)
     finally:
@@ -86,10 +91,7 @@ def test_a_worker_ignoring_the_signal_is_killed_after_the_grace(tmp_path):
          "--signal-grace", "1", "worker.py"],
         cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
     try:
-        assert _wait_for(lambda: all((tmp_path / f"pid-{r}").exists() and
-                                     (tmp_path / f"pid-{r}").read_text()
-                                     for r in range(2)), 60)
-        pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        pids = _worker_pids(tmp_path, 60)
         start = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         code = launcher.wait(30)
@@ -124,10 +126,7 @@ def test_sigterm_to_a_kd_launch_parent_ends_its_workers(tmp_path):
     parent = subprocess.Popen([sys.executable, "parent.py"], cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, text=True)
     try:
-        assert _wait_for(lambda: all((tmp_path / f"pid-{r}").exists() and
-                                     (tmp_path / f"pid-{r}").read_text()
-                                     for r in range(2)), 120)
-        pids = [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        pids = _worker_pids(tmp_path, 120)
         parent.send_signal(signal.SIGTERM)
         code = parent.wait(60)
     finally:
