@@ -61,20 +61,30 @@ def _worker_pids(directory, seconds: float) -> list:
     return [int(f.read_text()) for f in files]
 
 
+def _terminate_once_started(argv, directory, start_s, **popen):
+    """Starts `argv` in `directory`, waits for its two workers' pids, sends
+    it SIGTERM; returns `(exit code, worker pids, process, seconds from
+    the signal to the exit)`."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(argv, cwd=directory, env=env, **popen)
+    try:
+        pids = _worker_pids(directory, start_s)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(60)
+        seconds = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return code, pids, process, seconds
+
+
 def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    launcher = subprocess.Popen(
+    code, pids, launcher, _ = _terminate_once_started(
         [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
-         "--signal-grace", "10", "worker.py"],
-        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        pids = _worker_pids(tmp_path, 60)
-        launcher.send_signal(signal.SIGTERM)
-        code = launcher.wait(30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+         "--signal-grace", "10", "worker.py"], tmp_path, 60,
+        stderr=subprocess.PIPE, text=True)
     assert code == 128 + signal.SIGTERM
     for rank in range(2):  # each worker got the signal and could save
         assert (tmp_path / f"got-{int(signal.SIGTERM)}-{rank}").exists()
@@ -85,21 +95,12 @@ def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
 def test_a_worker_ignoring_the_signal_is_killed_after_the_grace(tmp_path):
     (tmp_path / "worker.py").write_text(
         WORKER.replace("sys.exit(0)", "pass  # ignores it"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    launcher = subprocess.Popen(
+    code, pids, _, seconds = _terminate_once_started(
         [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
-         "--signal-grace", "1", "worker.py"],
-        cwd=tmp_path, env=env, stderr=subprocess.DEVNULL)
-    try:
-        pids = _worker_pids(tmp_path, 60)
-        start = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)
-        code = launcher.wait(30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+         "--signal-grace", "1", "worker.py"], tmp_path, 60,
+        stderr=subprocess.DEVNULL)
     assert code == 128 + signal.SIGTERM
-    assert time.monotonic() - start < 15
+    assert seconds < 15
     assert _wait_for(lambda: not any(map(_alive, pids)), 10), "orphans"
 
 
@@ -122,16 +123,9 @@ if __name__ == "__main__":
 
 def test_sigterm_to_a_kd_launch_parent_ends_its_workers(tmp_path):
     (tmp_path / "parent.py").write_text(PARENT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    parent = subprocess.Popen([sys.executable, "parent.py"], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        pids = _worker_pids(tmp_path, 120)
-        parent.send_signal(signal.SIGTERM)
-        code = parent.wait(60)
-    finally:
-        if parent.poll() is None:
-            parent.kill()
+    code, pids, parent, _ = _terminate_once_started(
+        [sys.executable, "parent.py"], tmp_path, 120,
+        stdout=subprocess.PIPE, text=True)
     assert code == 3
     assert "received SIGTERM and passed it on" in parent.stdout.read()
     assert _wait_for(lambda: not any(map(_alive, pids)), 10), "orphans"
