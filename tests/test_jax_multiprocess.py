@@ -147,3 +147,10 @@ def test_save_before_fit_with_one_device_per_process(tmp_path):
     for result in results:
         for a, b in zip(result["weights"], workers.initial_weights()):
             np.testing.assert_array_equal(a, b)
+
+
+def test_gradient_accumulation_with_ema_equals_one_process():
+    # #16: `gradient_accumulation_steps` + EMA overwrite, short last batch.
+    from worker_training import launch_gradient_accumulation
+
+    launch_gradient_accumulation(workers, TIMEOUT)

@@ -60,3 +60,10 @@ def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
     from worker_common import launch_diverged_random_states
 
     launch_diverged_random_states(workers, TIMEOUT)
+
+
+def test_gradient_accumulation_with_ema_equals_one_process():
+    # #16: `gradient_accumulation_steps` + EMA overwrite, short last batch.
+    from worker_training import launch_gradient_accumulation
+
+    launch_gradient_accumulation(workers, TIMEOUT)

@@ -569,3 +569,10 @@ def test_mixed_precision_equals_one_process_and_skips_together(policy):
             skipped = result["skipped"]
             assert skipped["unchanged"]
             assert skipped["scale_after"] == skipped["scale_before"] / 2
+
+
+def test_gradient_accumulation_with_ema_equals_one_process():
+    # #16: `gradient_accumulation_steps` + EMA overwrite, short last batch.
+    from worker_training import launch_gradient_accumulation
+
+    launch_gradient_accumulation(workers, TIMEOUT)

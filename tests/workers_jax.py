@@ -153,3 +153,13 @@ def save_before_fit_one_device_per_process(directory):
     kd.checkpoint.ShardedCheckpoint(model=restored).read(
         path).expect_partial()
     return {"path": path, "weights": restored.get_weights()}
+
+
+def gradient_accumulation():
+    """Accumulating optimizer with EMA, 2 processes x 2 devices."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_training import gradient_accumulation as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)))

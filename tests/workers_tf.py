@@ -78,3 +78,12 @@ def diverged_random_states():
 
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)))
+
+
+def gradient_accumulation():
+    """Accumulating optimizer with EMA, 2 workers."""
+    import keras_distribute as kd
+    from worker_training import gradient_accumulation as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)))

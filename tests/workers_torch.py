@@ -738,3 +738,12 @@ def mixed_precision(policy):
     return {"loss": history["loss"], "weights": trained,
             "dtypes": sorted({v.dtype for v in model.trainable_variables}),
             "skipped": skipped}
+
+
+def gradient_accumulation():
+    """Accumulating optimizer with EMA, 2 ranks."""
+    _setup()
+    import keras_distribute as kd
+    from worker_training import gradient_accumulation as body
+
+    return body(kd.MirroredStrategy())

@@ -14,13 +14,8 @@ them, on first use (the first strategy created, never at import), and
    scope wherever they are called, lay out stray optimizer / metric /
    lazily-built variables, and refuse a model created outside any scope
    whose variables the strategy does not own, or mixing two strategies.
-3. TensorFlow only: Keras scales each replica's mean loss by
-   `1 / num_replicas`, wrong when a short last batch is split unevenly; the
-   hook on `Loss.__call__` scales it by `local_batch / global_batch` instead
-   (and `unscale_loss_for_distribution` undoes that for the logged loss).
-   `int(v)` / `float(v)` of a scalar variable made in a strategy's scope
-   (a tf.distribute `MirroredVariable` inside) read its value, as they do
-   outside (`int(ckpt.step)` in the TF checkpoint guide's loop).
+3. TensorFlow only: see `tf_hooks` (uneven last batch, scalar variables,
+   multi-worker fit, optimizer slots, updates inside `ops.cond`).
 4. PyTorch only (in a process group): new variables are recorded for the
    rank-0 broadcast; `TorchTrainer.train_step` forwards through a held
    `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
@@ -47,7 +42,9 @@ import keras
 
 from keras_distribute import context
 from keras_distribute.integration import registry
+from keras_distribute.integration import patching
 from keras_distribute.integration import saving
+from keras_distribute.integration import tf_hooks
 from keras_distribute.context import model_strategy
 
 _TRAINER_METHODS = (
@@ -55,13 +52,8 @@ _TRAINER_METHODS = (
     "train_on_batch", "test_on_batch", "predict_on_batch",
 )
 _lock = threading.Lock()
-_originals = []  # (owner, attribute name, original, was in owner.__dict__)
-
-
-def _patch(owner, name: str, replacement) -> None:
-    had_own = name in owner.__dict__
-    _originals.append((owner, name, owner.__dict__.get(name), had_own))
-    setattr(owner, name, replacement)
+_originals = patching.originals
+_patch = patching.patch
 
 
 def _strategy_for(model, method_name: str):
@@ -200,145 +192,6 @@ def _install_jax_data_hook() -> None:
         return original(data, layouts, *args, **kwargs)
 
     _patch(jax_trainer, "_distribute_data", _distribute_data)
-
-
-def _install_tf_hooks() -> None:
-    loss_module = registry.resolve("loss_module")
-
-    from keras_distribute.backend import tf_fit
-
-    original_call = loss_module.Loss.__call__
-    original_unscale = loss_module.unscale_loss_for_distribution
-    last_factor = threading.local()  # per replica thread
-
-    @functools.wraps(original_call)
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        value = original_call(self, y_true, y_pred, sample_weight)
-        factor = tf_fit.uneven_batch_loss_factor(self, y_pred)
-        last_factor.value = factor
-        if factor is None:
-            return value
-        # Keras 3.16 returns an empty tensor, not 0, for a replica with no
-        # rows (its mean then read NaN): the sum is 0 there, the value
-        # itself elsewhere.
-        return keras.ops.sum(value) * factor
-
-    @functools.wraps(original_unscale)
-    def unscale_loss_for_distribution(value):
-        factor = getattr(last_factor, "value", None)
-        if factor is None:
-            return original_unscale(value)
-        # A replica with an empty slice has loss 0 and factor 0.
-        return original_unscale(keras.ops.divide_no_nan(
-            value, keras.ops.cast(factor, value.dtype)))
-
-    _patch(loss_module.Loss, "__call__", __call__)
-    _patch(loss_module, "unscale_loss_for_distribution",
-           unscale_loss_for_distribution)
-    _install_tf_scalar_conversions()
-    _install_tf_multi_worker_fixes()
-    _install_tf_optimizer_build_fix()
-
-
-def _install_tf_optimizer_build_fix() -> None:
-    """The tf.distribute custom-training tutorial's loop: `@tf.function`
-    around `strategy.run(step)` whose optimizer is not built yet. Keras
-    3.15 makes the slots inside the traced function and the first step
-    fails ('You must feed a value for placeholder tensor', keras#23085);
-    Keras 3.16 makes them under `tf.init_scope()` (keras#23087). The same
-    here, on the versions without it."""
-    import tensorflow as tf
-
-    optimizer_class = registry.resolve("TFOptimizer")
-    if "add_variable" in optimizer_class.__dict__:
-        return  # Keras does it itself
-    original = optimizer_class.add_variable
-
-    @functools.wraps(original)
-    def add_variable(self, *args, **kwargs):
-        with tf.init_scope():
-            return original(self, *args, **kwargs)
-
-    _patch(optimizer_class, "add_variable", add_variable)
-
-
-def _install_tf_scalar_conversions() -> None:
-    """`int()` / `float()` of a Keras variable holding a tf.distribute
-    variable (Keras calls `int(self.value)`, which TF refuses for it)."""
-    import tensorflow as tf
-    tf_variable = registry.resolve("tf_Variable")
-
-    def conversion(name, convert):
-        original = getattr(tf_variable, name)
-
-        @functools.wraps(original)
-        def method(self):
-            if self.ndim == 0 and isinstance(
-                    getattr(self, "_value", None),
-                    tf.distribute.DistributedValues):
-                return convert(self.numpy())
-            return original(self)
-        return method
-
-    _patch(tf_variable, "__int__", conversion("__int__", int))
-    _patch(tf_variable, "__float__", conversion("__float__", float))
-
-
-def _install_tf_multi_worker_fixes() -> None:
-    """Keras 3 `fit` under tf.distribute.MultiWorkerMirroredStrategy.
-
-    Upstream (keras#20585) it fails twice: the symbolic build reduces the
-    first batch with a cross-worker MEAN (integer labels and unequal shapes
-    break it), and `reduce_per_replica` reduces scalar metric results along
-    axis 0. Only kd's multi-worker strategies take the fixed paths.
-    """
-    import tensorflow as tf
-    tf_trainer = registry.resolve("tf_trainer")
-    tf_trainer_class = registry.resolve("TFTrainer")
-
-    from keras_distribute.backend import tensorflow as tf_backend
-    from keras_distribute.backend import tf_fit
-
-    original_build = tf_trainer_class._maybe_symbolic_build
-
-    @functools.wraps(original_build)
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras averages the replicas' first batches to get their shapes:
-        # that fails when a short batch splits unevenly ([2, 4] vs [0, 4]),
-        # on one worker too. Every kd strategy takes one replica's slice.
-        strategy = self._distribute_strategy
-        if iterator is None or strategy not in tf_fit.our_tf_strategies:
-            return original_build(self, iterator, data_batch)
-        for _, _, batches in iterator:
-            batch = next(batches)
-            # Any one local replica's slice has the shapes and dtypes needed.
-            data_batch = keras.tree.map_structure(
-                lambda v: strategy.experimental_local_results(v)[0]
-                if isinstance(v, tf.distribute.DistributedValues) else v,
-                batch)
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    original_reduce = tf_trainer.reduce_per_replica
-
-    @functools.wraps(original_reduce)
-    def reduce_per_replica(values, strategy, reduction):
-        if reduction not in ("auto", "mean") or not tf_backend.is_multi_worker(
-                strategy):
-            return original_reduce(values, strategy, reduction)
-
-        def reduce(value):
-            # Metric results are already global; average scalars across
-            # workers with axis=None (axis=0 does not exist for them).
-            axis = None if len(getattr(value, "shape", ())) == 0 else 0
-            return strategy.reduce("MEAN", value, axis=axis)
-
-        return keras.tree.map_structure(reduce, values)
-
-    _patch(tf_trainer_class, "_maybe_symbolic_build",
-           _maybe_symbolic_build)
-    _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 
 
 def _torch_engine(model):
@@ -596,7 +449,7 @@ def install() -> None:
         if keras.backend.backend() == "jax":
             _install_jax_data_hook()
         elif keras.backend.backend() == "tensorflow":
-            _install_tf_hooks()
+            tf_hooks.install()
         elif keras.backend.backend() == "torch":
             _install_torch_hooks()
 
@@ -609,9 +462,4 @@ def uninstall() -> None:
         _checkpoint_hooks_installed = False
         _jax_process_hooks_installed = False
         _torch_sharding_hooks_installed = False
-        while _originals:
-            owner, name, original, had_own = _originals.pop()
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+        patching.restore_all()

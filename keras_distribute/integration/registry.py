@@ -146,6 +146,12 @@ ROWS: Tuple[Row, ...] = (
     Row("TFOptimizer.add_variable", (), "see TFOptimizer", "3.10-3.16",
         parameters=("self", "shape", "initializer", "dtype"),
         backends=("tensorflow",)),
+    Row("TFOptimizer._backend_apply_gradients", (),
+        "TF: gradient accumulation / EMA overwrite wrap the update in "
+        "ops.cond, where tf.distribute refuses merge_call; the update runs "
+        "in cross-replica context on gradients all-reduced first",
+        "3.10-3.16", parameters=("self", "grads", "trainable_variables"),
+        backends=("tensorflow",)),
     Row("tf_trainer", ((_S + "backend.tensorflow.trainer", ""),),
         "TF: multi-worker fit (keras#20585) and the first uneven batch",
         "3.10-3.16", "keras#20585", backends=("tensorflow",)),

@@ -1,0 +1,31 @@
+"""The record of every attribute keras_distribute replaced in Keras.
+
+`patch` swaps one attribute and remembers what was there; `restore_all`
+puts everything back in reverse order. `hooks` and `tf_hooks` patch only
+through here, so `hooks.uninstall()` leaves Keras exactly as it was.
+"""
+
+# (owner, attribute name, original, whether it was in owner.__dict__)
+originals = []
+
+
+def patch(owner, name: str, replacement) -> None:
+    """Replaces `owner.name` by `replacement`, remembering the original."""
+    had_own = name in owner.__dict__
+    originals.append((owner, name, owner.__dict__.get(name), had_own))
+    setattr(owner, name, replacement)
+
+
+def is_patched(owner, name: str) -> bool:
+    """Whether `owner.name` is one of the recorded replacements."""
+    return any(o is owner and n == name for o, n, _, _ in originals)
+
+
+def restore_all() -> None:
+    """Restores every recorded attribute, newest first."""
+    while originals:
+        owner, name, original, had_own = originals.pop()
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)

@@ -1,0 +1,217 @@
+"""The TensorFlow backend's hooks into Keras (installed by `hooks.install`).
+
+1. Keras scales each replica's mean loss by `1 / num_replicas`, wrong when
+   a short last batch is split unevenly; the hook on `Loss.__call__` scales
+   it by `local_batch / global_batch` instead (and
+   `unscale_loss_for_distribution` undoes that for the logged loss).
+2. `int(v)` / `float(v)` of a scalar variable made in a strategy's scope
+   (a tf.distribute `MirroredVariable` inside) read its value, as they do
+   outside (`int(ckpt.step)` in the TF checkpoint guide's loop).
+3. Multi-worker `fit` (keras#20585): the symbolic build and the scalar
+   metric reduction.
+4. An optimizer first applied inside a `tf.function` makes its slots under
+   `init_scope` (Keras 3.16 does it itself).
+5. Optimizer updates inside `keras.ops.cond` (`gradient_accumulation_steps`,
+   EMA with `ema_overwrite_frequency`): tf.distribute refuses a `merge_call`
+   inside a replica's control flow, so those updates run in cross-replica
+   context, on gradients all-reduced before the condition.
+
+Every Keras-private name comes from `registry`.
+"""
+
+import functools
+import threading
+
+import keras
+
+from keras_distribute.integration import patching
+from keras_distribute.integration import registry
+
+
+def install() -> None:
+    """Installs the TensorFlow hooks (`hooks.install` calls it once)."""
+    loss_module = registry.resolve("loss_module")
+
+    from keras_distribute.backend import tf_fit
+
+    original_call = loss_module.Loss.__call__
+    original_unscale = loss_module.unscale_loss_for_distribution
+    last_factor = threading.local()  # per replica thread
+
+    @functools.wraps(original_call)
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = original_call(self, y_true, y_pred, sample_weight)
+        factor = tf_fit.uneven_batch_loss_factor(self, y_pred)
+        last_factor.value = factor
+        if factor is None:
+            return value
+        # Keras 3.16 returns an empty tensor, not 0, for a replica with no
+        # rows (its mean then read NaN): the sum is 0 there, the value
+        # itself elsewhere.
+        return keras.ops.sum(value) * factor
+
+    @functools.wraps(original_unscale)
+    def unscale_loss_for_distribution(value):
+        factor = getattr(last_factor, "value", None)
+        if factor is None:
+            return original_unscale(value)
+        # A replica with an empty slice has loss 0 and factor 0.
+        return original_unscale(keras.ops.divide_no_nan(
+            value, keras.ops.cast(factor, value.dtype)))
+
+    patching.patch(loss_module.Loss, "__call__", __call__)
+    patching.patch(loss_module, "unscale_loss_for_distribution",
+           unscale_loss_for_distribution)
+    _install_tf_scalar_conversions()
+    _install_tf_multi_worker_fixes()
+    _install_tf_optimizer_build_fix()
+    _install_tf_cross_replica_apply()
+
+
+def _install_tf_optimizer_build_fix() -> None:
+    """The tf.distribute custom-training tutorial's loop: `@tf.function`
+    around `strategy.run(step)` whose optimizer is not built yet. Keras
+    3.15 makes the slots inside the traced function and the first step
+    fails ('You must feed a value for placeholder tensor', keras#23085);
+    Keras 3.16 makes them under `tf.init_scope()` (keras#23087). The same
+    here, on the versions without it."""
+    import tensorflow as tf
+
+    optimizer_class = registry.resolve("TFOptimizer")
+    if "add_variable" in optimizer_class.__dict__:
+        return  # Keras does it itself
+    original = optimizer_class.add_variable
+
+    @functools.wraps(original)
+    def add_variable(self, *args, **kwargs):
+        with tf.init_scope():
+            return original(self, *args, **kwargs)
+
+    patching.patch(optimizer_class, "add_variable", add_variable)
+
+
+def _install_tf_scalar_conversions() -> None:
+    """`int()` / `float()` of a Keras variable holding a tf.distribute
+    variable (Keras calls `int(self.value)`, which TF refuses for it)."""
+    import tensorflow as tf
+    tf_variable = registry.resolve("tf_Variable")
+
+    def conversion(name, convert):
+        original = getattr(tf_variable, name)
+
+        @functools.wraps(original)
+        def method(self):
+            if self.ndim == 0 and isinstance(
+                    getattr(self, "_value", None),
+                    tf.distribute.DistributedValues):
+                return convert(self.numpy())
+            return original(self)
+        return method
+
+    patching.patch(tf_variable, "__int__", conversion("__int__", int))
+    patching.patch(tf_variable, "__float__", conversion("__float__", float))
+
+
+def _install_tf_multi_worker_fixes() -> None:
+    """Keras 3 `fit` under tf.distribute.MultiWorkerMirroredStrategy.
+
+    Upstream (keras#20585) it fails twice: the symbolic build reduces the
+    first batch with a cross-worker MEAN (integer labels and unequal shapes
+    break it), and `reduce_per_replica` reduces scalar metric results along
+    axis 0. Only kd's multi-worker strategies take the fixed paths.
+    """
+    import tensorflow as tf
+    tf_trainer = registry.resolve("tf_trainer")
+    tf_trainer_class = registry.resolve("TFTrainer")
+
+    from keras_distribute.backend import tensorflow as tf_backend
+    from keras_distribute.backend import tf_fit
+
+    original_build = tf_trainer_class._maybe_symbolic_build
+
+    @functools.wraps(original_build)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras averages the replicas' first batches to get their shapes:
+        # that fails when a short batch splits unevenly ([2, 4] vs [0, 4]),
+        # on one worker too. Every kd strategy takes one replica's slice.
+        strategy = self._distribute_strategy
+        if iterator is None or strategy not in tf_fit.our_tf_strategies:
+            return original_build(self, iterator, data_batch)
+        for _, _, batches in iterator:
+            batch = next(batches)
+            # Any one local replica's slice has the shapes and dtypes needed.
+            data_batch = keras.tree.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues) else v,
+                batch)
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    original_reduce = tf_trainer.reduce_per_replica
+
+    @functools.wraps(original_reduce)
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not tf_backend.is_multi_worker(
+                strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def reduce(value):
+            # Metric results are already global; average scalars across
+            # workers with axis=None (axis=0 does not exist for them).
+            axis = None if len(getattr(value, "shape", ())) == 0 else 0
+            return strategy.reduce("MEAN", value, axis=axis)
+
+        return keras.tree.map_structure(reduce, values)
+
+    patching.patch(tf_trainer_class, "_maybe_symbolic_build",
+           _maybe_symbolic_build)
+    patching.patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
+
+
+def _install_tf_cross_replica_apply() -> None:
+    """`SGD(..., gradient_accumulation_steps=k)` (or EMA with an overwrite
+    frequency) under a strategy. Keras wraps the update in `ops.cond`; the
+    update all-reduces and updates mirrored variables through `merge_call`,
+    which tf.distribute refuses inside a replica's `cond` ('merge_call
+    called while defining a new graph'; native tf.distribute + Keras 3
+    fails the same way). Here the gradients are all-reduced in one
+    `merge_call` before the condition and Keras' own update (condition,
+    accumulators, clipping, weight decay, EMA) runs in cross-replica
+    context, where every variable update applies to all its copies."""
+    import tensorflow as tf
+
+    optimizer_class = registry.resolve("TFOptimizer")
+    original = optimizer_class._backend_apply_gradients
+
+    def needs_cross_replica(optimizer):
+        return bool(optimizer.gradient_accumulation_steps) or bool(
+            optimizer.use_ema and optimizer.ema_overwrite_frequency)
+
+    @functools.wraps(original)
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        replica_context = tf.distribute.get_replica_context()
+        if (not needs_cross_replica(self) or replica_context is None
+                or not tf.distribute.has_strategy()):
+            return original(self, grads, trainable_variables)
+        trainable_variables = list(trainable_variables)
+
+        def apply_in_cross_replica(strategy, grads):
+            extended = strategy.extended
+            reduced = extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM,
+                [(g, v.value) for g, v in zip(grads, trainable_variables)])
+            # Keras' TF optimizer asks for a merge_call unless the strategy
+            # runs without one; here, already in cross-replica context, its
+            # update function must run directly.
+            extended._use_merge_call = lambda: False
+            try:
+                return original(self, reduced, trainable_variables)
+            finally:
+                del extended._use_merge_call
+
+        replica_context.merge_call(apply_in_cross_replica,
+                                   args=(list(grads),))
+
+    patching.patch(optimizer_class, "_backend_apply_gradients",
+                   _backend_apply_gradients)
