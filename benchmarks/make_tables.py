@@ -112,7 +112,28 @@ def checkpoint_table():
     return "\n".join(rows)
 
 
-TABLES = {"fit": fit_table, "checkpoint": checkpoint_table}
+def compression_table():
+    entry = _load("compression_torch")
+    r = entry["result"]
+    rows = [f"{r['processes']} gloo processes, global batch "
+            f"{r['global_batch']}, {r['parameters']:,} parameters; run "
+            f"{_run(entry)} ({entry['machine']}).",
+            "",
+            "| compression | kd `fit` | DDP loop with torch's hook (anchor) "
+            "| ratio | gradient bytes / step | kd time vs uncompressed |",
+            "|---|---|---|---|---|---|"]
+    for name in ("none", "fp16", "bf16"):
+        row = r[name]
+        rows.append(
+            f"| {name} | {_ms(row['kd_ms'])}/step | "
+            f"{_ms(row['native_ddp_ms'])}/step | {row['ratio']:.3f} | "
+            f"{row['gradient_bytes_per_step']:,} | "
+            f"{row.get('kd_step_time_vs_uncompressed', 1.0):.3f} |")
+    return "\n".join(rows)
+
+
+TABLES = {"fit": fit_table, "checkpoint": checkpoint_table,
+          "compression": compression_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)
 

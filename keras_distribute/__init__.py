@@ -48,7 +48,7 @@ from keras_distribute.losses import compute_average_loss
 from keras_distribute.losses import scale_regularization_loss
 from keras_distribute.mirrored_strategy import MirroredStrategy
 from keras_distribute.mirrored_strategy import OneDeviceStrategy
-from keras_distribute.multi_worker_strategy import CommunicationOptions
+from keras_distribute.cross_device_ops import CommunicationOptions
 from keras_distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.simulate import simulate_cpu_devices

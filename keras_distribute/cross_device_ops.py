@@ -6,10 +6,18 @@ gloo through `torch.distributed`, tf.distribute's own choice on
 TensorFlow), so these objects select nothing: they are accepted where
 tf.distribute accepts them (`MirroredStrategy(cross_device_ops=...)`,
 `CommunicationOptions(implementation=...)`) and kept for inspection.
+`CommunicationOptions` also carries what the engines do honour: the
+timeout and the gradient compression.
 """
 
+import dataclasses
 import enum
 from typing import Any, Optional
+
+DEFAULT_TIMEOUT_S = 60.0
+# Accepted names of each gradient compression, by the name kept.
+_COMPRESSIONS = {"fp16": ("fp16", "float16", "half"),
+                 "bf16": ("bf16", "bfloat16")}
 
 
 class CommunicationImplementation(enum.Enum):
@@ -101,3 +109,71 @@ def _positive_int(value: Any, name: str) -> int:
         raise ValueError(f"Expected `{name}` to be a positive integer. "
                          f"Received: {name}={value!r}.")
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How the replicas of a strategy talk.
+
+    Args:
+        timeout_seconds: How long start-up (every worker joining) and each
+            collective may take before every process fails with an error
+            instead of hanging. Defaults to 60.
+        implementation: A `kd.CommunicationImplementation` (or its name),
+            kept for `tf.distribute` compatibility; the backend's engine
+            picks the algorithm. Defaults to `"AUTO"`.
+        compression: `"fp16"` or `"bf16"` to all-reduce the gradients in
+            that 16-bit type (half the bytes on the wire; Horovod's
+            `Compression.fp16`, DDP's `fp16_compress_hook`), or `None` (the
+            default) for their own dtype. Honoured on torch (a DDP
+            communication hook) and TensorFlow (the optimizer's all-reduce);
+            the JAX engine refuses it (XLA fuses the reduction into the
+            compiled step).
+
+    Raises:
+        ValueError: if `timeout_seconds` is not positive, `implementation`
+            names no implementation or `compression` no compression.
+
+    Example:
+
+    >>> CommunicationOptions(timeout_seconds=30).timeout_seconds
+    30
+    >>> CommunicationOptions(compression="bfloat16").compression
+    'bf16'
+    """
+
+    timeout_seconds: Optional[float] = DEFAULT_TIMEOUT_S
+    implementation: str = "AUTO"
+    compression: Optional[str] = None
+
+    def __post_init__(self):
+        CommunicationImplementation.from_value(self.implementation)  # checks
+        timeout = self.timeout_seconds
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or timeout <= 0):
+            raise ValueError(
+                "Expected `timeout_seconds` to be a positive number of "
+                f"seconds. Received: timeout_seconds={timeout!r}.")
+        if self.compression is not None:
+            name = self.compression.lower() if isinstance(
+                self.compression, str) else None
+            kept = next((k for k, names in _COMPRESSIONS.items()
+                         if name in names), None)
+            if kept is None:
+                raise ValueError(
+                    "Expected `compression` to be None, 'fp16' or 'bf16'. "
+                    f"Received: compression={self.compression!r}.")
+            object.__setattr__(self, "compression", kept)
+
+
+def checked_communication_options(options: Any) -> CommunicationOptions:
+    """`options` if it is a `kd.CommunicationOptions`, the defaults for
+    `None`; raises `ValueError` for anything else."""
+    if options is None:
+        return CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise ValueError(
+            "Expected `communication_options` to be a "
+            "`kd.CommunicationOptions`. Received: "
+            f"{type(options).__name__}.")
+    return options

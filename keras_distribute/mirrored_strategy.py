@@ -66,10 +66,15 @@ class MirroredStrategy(Strategy):
         layout_map: Optional `keras.distribution.LayoutMap` that shards
             variables over a model axis (model parallelism). Its mesh's first
             axis is the replica (batch) axis.
+        communication_options: Optional `kd.CommunicationOptions`; its
+            `compression` ("fp16"/"bf16") halves the bytes of the gradient
+            all-reduce (torch, TensorFlow).
 
     Raises:
         TypeError: for a `cross_device_ops` that is none of those.
         ValueError: for an unknown, duplicate or malformed device,
+            `communication_options` that is not a `kd.CommunicationOptions`
+            or asks for compression the backend cannot honour,
             `devices` that disagree with `layout_map`'s mesh, or (torch) a
             mesh whose size is not the number of processes.
         NotImplementedError: on a backend not supported yet; sharded
@@ -90,7 +95,8 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Optional[Sequence[Any]] = None,
-                 cross_device_ops: Any = None, *, layout_map: Any = None):
+                 cross_device_ops: Any = None, *, layout_map: Any = None,
+                 communication_options: Any = None):
         backend = get_backend()
         if layout_map is not None:
             # A backend that cannot shard says so before its devices are
@@ -122,6 +128,7 @@ class MirroredStrategy(Strategy):
                 "kd.ReductionToOneDevice(). Received: "
                 f"cross_device_ops={cross_device_ops!r}.")
         super().__init__(backend.make_engine(resolved, layout_map=layout_map))
+        self._set_communication_options(communication_options)
         # The engine chooses the all-reduce; kept for inspection only.
         self.cross_device_ops = cross_device_ops
 

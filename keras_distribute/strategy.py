@@ -37,6 +37,33 @@ class Strategy:
         if getattr(engine, "process_count", 1) > 1:
             context.register_job_strategy(self)
 
+    def _set_communication_options(self, options: Any) -> None:
+        """Checks `options` (a `kd.CommunicationOptions` or None) and hands
+        the engine what it honours (the gradient compression)."""
+        from keras_distribute.cross_device_ops import (
+            checked_communication_options)
+
+        options = checked_communication_options(options)
+        if options.compression is not None:
+            compress = getattr(self._engine, "set_gradient_compression",
+                               None)
+            if compress is None:
+                raise ValueError(
+                    "Gradient compression is honoured on the 'torch' and "
+                    "'tensorflow' Keras backends; on this one the gradient "
+                    "all-reduce is part of the compiled step and keeps the "
+                    "gradients' dtype. Received: "
+                    f"compression={options.compression!r}. Pass "
+                    "`kd.CommunicationOptions(compression=None)`, or use a "
+                    "mixed precision policy to compute in 16 bits.")
+            compress(options.compression)
+        self._communication_options = options
+
+    @property
+    def communication_options(self):
+        """The `kd.CommunicationOptions` this strategy runs with."""
+        return getattr(self, "_communication_options", None)
+
     # ------------------------------------------------------------------ info
     @property
     def num_replicas_in_sync(self) -> int:

@@ -576,3 +576,11 @@ def test_gradient_accumulation_with_ema_equals_one_process():
     from worker_training import launch_gradient_accumulation
 
     launch_gradient_accumulation(workers, TIMEOUT)
+
+
+def test_compressed_all_reduce_halves_the_bytes_and_keeps_accuracy():
+    # #16: CommunicationOptions(compression="fp16"/"bf16"): a DDP
+    # communication hook; bytes measured by torch's profiler.
+    from worker_training import launch_compressed_all_reduce
+
+    launch_compressed_all_reduce(workers, TIMEOUT)

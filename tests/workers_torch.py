@@ -747,3 +747,11 @@ def gradient_accumulation():
     from worker_training import gradient_accumulation as body
 
     return body(kd.MirroredStrategy())
+
+
+def compressed_all_reduce():
+    """The digits fit with and without 16-bit gradient all-reduce."""
+    _setup()
+    from worker_training import compressed_all_reduce as body
+
+    return body()

@@ -331,6 +331,12 @@ class TfEngine:
         return self.tf_strategy.experimental_assign_to_logical_device(
             tensor, logical_device_id)
 
+    def set_gradient_compression(self, name: str) -> None:
+        """The optimizer all-reduces gradients in `name`'s dtype ("fp16"
+        or "bf16"; see `tf_fit.compress_for_all_reduce`)."""
+        tf_fit.gradient_compression[self.tf_strategy] = {
+            "fp16": tf.float16, "bf16": tf.bfloat16}[name]
+
     def barrier(self, name: str) -> None:
         if self.multi_worker:  # a one-element all-reduce over every worker
             self.tf_strategy.run(lambda: tf.distribute.get_replica_context(

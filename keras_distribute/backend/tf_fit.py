@@ -20,6 +20,11 @@ import tensorflow as tf
 our_tf_strategies = weakref.WeakSet()
 even_fits = weakref.WeakSet()
 
+# `CommunicationOptions(compression=...)`: the dtype each strategy's
+# gradients are all-reduced in, and per strategy the `(dtype, bytes)` of
+# the gradients one traced step hands to the all-reduce.
+gradient_compression = weakref.WeakKeyDictionary()
+traced_gradient_reductions = weakref.WeakKeyDictionary()
 
 def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
     """How much to rescale a replica's loss so that uneven batches weigh right.
@@ -108,3 +113,35 @@ def apply_gradients(optimizer: Any, grads: Any, variables: Any) -> None:
     """In a tf.distribute replica context the optimizer sums the replicas'
     gradients itself (what the tutorials rely on)."""
     optimizer.apply_gradients(zip(grads, variables))
+
+
+def compress_for_all_reduce(grads: Any) -> tuple:
+    """`(grads in the compression dtype, restore)` for the current strategy.
+
+    Dense floating gradients are cast to the strategy's compression dtype
+    (`CommunicationOptions(compression=...)`; unchanged without one);
+    `restore(reduced)` casts the all-reduced values back. What one traced
+    step reduces is recorded in `traced_gradient_reductions`.
+    """
+    grads = list(grads)
+    strategy = tf.distribute.get_strategy()
+    dtype = gradient_compression.get(strategy)
+    if dtype is None:
+        return grads, lambda reduced: reduced
+    dtypes = [g.dtype for g in grads]
+
+    def compress(g):
+        if isinstance(g, tf.Tensor) and g.dtype.is_floating:
+            return tf.cast(g, dtype)
+        return g
+
+    compressed = [compress(g) for g in grads]
+    traced_gradient_reductions[strategy] = [
+        (g.dtype.name, g.shape.num_elements() * g.dtype.size)
+        for g in compressed if isinstance(g, tf.Tensor)]
+
+    def restore(reduced):
+        return [r if r is None or r.dtype == d else tf.cast(r, d)
+                for r, d in zip(reduced, dtypes)]
+
+    return compressed, restore

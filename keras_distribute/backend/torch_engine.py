@@ -196,6 +196,11 @@ class TorchEngine:
         # statistics): combined over processes after each `run`.
         self._aggregated = []
         self._ddp = weakref.WeakKeyDictionary()
+        # `CommunicationOptions(compression=...)`: the dtype gradients are
+        # all-reduced in (None: their own), and the bytes handed to those
+        # all-reduces so far (what goes on the wire, per process).
+        self.gradient_compression = None
+        self.gradient_bytes_reduced = 0
         self.even_batches = False  # set by `fit` when every batch splits evenly
         # Set by `fit`: whether per-batch logs have a reader (a progress bar,
         # a callback with batch hooks); if not, train steps skip the metric
@@ -294,9 +299,44 @@ class TorchEngine:
     # integration layer hands that one over (`hold_ddp`) instead of a second.
     uses_keras_ddp = True
 
+    def set_gradient_compression(self, name: str) -> None:
+        """All-reduces gradients in `name`'s dtype ("fp16" or "bf16")."""
+        self.gradient_compression = {"fp16": torch.float16,
+                                     "bf16": torch.bfloat16}[name]
+
+    def compress_gradients(self, flat: Any) -> Any:
+        """`flat` in the compression dtype (itself when there is none),
+        counted as all-reduced bytes."""
+        if self.gradient_compression is not None:
+            flat = flat.to(self.gradient_compression)
+        self.gradient_bytes_reduced += flat.numel() * flat.element_size()
+        return flat
+
+    def _register_compression(self, wrapper: Any) -> None:
+        # torch's own DDP hooks (cast, divide, all-reduce, cast back), with
+        # the bytes counted.
+        if self.gradient_compression is None or getattr(
+                wrapper, "_kd_compression", False):
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        torch_hook = (default_hooks.fp16_compress_hook
+                      if self.gradient_compression == torch.float16
+                      else default_hooks.bf16_compress_hook)
+        itemsize = torch.empty((), dtype=self.gradient_compression
+                               ).element_size()
+
+        def counting_hook(state, bucket):
+            self.gradient_bytes_reduced += bucket.buffer().numel() * itemsize
+            return torch_hook(state, bucket)
+
+        wrapper.register_comm_hook(None, counting_hook)
+        wrapper._kd_compression = True
+
     def hold_ddp(self, model: Any, wrapper: Any) -> None:
         """Holds `wrapper` (a DDP of `model` made elsewhere) as its DDP."""
         if wrapper is not None:
+            self._register_compression(wrapper)
             params = tuple(p for p in model.parameters() if p.requires_grad)
             self._ddp[model] = (wrapper, tuple(map(id, params)))
 
@@ -309,6 +349,7 @@ class TorchEngine:
             wrapper = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=None if self.device.type == "cpu" else [
                     self.device.index])
+            self._register_compression(wrapper)
             held = (wrapper, tuple(map(id, params)))
             self._ddp[model] = held
         return held[0]

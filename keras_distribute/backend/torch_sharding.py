@@ -213,8 +213,8 @@ class ShardedTorchEngine(TorchEngine):
         if not local:
             return
         flat = torch.cat([t.reshape(-1) for t in local])
+        flat = self.compress_gradients(flat / self.num_replicas)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_group)
-        flat /= self.num_replicas
         offset = 0
         with torch.no_grad():
             for tensor in local:

@@ -125,6 +125,10 @@ def apply_gradients(optimizer: Any, grads: Sequence[Any],
     """Sums the processes' gradients, then applies them."""
     from keras_distribute import context
 
-    grads = context.get_replica_context().all_reduce("sum", list(grads))
+    engine = context.get_strategy()._engine
+    dtypes = [g.dtype for g in grads]
+    grads = context.get_replica_context().all_reduce(
+        "sum", [engine.compress_gradients(g) for g in grads])
+    grads = [g.to(dtype) for g, dtype in zip(grads, dtypes)]
     with torch.no_grad():
         optimizer.apply(grads, variables)

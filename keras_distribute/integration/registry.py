@@ -146,6 +146,10 @@ ROWS: Tuple[Row, ...] = (
     Row("TFOptimizer.add_variable", (), "see TFOptimizer", "3.10-3.16",
         parameters=("self", "shape", "initializer", "dtype"),
         backends=("tensorflow",)),
+    Row("TFOptimizer._all_reduce_sum_gradients", (),
+        "TF: CommunicationOptions(compression=...) casts the gradients "
+        "the optimizer all-reduces to 16 bits and back", "3.10-3.16",
+        parameters=("self", "grads_and_vars"), backends=("tensorflow",)),
     Row("TFOptimizer._backend_apply_gradients", (),
         "TF: gradient accumulation / EMA overwrite wrap the update in "
         "ops.cond, where tf.distribute refuses merge_call; the update runs "

@@ -11,7 +11,9 @@
    metric reduction.
 4. An optimizer first applied inside a `tf.function` makes its slots under
    `init_scope` (Keras 3.16 does it itself).
-5. Optimizer updates inside `keras.ops.cond` (`gradient_accumulation_steps`,
+5. `CommunicationOptions(compression=...)`: the optimizer's gradient
+   all-reduce in a 16-bit type.
+6. Optimizer updates inside `keras.ops.cond` (`gradient_accumulation_steps`,
    EMA with `ema_overwrite_frequency`): tf.distribute refuses a `merge_call`
    inside a replica's control flow, so those updates run in cross-replica
    context, on gradients all-reduced before the condition.
@@ -66,6 +68,7 @@ def install() -> None:
     _install_tf_multi_worker_fixes()
     _install_tf_optimizer_build_fix()
     _install_tf_cross_replica_apply()
+    _install_tf_gradient_compression()
 
 
 def _install_tf_optimizer_build_fix() -> None:
@@ -181,6 +184,8 @@ def _install_tf_cross_replica_apply() -> None:
     context, where every variable update applies to all its copies."""
     import tensorflow as tf
 
+    from keras_distribute.backend import tf_fit
+
     optimizer_class = registry.resolve("TFOptimizer")
     original = optimizer_class._backend_apply_gradients
 
@@ -198,9 +203,10 @@ def _install_tf_cross_replica_apply() -> None:
 
         def apply_in_cross_replica(strategy, grads):
             extended = strategy.extended
-            reduced = extended.batch_reduce_to(
+            grads, restore = tf_fit.compress_for_all_reduce(grads)
+            reduced = restore(extended.batch_reduce_to(
                 tf.distribute.ReduceOp.SUM,
-                [(g, v.value) for g, v in zip(grads, trainable_variables)])
+                [(g, v.value) for g, v in zip(grads, trainable_variables)]))
             # Keras' TF optimizer asks for a merge_call unless the strategy
             # runs without one; here, already in cross-replica context, its
             # update function must run directly.
@@ -215,3 +221,31 @@ def _install_tf_cross_replica_apply() -> None:
 
     patching.patch(optimizer_class, "_backend_apply_gradients",
                    _backend_apply_gradients)
+
+
+def _install_tf_gradient_compression() -> None:
+    """`CommunicationOptions(compression="fp16"|"bf16")`: Keras' TF
+    optimizer all-reduces the replicas' gradients (a SUM in replica
+    context); they go to it in the 16-bit type and come back in their
+    own. Without compression the call is Keras' own."""
+    from keras_distribute.backend import tf_fit
+
+    optimizer_class = registry.resolve("TFOptimizer")
+    original = optimizer_class._all_reduce_sum_gradients
+
+    @functools.wraps(original)
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        import tensorflow as tf
+
+        if tf.distribute.get_strategy() not in tf_fit.gradient_compression:
+            return original(self, grads_and_vars)
+        pairs = list(grads_and_vars)
+        present = [(g, v) for g, v in pairs if g is not None]
+        grads, restore = tf_fit.compress_for_all_reduce(
+            [g for g, _ in present])
+        reduced = iter(restore([g for g, _ in original(
+            self, list(zip(grads, [v for _, v in present])))]))
+        return [(None if g is None else next(reduced), v) for g, v in pairs]
+
+    patching.patch(optimizer_class, "_all_reduce_sum_gradients",
+                   _all_reduce_sum_gradients)
