@@ -48,6 +48,11 @@ from keras_distribute.losses import compute_average_loss
 from keras_distribute.losses import scale_regularization_loss
 from keras_distribute.mirrored_strategy import MirroredStrategy
 from keras_distribute.mirrored_strategy import OneDeviceStrategy
+from keras_distribute.collectives import allgather
+from keras_distribute.collectives import allreduce
+from keras_distribute.collectives import broadcast
+from keras_distribute.collectives import process_count
+from keras_distribute.collectives import process_index
 from keras_distribute.cross_device_ops import CommunicationOptions
 from keras_distribute.multi_worker_strategy import MultiWorkerMirroredStrategy
 from keras_distribute.reduce_op import ReduceOp
@@ -100,6 +105,9 @@ __all__ = [
     "StrategyExtended",
     "TPUStrategy",
     "ValueContext",
+    "allgather",
+    "allreduce",
+    "broadcast",
     "callbacks",
     "checkpoint",
     "cluster_resolver",
@@ -111,6 +119,8 @@ __all__ = [
     "launch",
     "notebook_launcher",
     "numpy",
+    "process_count",
+    "process_index",
     "scale_regularization_loss",
     "simulate_cpu_devices",
     "train_step",

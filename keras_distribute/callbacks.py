@@ -6,6 +6,8 @@ interrupted `fit` at the exact epoch and step, with the optimizer, RNG and
 callback state, so that the resumed run ends with the same weights as an
 uninterrupted one. Both work on every backend and in multi-process jobs
 (every process writes its shards; the chief commits and deletes).
+Horovod's callbacks (`BroadcastGlobalVariables`, `MetricAverage`,
+`LearningRateWarmup`) come from `horovod_callbacks`.
 
 This module imports Keras (and so the backend framework): it is loaded on
 first use of `kd.callbacks`.
@@ -36,6 +38,10 @@ from keras_distribute.training_state import json_scalar
 from keras_distribute.training_state import keyed_callbacks
 from keras_distribute.training_state import link_checkpoint
 from keras_distribute.training_state import restore_rng
+# Horovod's callbacks, for ported programs: kd.callbacks.<name>.
+from keras_distribute.horovod_callbacks import BroadcastGlobalVariables  # noqa: F401
+from keras_distribute.horovod_callbacks import LearningRateWarmup  # noqa: F401
+from keras_distribute.horovod_callbacks import MetricAverage  # noqa: F401
 
 
 def _check_save_freq(save_freq: Any) -> None:

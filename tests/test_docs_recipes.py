@@ -141,3 +141,18 @@ def test_the_tf_config_recipe(train_script):
         "cluster": {"worker": workers},
         "task": {"type": "worker", "index": index}}))) for index in range(2)]
     _run_together(commands, train_script.parent)
+
+
+def test_the_horovod_port_runs_under_the_launcher(tmp_path):
+    # #16: docs/migration.md's port of Horovod's tensorflow2_keras_mnist.py,
+    # as the page says to start it; the chief alone writes the checkpoints.
+    text = (ROOT / "docs" / "migration.md").read_text()
+    ports = [b.split("```")[0] for b in text.split("```python\n")[1:]
+             if "kd.callbacks.BroadcastGlobalVariables(0)" in b]
+    assert len(ports) == 1, "docs/migration.md: the Horovod port is missing"
+    assert "python -m keras_distribute.launch --nproc 2 train.py" in text
+    (tmp_path / "train.py").write_text(ports[0])
+    _run_together([([sys.executable, "-m", "keras_distribute.launch",
+                     "--nproc", "2", "train.py"], _env())], tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        f"checkpoint-{epoch}.keras" for epoch in range(1, 5)]

@@ -154,3 +154,11 @@ def test_gradient_accumulation_with_ema_equals_one_process():
     from worker_training import launch_gradient_accumulation
 
     launch_gradient_accumulation(workers, TIMEOUT)
+
+
+def test_horovod_collectives_and_callbacks_have_horovods_semantics():
+    # #16: kd.allreduce/allgather/broadcast, BroadcastGlobalVariables,
+    # MetricAverage, LearningRateWarmup across 2 processes.
+    from worker_training import launch_horovod_helpers
+
+    launch_horovod_helpers(workers, TIMEOUT)

@@ -584,3 +584,11 @@ def test_compressed_all_reduce_halves_the_bytes_and_keeps_accuracy():
     from worker_training import launch_compressed_all_reduce
 
     launch_compressed_all_reduce(workers, TIMEOUT)
+
+
+def test_horovod_collectives_and_callbacks_have_horovods_semantics():
+    # #16: kd.allreduce/allgather/broadcast, BroadcastGlobalVariables,
+    # MetricAverage, LearningRateWarmup across 2 processes.
+    from worker_training import launch_horovod_helpers
+
+    launch_horovod_helpers(workers, TIMEOUT)

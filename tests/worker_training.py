@@ -140,3 +140,95 @@ def launch_compressed_all_reduce(workers, timeout):
             for a, b in zip(compressed["weights"],
                             results[0][compression]["weights"]):
                 np.testing.assert_array_equal(a, b)
+
+
+def horovod_helpers(strategy):
+    """Each process: the Horovod-style collectives and callbacks, with
+    values that differ per process."""
+    import keras
+
+    import keras_distribute as kd
+
+    rank, count = kd.process_index(), kd.process_count()
+    tensor = kd.allreduce(keras.ops.ones((2,)) * (rank + 1), op="sum")
+    collectives = {
+        "count": count, "rank": rank,
+        "average": float(kd.allreduce(float(rank + 1))),
+        "sum": float(kd.allreduce(rank + 1, op="sum")),
+        "max": float(kd.allreduce(np.float32(rank), op="max")),
+        "tensor": keras.ops.convert_to_numpy(tensor).tolist(),
+        "tensor_is_backend": not isinstance(tensor, np.ndarray),
+        "gathered": kd.allgather(np.arange(rank + 1) + 10 * rank).tolist(),
+        "broadcast": kd.broadcast(np.array([rank * 10.0]),
+                                  root_rank=1).tolist(),
+    }
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.start, self.rates, self.local = None, [], []
+
+        def on_train_begin(self, logs=None):
+            self.start = self.model.get_weights()
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.rates.append(float(keras.ops.convert_to_numpy(
+                self.model.optimizer.learning_rate)))
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.local.append(logs["local"])
+
+    class WriteLocal(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["local"] = float(rank)  # differs per process
+
+    x, y = make_data(n=64)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    # Processes start from different weights (where the engine lets a
+    # process assign its own: on JAX every process takes process 0's).
+    model.set_weights([w + rank for w in initial_weights()])
+    before = model.get_weights()
+    record = Record()
+    size = strategy.num_replicas_in_sync
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                        verbose=0, callbacks=[
+                            kd.callbacks.BroadcastGlobalVariables(root_rank=1),
+                            WriteLocal(), kd.callbacks.MetricAverage(),
+                            kd.callbacks.LearningRateWarmup(
+                                initial_lr=0.05 * size, warmup_epochs=2),
+                            record])
+    return {"collectives": collectives, "before": before,
+            "start": record.start, "rates": record.rates,
+            "local": record.local, "size": size,
+            "loss": history.history["loss"], "weights": model.get_weights()}
+
+
+def launch_horovod_helpers(workers, timeout):
+    """Runs `workers.horovod_helpers` on 2 processes and checks Horovod's
+    semantics."""
+    import keras_distribute as kd
+
+    results = kd.launch(workers.horovod_helpers, num_processes=2,
+                        timeout=timeout)
+    for rank, result in enumerate(results):
+        c = result["collectives"]
+        assert (c["count"], c["rank"]) == (2, rank)
+        assert (c["average"], c["sum"], c["max"]) == (1.5, 3.0, 1.0)
+        assert c["tensor"] == [3.0, 3.0] and c["tensor_is_backend"]
+        assert c["gathered"] == [0, 10, 11]  # 1 row, then 2, in rank order
+        assert c["broadcast"] == [10.0]
+        # Every process starts from process 1's weights as they were.
+        for a, b in zip(result["start"], results[1]["before"]):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(result["weights"], results[0]["weights"]):
+            np.testing.assert_array_equal(a, b)
+        assert result["local"] == [0.5, 0.5, 0.5]  # averaged over ranks
+        # Horovod's ramp: initial_lr / size -> initial_lr over 2 epochs of
+        # 4 batches, then constant.
+        size, target = result["size"], 0.05 * result["size"]
+        expected = [target * ((e + b / 4) * (size - 1) / 2 + 1) / size
+                    for e in range(2) for b in range(4)] + [target] * 4
+        np.testing.assert_allclose(result["rates"], expected, rtol=1e-6)
+    np.testing.assert_allclose(results[0]["loss"], results[1]["loss"],
+                               rtol=1e-6)

@@ -163,3 +163,14 @@ def gradient_accumulation():
 
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)))
+
+
+def horovod_helpers():
+    """kd.allreduce & co. and Horovod's callbacks, 2 processes x 2
+    devices."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_training import horovod_helpers as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)))

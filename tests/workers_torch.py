@@ -755,3 +755,12 @@ def compressed_all_reduce():
     from worker_training import compressed_all_reduce as body
 
     return body()
+
+
+def horovod_helpers():
+    """kd.allreduce & co. and Horovod's callbacks, 2 ranks."""
+    _setup()
+    import keras_distribute as kd
+    from worker_training import horovod_helpers as body
+
+    return body(kd.MirroredStrategy())

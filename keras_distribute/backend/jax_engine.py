@@ -291,6 +291,15 @@ class JaxEngine:
         flags = multihost_utils.process_allgather(np.array([int(bool(flag))]))
         return bool(np.any(flags))
 
+    def process_all_gather(self, array: np.ndarray) -> np.ndarray:
+        """Every process's `array` (same shape), stacked in process order."""
+        if not self.multi_process:
+            return np.asarray(array)[None]
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(
+            np.asarray(array)[None], tiled=True))
+
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
         """Every process's rows (counts may differ), in process order."""
         from jax.experimental import multihost_utils

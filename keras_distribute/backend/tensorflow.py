@@ -350,6 +350,31 @@ class TfEngine:
         # A sum in which only the chief's first replica contributes.
         return broadcast_text_by(self._sum_from_chief, text)
 
+    def process_all_gather(self, array: np.ndarray) -> np.ndarray:
+        """Every worker's `array` (same shape), stacked in worker order: a
+        sum in which each worker's first replica fills its own row."""
+        array = np.asarray(array)
+        if not self.multi_worker:
+            return array[None]
+        workers = self.process_count
+        per_worker = self.num_replicas // workers
+        kind = array.dtype
+        summable = array.astype(np.float64 if kind.kind == "f" else np.int64)
+
+        def contribute():
+            context_ = tf.distribute.get_replica_context()
+            replica = context_.replica_id_in_sync_group
+            rows = tf.one_hot(replica // per_worker, workers,
+                              dtype=summable.dtype)
+            own = tf.reshape(rows, [workers] + [1] * summable.ndim) * (
+                tf.constant(summable)[None])
+            return context_.all_reduce("SUM", tf.where(
+                tf.equal(replica % per_worker, 0), own, tf.zeros_like(own)))
+
+        result = self.tf_strategy.run(contribute)
+        stacked = self.tf_strategy.experimental_local_results(result)[0]
+        return stacked.numpy().astype(kind)
+
     def _sum_from_chief(self, array: np.ndarray) -> np.ndarray:
         def contribute():  # replica 0 (on the chief) alone adds its part
             context_ = tf.distribute.get_replica_context()

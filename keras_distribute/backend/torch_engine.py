@@ -288,6 +288,16 @@ class TorchEngine:
         dist.broadcast_object_list(seed, src=0)
         return seed[0]
 
+    def process_all_gather(self, array: np.ndarray) -> np.ndarray:
+        """Every process's `array` (same shape), stacked in process order."""
+        array = np.asarray(array)
+        if not self.in_group:
+            return array[None]
+        tensor = torch.as_tensor(array).to(self.device)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts).cpu().numpy()
+
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
         """Every input pipeline's rows, concatenated in pipeline order."""
         return self.all_gather(torch.as_tensor(array), axis=0).numpy()
