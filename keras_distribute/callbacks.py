@@ -525,3 +525,13 @@ class BackupAndRestore(_TrainingStateCallback):
         if self.delete_checkpoint and engine.process_id == 0:
             # Only our checkpoints: a user's file in the directory stays.
             ckpt_format.remove_all_in(self.directory)
+
+
+def __getattr__(name):
+    # `PreemptionCheckpoint` subclasses `BackupAndRestore` (its own module).
+    if name in ("PreemptionCheckpoint", "PREEMPTION_EXIT_CODE"):
+        from keras_distribute import preemption
+
+        return getattr(preemption, name)
+    raise AttributeError(
+        f"module 'keras_distribute.callbacks' has no attribute {name!r}")

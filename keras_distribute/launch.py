@@ -28,6 +28,10 @@ _GRACE_S = 5.0
 # period is usually 30 s or more).
 DEFAULT_SIGNAL_GRACE_S = 25.0
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# The exit code of a process that saved its state on a preemption signal
+# (`kd.callbacks.PreemptionCheckpoint`): restart me. tf.distribute's
+# PreemptionCheckpointHandler uses the same.
+PREEMPTION_EXIT_CODE = 42
 
 
 class _SignalForwarder:
@@ -374,6 +378,9 @@ def run_script(script: str, script_args: Sequence[str], num_processes: int,
     Returns:
         0 if every process succeeded, else the first failure's exit code
         (124 on the timeout, 128 + the signal when signalled).
+        `PREEMPTION_EXIT_CODE` (42) when the processes saved on a
+        preemption signal (`kd.callbacks.PreemptionCheckpoint`): the others
+        get `signal_grace` seconds to finish that save, never cut short.
     """
     port, job_ports = _free_port(), _free_ports(num_processes)
     processes = []
@@ -408,13 +415,21 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                       f"{signal.Signals(signum).name}, passed it on to every "
                       f"process; waiting up to {signal_grace:.0f} s for them "
                       "to exit.", file=sys.stderr)
-                end = time.monotonic() + signal_grace
-                while time.monotonic() < end and any(
-                        p.poll() is None for p in processes):
-                    time.sleep(0.1)
+                codes = _wait_all(processes, signal_grace)
+                if codes == [PREEMPTION_EXIT_CODE] * len(codes):
+                    return PREEMPTION_EXIT_CODE  # all saved: restart me
                 return _signal_exit_code(signum)
             codes = [p.poll() for p in processes]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed and failed[0][1] == PREEMPTION_EXIT_CODE:
+                # Saved on a preemption signal: the others are leaving from
+                # the same step; ending them now could cut their save.
+                codes = _wait_all(processes, signal_grace)
+                print(f"keras_distribute.launch: the processes saved on a "
+                      f"preemption signal and exited with {codes}; exiting "
+                      f"with {PREEMPTION_EXIT_CODE} (restart me).",
+                      file=sys.stderr)
+                return PREEMPTION_EXIT_CODE
             if failed:
                 rank, code = failed[0]
                 print(f"keras_distribute.launch: process {rank} of "
@@ -439,6 +454,15 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(_GRACE_S)
+
+
+def _wait_all(processes, grace_s: float) -> list:
+    """Waits up to `grace_s` for every process to exit; their exit codes
+    (`None` for one still running)."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(p.poll() is None for p in processes):
+        time.sleep(0.1)
+    return [p.poll() for p in processes]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

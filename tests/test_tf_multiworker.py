@@ -75,3 +75,11 @@ def test_horovod_collectives_and_callbacks_have_horovods_semantics():
     from worker_training import launch_horovod_helpers
 
     launch_horovod_helpers(workers, TIMEOUT)
+
+
+def test_preemption_saves_at_the_same_step_and_resumes_bit_identical(
+        tmp_path):
+    # #17: SIGTERM to process 0, 1 or both at 5 seeded steps.
+    from worker_training import launch_preemption
+
+    launch_preemption(workers, str(tmp_path), TIMEOUT)

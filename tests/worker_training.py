@@ -232,3 +232,73 @@ def launch_horovod_helpers(workers, timeout):
         np.testing.assert_allclose(result["rates"], expected, rtol=1e-6)
     np.testing.assert_allclose(results[0]["loss"], results[1]["loss"],
                                rtol=1e-6)
+
+
+def preemption(strategy, directory):
+    """Each process: 5 runs, each SIGTERM'd at a seeded step in process 0,
+    1 or both, stopped by `PreemptionCheckpoint(exit_code=None)` and resumed
+    by a new model and callback; and one uninterrupted run."""
+    import os
+    import random
+    import signal
+
+    import keras
+
+    import keras_distribute as kd
+
+    rank = kd.process_index()
+    x, y = make_data(n=96)  # batch 16: 6 steps an epoch, 18 in all
+
+    def fit(callbacks):
+        with strategy.scope():
+            model = make_model(initial_weights())
+        model.fit(x, y, batch_size=16, epochs=3, shuffle=True, verbose=0,
+                  callbacks=callbacks)
+        return model
+
+    keras.utils.set_random_seed(3)
+    reference = fit([]).get_weights()
+    runs = []
+    for seed in range(5):
+        choose = random.Random(seed)
+        step, targets = choose.randrange(1, 18), [[0], [1], [0, 1]][seed % 3]
+
+        class Terminate(keras.callbacks.Callback):
+            seen = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.seen += 1
+                if self.seen == step and rank in targets:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        path = os.path.join(directory, f"seed-{seed}")
+        keras.utils.set_random_seed(3)
+        first = kd.callbacks.PreemptionCheckpoint(path, exit_code=None)
+        fit([Terminate(), first])
+        saved = sorted(os.listdir(path))
+        second = kd.callbacks.PreemptionCheckpoint(path, exit_code=None)
+        resumed = fit([second])
+        runs.append({"step": step, "targets": targets,
+                     "preempted": (first.preempted, second.preempted),
+                     "saved": saved, "left": sorted(os.listdir(path)) if
+                     os.path.isdir(path) else [],
+                     "weights": resumed.get_weights()})
+    return {"reference": reference, "runs": runs}
+
+
+def launch_preemption(workers, directory, timeout):
+    """Runs `workers.preemption` on 2 processes: every run saved once at
+    the signalled step and ends bit-identical to the uninterrupted one."""
+    import keras_distribute as kd
+
+    results = kd.launch(workers.preemption, num_processes=2,
+                        args=(directory,), timeout=timeout)
+    for result in results:
+        for run in result["runs"]:
+            assert run["preempted"] == (True, False), run["step"]
+            assert len(run["saved"]) == 1, run["saved"]  # one backup
+            assert run["left"] == [], run["left"]  # removed at the end
+            for a, b, c in zip(run["weights"], result["reference"],
+                               results[0]["reference"]):
+                np.testing.assert_array_equal(a, b)
+                np.testing.assert_array_equal(b, c)

@@ -174,3 +174,14 @@ def horovod_helpers():
 
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)))
+
+
+def preemption(directory):
+    """PreemptionCheckpoint, 2 processes x 2 devices."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_training import preemption as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)),
+        directory)

@@ -764,3 +764,12 @@ def horovod_helpers():
     from worker_training import horovod_helpers as body
 
     return body(kd.MirroredStrategy())
+
+
+def preemption(directory):
+    """PreemptionCheckpoint, 2 ranks."""
+    _setup()
+    import keras_distribute as kd
+    from worker_training import preemption as body
+
+    return body(kd.MirroredStrategy(), directory)

@@ -1,0 +1,161 @@
+"""A preempted job exits with 42 and its restart ends where an
+uninterrupted run does (#17), through `python -m keras_distribute.launch`.
+
+Rank 1 receives SIGTERM at step 4 of 18; both processes save there, exit
+with `PREEMPTION_EXIT_CODE` and the launcher exits with it too (it waits
+for the other process's save instead of ending it). Started again, the job
+resumes from the backup; its weights equal those of a job never
+interrupted, bit for bit. One in-process agreement test per backend with
+5 seeds lives in test_*_multi*.py (worker_training.preemption).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BACKEND
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+
+SCRIPT = """
+import os, signal
+import numpy as np
+import keras
+import keras_distribute as kd
+
+strategy = kd.MultiWorkerMirroredStrategy()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 16)).astype("float32")
+y = rng.integers(0, 3, size=(96,))
+keras.utils.set_random_seed(3)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(32, activation="tanh"),
+                              keras.layers.Dropout(0.2),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+kill_at = int(os.environ.get("KILL_AT", "0"))
+
+class Terminate(keras.callbacks.Callback):
+    seen = 0
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == kill_at and kd.process_index() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+model.fit(x, y, batch_size=16, epochs=3, shuffle=True, verbose=0,
+          callbacks=[Terminate(), kd.callbacks.PreemptionCheckpoint("backup")])
+if kd.process_index() == 0:
+    np.savez("weights.npz", *model.get_weights())
+"""
+
+
+def _launch(directory: Path, kill_at: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, KILL_AT=str(kill_at),
+               TF_CPP_MIN_LOG_LEVEL="2", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join(filter(None, [
+                   str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("KD_RECORD_BAD_INPUTS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+         "train.py"], cwd=directory, env=env, capture_output=True, text=True,
+        timeout=TIMEOUT_S)
+
+
+def _weights(directory: Path) -> list:
+    with np.load(directory / "weights.npz") as saved:
+        return [saved[name] for name in saved.files]
+
+
+@pytest.mark.skipif(os.environ.get("KD_DOCS_BLOCKS", "1") == "0",
+                    reason="process start-up heavy: the release stack runs it")
+def test_preempted_job_exits_42_and_its_restart_ends_bit_identical(tmp_path):
+    interrupted, uninterrupted = tmp_path / "interrupted", tmp_path / "whole"
+    for directory in (interrupted, uninterrupted):
+        directory.mkdir()
+        (directory / "train.py").write_text(SCRIPT)
+    first = _launch(interrupted, kill_at=4)
+    assert first.returncode == 42, first.stderr[-4000:]
+    assert "exiting with 42 (restart me)" in first.stderr
+    assert not (interrupted / "weights.npz").exists()
+    assert len(os.listdir(interrupted / "backup")) == 1  # one backup
+    second = _launch(interrupted, kill_at=0)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert not (interrupted / "backup").exists() or not os.listdir(
+        interrupted / "backup")  # removed once fit completed
+    whole = _launch(uninterrupted, kill_at=0)
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    for a, b in zip(_weights(interrupted), _weights(uninterrupted)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_preemption_checkpoint_argument_errors(tmp_path):
+    import keras_distribute as kd
+
+    for bad in ((), ("TERM",), (True,), (10_000,)):
+        with pytest.raises(ValueError, match="Expected `signals` to be a "
+                           "non-empty sequence of signal numbers"):
+            kd.callbacks.PreemptionCheckpoint(str(tmp_path), signals=bad)
+    for bad in (0, 256, "42", True):
+        with pytest.raises(ValueError, match=r"Expected `exit_code` to be an "
+                           r"exit status in \[1, 255\] or None"):
+            kd.callbacks.PreemptionCheckpoint(str(tmp_path), exit_code=bad)
+    for bad in (0, 1.5, False):
+        with pytest.raises(ValueError, match="Expected `check_every` to be a "
+                           "positive number of batches"):
+            kd.callbacks.PreemptionCheckpoint(str(tmp_path), check_every=bad)
+    with pytest.raises(ValueError, match="save_freq must be 'epoch' or a "
+                       "positive number of batches"):
+        kd.callbacks.PreemptionCheckpoint(str(tmp_path), save_freq=-3)
+    assert kd.callbacks.PREEMPTION_EXIT_CODE == 42
+
+
+def test_one_process_signal_stops_saves_and_resumes(tmp_path):
+    # The signal in the only process (no collective), SIGUSR1 as the
+    # configured signal, a save every 5 batches as well.
+    import signal
+
+    import keras
+
+    import keras_distribute as kd
+    from conftest import make_mlp
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(96,))
+
+    def fit(callbacks):
+        keras.utils.set_random_seed(3)
+        model = make_mlp()
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=3, shuffle=True, verbose=0,
+                  callbacks=callbacks)
+        return model.get_weights()
+
+    class Signal(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and not hasattr(self, "sent"):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    options = dict(signals=(signal.SIGUSR1,), exit_code=None, save_freq=5)
+    first = kd.callbacks.PreemptionCheckpoint(str(tmp_path), **options)
+    previous = signal.getsignal(signal.SIGUSR1)
+    fit([Signal(), first])
+    assert first.preempted
+    assert signal.getsignal(signal.SIGUSR1) is previous  # handler restored
+    second = kd.callbacks.PreemptionCheckpoint(str(tmp_path), **options)
+    resumed = fit([second])
+    assert not second.preempted
+    for a, b in zip(resumed, fit([])):
+        np.testing.assert_array_equal(a, b)
