@@ -58,7 +58,7 @@ def test_round_trip_is_bit_exact_with_optimizer_state(tmp_path, monkeypatch,
     for a, b in zip(state(model), state(fresh)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     index = json.load(open(os.path.join(path, "index.json")))
-    assert index["format_version"] == 1 and index["backend"] == BACKEND
+    assert index["format_version"] == 2 and index["backend"] == BACKEND
 
 
 def test_save_numbering_restore_and_latest(tmp_path):

@@ -91,6 +91,37 @@ def test_the_pristine_checkpoint_round_trips_bit_exactly(written):
             array.tobytes()), key
 
 
+def test_pieces_carry_xxh3_and_format_1_sha256_checkpoints_still_read(
+        written):
+    # #15: the checksum is XXH3-128 (at memory speed); a checkpoint of
+    # format 1, whose pieces carry sha256, reads back bit-exactly and a
+    # flipped byte in it is still caught and named.
+    path, arrays, _ = written
+    index = json.load(open(os.path.join(path, "index.json")))
+    assert index["format_version"] == 2
+    pieces = [p for v in index["variables"].values() for p in v["pieces"]]
+    assert all(sorted(p) == ["dataset", "file", "slice", "xxh3_128"]
+               for p in pieces)
+
+    def to_format_1(index):
+        index["format_version"] = 1
+        for variable in index["variables"].values():
+            for piece in variable["pieces"]:
+                with h5py.File(os.path.join(path, piece["file"])) as h5:
+                    stored = h5[piece["dataset"]][()]
+                piece.pop("xxh3_128")
+                piece["sha256"] = fmt.checksum(stored, "sha256")
+
+    edit_index(path, to_format_1)
+    got = read_all(path)
+    for key, array in arrays.items():
+        assert got[key].tobytes() == array.tobytes(), key
+    rewrite_dataset(path, dataset_of(path, "w"), lambda group, name: (
+        group.create_dataset(name, data=arrays["w"][:4] + 1)))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        read_all(path)
+
+
 @pytest.mark.parametrize("name", ["../outside/evil.h5", "/etc/passwd",
                                   "shards-00000.h5/../../x", "sub/x.h5"])
 def test_index_file_names_outside_the_directory_are_refused(written, name):
@@ -247,6 +278,12 @@ def test_a_huge_declared_dataset_in_a_small_file_allocates_nothing(written):
      None),  # an empty extra piece: harmless, the read is exact
     (lambda i: i["variables"]["w"]["pieces"][0].update(sha256="00"),
      "sha256 hex digest"),
+    (lambda i: i["variables"]["w"]["pieces"][0].update(xxh3_128="0" * 31),
+     "xxh3_128 hex digest of 32 characters"),
+    (lambda i: i["variables"]["w"]["pieces"][0].pop("xxh3_128"),
+     "exactly one checksum field, 'xxh3_128' or 'sha256'"),
+    (lambda i: i["variables"]["w"]["pieces"][0].update(sha256="a" * 64),
+     "exactly one checksum field"),
     (lambda i: i["variables"]["w"]["pieces"][0].update(dataset="v0/../p0"),
      "dataset name"),
     (lambda i: i["variables"]["w"].update(pieces={}), "pieces"),

@@ -157,7 +157,7 @@ class CheckpointReader:
 
     def get_tensor(self, key: str) -> np.ndarray:
         """The whole variable `key`, assembled from its pieces (each
-        checked against its sha256).
+        checked against its checksum).
 
         Raises:
             KeyError: if the checkpoint has no such key.

@@ -44,7 +44,7 @@ class ShardedCheckpoint:
     count or another Keras backend, bit for bit. Restore reads only the
     slices each local device needs. Saves are atomic (every process writes
     into a temporary directory, the chief commits it by a rename) and every
-    piece carries a sha256 checked on read.
+    piece carries a checksum (XXH3-128) checked on read.
 
     Restoring into an object whose variables do not exist yet (a model not
     built, an optimizer before its first step) is deferred until they are

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from keras_distribute.checkpoint.format import FORMAT
+from keras_distribute.checkpoint.format import CHECKSUM_FIELDS
 from keras_distribute.checkpoint.format import FORMAT_VERSION
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import numpy_dtype
@@ -21,7 +22,8 @@ from keras_distribute.checkpoint.format import numpy_dtype
 # is ever opened, so an index cannot point outside its directory.
 SHARD_FILE = re.compile(r"shards-\d{5}\.h5")
 DATASET = re.compile(r"v\d{1,9}/p\d{1,9}")
-SHA256 = re.compile(r"[0-9a-f]{64}")
+CHECKSUMS = {field: re.compile(f"[0-9a-f]{{{length}}}")
+             for field, length in CHECKSUM_FIELDS.items()}
 _MAX_RANK = 64
 _MAX_PIECES = 1 << 16
 
@@ -107,11 +109,21 @@ def validate_record(record: Any, index_path: str, entry: str) -> None:
             _fail(index_path, where, "an object", piece)
         for field, pattern, meaning in (
                 ("file", SHARD_FILE, "a shard file name 'shards-NNNNN.h5'"),
-                ("dataset", DATASET, "a dataset name 'v<N>/p<N>'"),
-                ("sha256", SHA256, "a sha256 hex digest")):
+                ("dataset", DATASET, "a dataset name 'v<N>/p<N>'")):
             value = piece.get(field)
             if not isinstance(value, str) or not pattern.fullmatch(value):
                 _fail(index_path, f"{where}/{field}", meaning, value)
+        sums = [field for field in CHECKSUMS if field in piece]
+        for field in sums:
+            value = piece[field]
+            if not isinstance(value, str) or not CHECKSUMS[field].fullmatch(
+                    value):
+                _fail(index_path, f"{where}/{field}",
+                      f"a {field} hex digest of {CHECKSUM_FIELDS[field]} "
+                      "characters", value)
+        if len(sums) != 1:
+            _fail(index_path, where, "exactly one checksum field, "
+                  f"{' or '.join(map(repr, CHECKSUMS))}", sorted(piece))
         region = piece.get("slice")
         if not isinstance(region, list) or len(region) != len(shape) or not all(
                 isinstance(r, list) and len(r) == 2 and _is_int(r[0])
