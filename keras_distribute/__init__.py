@@ -71,10 +71,10 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # `kd.callbacks` subclasses Keras callbacks, so it imports Keras (and
     # the backend framework): loaded on first use, not with the package.
-    if name == "callbacks":
+    if name in ("callbacks", "experimental"):
         import importlib
 
-        return importlib.import_module("keras_distribute.callbacks")
+        return importlib.import_module(f"keras_distribute.{name}")
     raise AttributeError(f"module 'keras_distribute' has no attribute {name!r}")
 
 __all__ = [
@@ -112,6 +112,7 @@ __all__ = [
     "checkpoint",
     "cluster_resolver",
     "compute_average_loss",
+    "experimental",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -13,14 +13,11 @@ the same weights as one never interrupted.
 
 import signal
 import sys
-import threading
-import warnings
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
-from keras_distribute.callbacks import BackupAndRestore
+from keras_distribute.state_callbacks import BackupAndRestore
 from keras_distribute.launch import PREEMPTION_EXIT_CODE
+from keras_distribute.preemption_handler import PreemptionSignals
 
 
 class PreemptionCheckpoint(BackupAndRestore):
@@ -77,12 +74,7 @@ class PreemptionCheckpoint(BackupAndRestore):
         super().__init__(directory, save_freq or "epoch", delete_checkpoint,
                          async_save, max_to_keep=2)
         self._periodic = save_freq is not None
-        signals = tuple(signals)
-        if not signals or not all(isinstance(s, int) and not isinstance(
-                s, bool) and s in signal.valid_signals() for s in signals):
-            raise ValueError(
-                "Expected `signals` to be a non-empty sequence of signal "
-                f"numbers (e.g. signal.SIGTERM). Received: signals={signals!r}.")
+        self._signals = PreemptionSignals(signals)
         if exit_code is not None and (isinstance(exit_code, bool) or not (
                 isinstance(exit_code, int) and 0 < exit_code < 256)):
             raise ValueError(
@@ -93,41 +85,19 @@ class PreemptionCheckpoint(BackupAndRestore):
             raise ValueError(
                 "Expected `check_every` to be a positive number of batches. "
                 f"Received: check_every={check_every!r}.")
-        self.signals = signals
+        self.signals = self._signals.signals
         self.exit_code = exit_code
         self.check_every = check_every
         self.preempted = False
-        self._received: Optional[int] = None
-        self._previous_handlers = {}
         self._batches_since_check = 0
-
-    # ------------------------------------------------------------ signals
-    def _on_signal(self, signum, frame) -> None:
-        self._received = signum
-
-    def _install_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn(
-                "PreemptionCheckpoint: fit runs outside the main thread, "
-                "where Python cannot receive signals; a preemption signal "
-                "will not be caught in this process.", stacklevel=3)
-            return
-        for signum in self.signals:
-            self._previous_handlers[signum] = signal.signal(
-                signum, self._on_signal)
-
-    def _restore_handlers(self) -> None:
-        while self._previous_handlers:
-            signum, handler = self._previous_handlers.popitem()
-            signal.signal(signum, handler)
 
     # ------------------------------------------------------------ callbacks
     def on_train_begin(self, logs=None):
         self.preempted = False
-        self._received = None
+        self._signals.received = None
         self._batches_since_check = 0
         super().on_train_begin(logs)
-        self._install_handlers()
+        self._signals.install()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._periodic:
@@ -138,7 +108,7 @@ class PreemptionCheckpoint(BackupAndRestore):
         if self._batches_since_check < self.check_every:
             return
         self._batches_since_check = 0
-        if not self._anyone_signalled():
+        if not self._signals.anyone(self._checkpoint._engine()):
             return
         self.preempted = True
         self._sync_model_state()
@@ -147,30 +117,23 @@ class PreemptionCheckpoint(BackupAndRestore):
         self._checkpoint.sync()  # committed before anyone leaves
         engine = self._checkpoint._engine()
         engine.barrier("keras_distribute.PreemptionCheckpoint.saved")
-        self._restore_handlers()
+        self._signals.uninstall()
         if self.exit_code is None:
             self.model.stop_training = True
             return
         print(f"PreemptionCheckpoint: saved epoch {self._epoch + 1}, step "
               f"{self._steps_in_epoch} to {self.directory} after "
-              f"{signal.Signals(self._received or self.signals[0]).name}; "
+              f"{self._signals.name()}; "
               f"exiting with {self.exit_code} (restart me).",
               file=sys.stderr)
         sys.exit(self.exit_code)
-
-    def _anyone_signalled(self) -> bool:
-        engine = self._checkpoint._engine()
-        flag = np.array([0 if self._received is None else 1], np.int32)
-        if getattr(engine, "process_count", 1) > 1:
-            flag = engine.process_all_gather(flag)
-        return bool(np.any(flag))
 
     def on_epoch_end(self, epoch, logs=None):
         if self._periodic:
             super().on_epoch_end(epoch, logs)
 
     def on_train_end(self, logs=None):
-        self._restore_handlers()
+        self._signals.uninstall()
         if self.preempted:
             # Stopped for a signal (exit_code=None): the backup stays for
             # the next run.

@@ -159,3 +159,27 @@ def test_one_process_signal_stops_saves_and_resumes(tmp_path):
     assert not second.preempted
     for a, b in zip(resumed, fit([])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_preemption_checkpoint_handler_argument_errors(tmp_path):
+    import keras
+
+    import keras_distribute as kd
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    handler_class = kd.experimental.PreemptionCheckpointHandler
+    with pytest.raises(ValueError, match="needs `checkpoint_dir` when given "
+                       "a checkpoint"):
+        handler_class(None, checkpoint)
+    with pytest.raises(ValueError, match="Expected "
+                       "`checkpoint_or_checkpoint_manager` to be a "
+                       "kd.checkpoint.ShardedCheckpoint or CheckpointManager"):
+        handler_class(None, model, str(tmp_path))
+    with pytest.raises(ValueError, match="Expected `termination_config` to "
+                       "be a kd.experimental.TerminationConfig"):
+        handler_class(None, checkpoint, str(tmp_path),
+                      termination_config={"exit_fn": None})
+    with pytest.raises(ValueError, match="Expected `exit_fn` to be a "
+                       "function or None"):
+        kd.experimental.TerminationConfig(exit_fn=42)

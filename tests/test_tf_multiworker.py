@@ -83,3 +83,10 @@ def test_preemption_saves_at_the_same_step_and_resumes_bit_identical(
     from worker_training import launch_preemption
 
     launch_preemption(workers, str(tmp_path), TIMEOUT)
+
+
+def test_preemption_checkpoint_handler_custom_loop(tmp_path):
+    # #17: tf.distribute's PreemptionCheckpointHandler loop (total_run_calls).
+    from worker_training import launch_preemption_handler
+
+    launch_preemption_handler(workers, str(tmp_path), TIMEOUT)

@@ -302,3 +302,88 @@ def launch_preemption(workers, directory, timeout):
                                results[0]["reference"]):
                 np.testing.assert_array_equal(a, b)
                 np.testing.assert_array_equal(b, c)
+
+
+def preemption_handler(strategy, directory):
+    """Each process: the tf.distribute fault-tolerance loop with
+    `kd.experimental.PreemptionCheckpointHandler` — uninterrupted; SIGTERM
+    to process 1 before run call 6 (its `exit_fn` stops the loop); resumed
+    by a new handler from `total_run_calls`."""
+    import os
+    import signal
+
+    import keras
+    import tensorflow as tf
+
+    import keras_distribute as kd
+
+    steps, epochs, global_batch = 4, 3, 16
+    x, y = make_data(n=steps * global_batch)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None)
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop()
+
+    def train(kill_before, path):
+        with strategy.scope():
+            model = make_model(initial_weights())
+            optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+            optimizer.build(model.trainable_variables)
+        checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                     optimizer=optimizer)
+        handler = kd.experimental.PreemptionCheckpointHandler(
+            getattr(strategy, "cluster_resolver", None), checkpoint, path,
+            kd.experimental.TerminationConfig(exit_fn=stop))
+        start = handler.total_run_calls
+
+        def step(batch):
+            return kd.train_step(model, optimizer, loss_fn, *batch,
+                                 global_batch_size=global_batch)
+
+        def distributed_step(batch):
+            return strategy.run(step, args=(batch,))
+
+        try:
+            for _ in range(handler.total_run_calls // steps, epochs):
+                batches = iter(strategy.experimental_distribute_dataset(
+                    dataset))
+                for _ in range(handler.total_run_calls % steps):
+                    next(batches)  # the steps done before the restart
+                for _ in range(handler.total_run_calls % steps, steps):
+                    if handler.total_run_calls + 1 == kill_before and (
+                            kd.process_index() == 1):
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    handler.run(distributed_step, next(batches))
+        except Stop:
+            return None, start, handler.total_run_calls
+        return model.get_weights(), start, handler.total_run_calls
+
+    reference = train(0, os.path.join(directory, "reference"))
+    stopped = train(6, os.path.join(directory, "run"))
+    resumed = train(0, os.path.join(directory, "run"))
+    return {"reference": reference, "stopped": stopped, "resumed": resumed,
+            "saved": sorted(os.listdir(os.path.join(directory, "run")))}
+
+
+def launch_preemption_handler(workers, directory, timeout):
+    """Runs `workers.preemption_handler` on 2 processes: both stop after
+    run call 6, resume there and end bit-identical to no interruption."""
+    import keras_distribute as kd
+
+    results = kd.launch(workers.preemption_handler, num_processes=2,
+                        args=(directory,), timeout=timeout)
+    for result in results:
+        assert result["reference"][1:] == (0, 12)
+        assert result["stopped"][0] is None and result["stopped"][1:] == (
+            0, 6)
+        assert result["resumed"][1:] == (6, 12)
+        assert result["saved"] == ["ckpt-6"]
+        for a, b, c in zip(result["resumed"][0], result["reference"][0],
+                           results[0]["reference"][0]):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(b, c)

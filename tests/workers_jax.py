@@ -185,3 +185,15 @@ def preemption(directory):
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)),
         directory)
+
+
+def preemption_handler(directory):
+    """kd.experimental.PreemptionCheckpointHandler, 2 processes x 2
+    devices."""
+    _jax_process()
+    import keras_distribute as kd
+    from worker_training import preemption_handler as body
+
+    return body(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60)),
+        directory)

@@ -773,3 +773,12 @@ def preemption(directory):
     from worker_training import preemption as body
 
     return body(kd.MirroredStrategy(), directory)
+
+
+def preemption_handler(directory):
+    """kd.experimental.PreemptionCheckpointHandler, 2 ranks."""
+    _setup()
+    import keras_distribute as kd
+    from worker_training import preemption_handler as body
+
+    return body(kd.MirroredStrategy(), directory)
