@@ -367,13 +367,21 @@ def notebook_launcher(fn: Callable, num_processes: int,
 
 def run_script(script: str, script_args: Sequence[str], num_processes: int,
                timeout: float = DEFAULT_TIMEOUT_S,
-               signal_grace: float = DEFAULT_SIGNAL_GRACE_S) -> int:
+               signal_grace: float = DEFAULT_SIGNAL_GRACE_S,
+               max_restarts: int = 0) -> int:
     """Runs `python script args...` in `num_processes` processes.
 
     SIGTERM or SIGINT sent to the launcher is passed on to every process;
     they get `signal_grace` seconds to exit before they are killed, and the
     launcher exits with 128 + the signal (143 for SIGTERM). No process is
     left behind.
+
+    With `max_restarts`, a job whose process failed (or exited with
+    `PREEMPTION_EXIT_CODE`) is started again, every process on fresh ports,
+    up to that many times (torchrun's `--max-restarts`): a script with
+    `kd.callbacks.BackupAndRestore` or `PreemptionCheckpoint` resumes from
+    its last backup. A timeout or a signal sent to the launcher is never
+    restarted.
 
     Returns:
         0 if every process succeeded, else the first failure's exit code
@@ -382,6 +390,27 @@ def run_script(script: str, script_args: Sequence[str], num_processes: int,
         preemption signal (`kd.callbacks.PreemptionCheckpoint`): the others
         get `signal_grace` seconds to finish that save, never cut short.
     """
+    if isinstance(max_restarts, bool) or not isinstance(
+            max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            "Expected `max_restarts` to be a non-negative integer. Received: "
+            f"max_restarts={max_restarts!r}.")
+    deadline = time.monotonic() + timeout
+    for attempt in range(max_restarts + 1):
+        code, final = _run_script_once(script, script_args, num_processes,
+                                       deadline, timeout, signal_grace)
+        if code == 0 or final or attempt == max_restarts:
+            return code
+        print(f"keras_distribute.launch: restarting the job ({attempt + 1} of "
+              f"{max_restarts} restarts) after exit code {code}.",
+              file=sys.stderr)
+    return code
+
+
+def _run_script_once(script, script_args, num_processes, deadline, timeout,
+                     signal_grace) -> tuple:
+    """One start of every process: `(exit code, final)`, final when a
+    timeout or a signal ended it (no restart then)."""
     port, job_ports = _free_port(), _free_ports(num_processes)
     processes = []
     for rank in range(num_processes):
@@ -397,10 +426,10 @@ def run_script(script: str, script_args: Sequence[str], num_processes: int,
                 except OSError:
                     pass
 
-    deadline = time.monotonic() + timeout
     with _SignalForwarder(send) as forwarder:
-        return _watch(processes, num_processes, deadline, timeout, forwarder,
+        code = _watch(processes, num_processes, deadline, timeout, forwarder,
                       signal_grace)
+        return code, bool(forwarder.received) or code == 124
 
 
 def _watch(processes, num_processes, deadline, timeout, forwarder,
@@ -478,13 +507,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         default=DEFAULT_SIGNAL_GRACE_S,
                         help="seconds the processes get to exit after a "
                         "SIGTERM/SIGINT passed on to them (default 25)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="start the job again up to this many times when "
+                        "a process fails (default 0)")
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1; received {args.nproc}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0; received "
+                     f"{args.max_restarts}")
     return run_script(args.script, args.script_args, args.nproc, args.timeout,
-                      args.signal_grace)
+                      args.signal_grace, args.max_restarts)
 
 
 if __name__ == "__main__":

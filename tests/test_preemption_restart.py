@@ -5,7 +5,9 @@ Rank 1 receives SIGTERM at step 4 of 18; both processes save there, exit
 with `PREEMPTION_EXIT_CODE` and the launcher exits with it too (it waits
 for the other process's save instead of ending it). Started again, the job
 resumes from the backup; its weights equal those of a job never
-interrupted, bit for bit. One in-process agreement test per backend with
+interrupted, bit for bit. A worker killed outright under
+`--max-restarts 1` is restarted with its job, from the last periodic
+backup, and ends the same. One in-process agreement test per backend with
 5 seeds lives in test_*_multi*.py (worker_training.preemption).
 """
 
@@ -42,6 +44,7 @@ with strategy.scope():
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
 kill_at = int(os.environ.get("KILL_AT", "0"))
+crash_at = int(os.environ.get("CRASH_AT", "0"))
 
 class Terminate(keras.callbacks.Callback):
     seen = 0
@@ -49,16 +52,24 @@ class Terminate(keras.callbacks.Callback):
         self.seen += 1
         if self.seen == kill_at and kd.process_index() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
+        if (self.seen == crash_at and kd.process_index() == 1
+                and not os.path.exists("crashed")):
+            open("crashed", "w").close()   # once: the restart trains on
+            os.kill(os.getpid(), signal.SIGKILL)
 
 model.fit(x, y, batch_size=16, epochs=3, shuffle=True, verbose=0,
-          callbacks=[Terminate(), kd.callbacks.PreemptionCheckpoint("backup")])
+          callbacks=[Terminate(), kd.callbacks.PreemptionCheckpoint(
+              "backup", save_freq=int(os.environ.get("SAVE_FREQ", "0"))
+              or None)])
 if kd.process_index() == 0:
     np.savez("weights.npz", *model.get_weights())
 """
 
 
-def _launch(directory: Path, kill_at: int) -> subprocess.CompletedProcess:
+def _launch(directory: Path, kill_at: int = 0,
+            *launcher_args: str, **variables) -> subprocess.CompletedProcess:
     env = dict(os.environ, KERAS_BACKEND=BACKEND, KILL_AT=str(kill_at),
+               **variables,
                TF_CPP_MIN_LOG_LEVEL="2", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.pathsep.join(filter(None, [
@@ -66,7 +77,8 @@ def _launch(directory: Path, kill_at: int) -> subprocess.CompletedProcess:
     env.pop("KD_RECORD_BAD_INPUTS", None)
     return subprocess.run(
         [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
-         "train.py"], cwd=directory, env=env, capture_output=True, text=True,
+         *launcher_args, "train.py"], cwd=directory, env=env,
+        capture_output=True, text=True,
         timeout=TIMEOUT_S)
 
 
@@ -94,6 +106,18 @@ def test_preempted_job_exits_42_and_its_restart_ends_bit_identical(tmp_path):
     whole = _launch(uninterrupted, kill_at=0)
     assert whole.returncode == 0, whole.stderr[-4000:]
     for a, b in zip(_weights(interrupted), _weights(uninterrupted)):
+        np.testing.assert_array_equal(a, b)
+    # A worker killed outright (SIGKILL at step 8, backups every 3 steps):
+    # `--max-restarts 1` starts the job again, it resumes from step 6.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "train.py").write_text(SCRIPT)
+    elastic = _launch(crashed, 0, "--max-restarts", "1", CRASH_AT="8",
+                      SAVE_FREQ="3")
+    assert elastic.returncode == 0, elastic.stderr[-4000:]
+    assert (crashed / "crashed").exists()
+    assert "restarting the job (1 of 1 restarts)" in elastic.stderr
+    for a, b in zip(_weights(crashed), _weights(uninterrupted)):
         np.testing.assert_array_equal(a, b)
 
 
