@@ -58,3 +58,37 @@ def test_tf_all_reduces_half_the_bytes_and_keeps_accuracy():
         assert sum(size for _, size in reduced) == 2 * params
         assert abs(accuracy - results[None][0]) <= 0.005
         assert all(np.all(np.isfinite(w)) for w in weights)
+
+
+@pytest.mark.needs_strategy
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's accumulation path")
+def test_tf_compression_with_gradient_accumulation():
+    # The accumulation path reduces in cross-replica context: the 16-bit
+    # cast happens in the replica, before it.
+    import keras
+
+    from conftest import make_mlp
+    from keras_distribute.backend import tf_fit
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 3, size=(64,))
+    weights = {}
+    for compression in (None, "fp16"):
+        strategy = kd.MirroredStrategy(
+            communication_options=kd.CommunicationOptions(
+                compression=compression))
+        with strategy.scope():
+            model = make_mlp()
+            model.compile(optimizer=keras.optimizers.SGD(
+                0.1, gradient_accumulation_steps=2), loss=keras.losses.
+                SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        weights[compression] = model.get_weights()
+        reduced = tf_fit.traced_gradient_reductions.get(
+            strategy._engine.tf_strategy)
+        if compression:
+            assert {name for name, _ in reduced} == {"float16"}
+            assert sum(size for _, size in reduced) == 2 * model.count_params()
+    for a, b in zip(weights["fp16"], weights[None]):
+        np.testing.assert_allclose(a, b, atol=5e-3)

@@ -200,10 +200,11 @@ def _install_tf_cross_replica_apply() -> None:
                 or not tf.distribute.has_strategy()):
             return original(self, grads, trainable_variables)
         trainable_variables = list(trainable_variables)
+        # Cast here, in the replica (where the gradients are tensors).
+        grads, restore = tf_fit.compress_for_all_reduce(grads)
 
         def apply_in_cross_replica(strategy, grads):
             extended = strategy.extended
-            grads, restore = tf_fit.compress_for_all_reduce(grads)
             reduced = restore(extended.batch_reduce_to(
                 tf.distribute.ReduceOp.SUM,
                 [(g, v.value) for g, v in zip(grads, trainable_variables)]))
