@@ -12,7 +12,7 @@ for backend in $backends; do
   echo "=== KERAS_BACKEND=$backend ==="
   # Every bad input a test tries is recorded for docs/bad_inputs.md.
   KD_RECORD_BAD_INPUTS=.venv/bad-inputs-$backend.json KERAS_BACKEND=$backend \
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
+    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests "$@" || status=1
 done
 if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
   echo "=== docs/bad_inputs.md lists what the suite tries ==="
@@ -34,7 +34,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # The docs' blocks and recipes (test_docs_blocks.py, test_docs_recipes.py)
   # run on the release stack only: the same code paths, under the CI budget.
   KD_DOCS_BLOCKS=0 PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend \
-    .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@" || status=1
+    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests "$@" || status=1
 done
 echo "=== docs: mkdocs build --strict ==="
 site=$(mktemp -d)

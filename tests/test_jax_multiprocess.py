@@ -149,31 +149,12 @@ def test_save_before_fit_with_one_device_per_process(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
-def test_gradient_accumulation_with_ema_equals_one_process():
-    # #16: `gradient_accumulation_steps` + EMA overwrite, short last batch.
-    from worker_training import launch_gradient_accumulation
+def test_training_features_across_processes(tmp_path):
+    # #16: gradient accumulation + EMA overwrite (short last batch) equal to
+    # one process; kd.allreduce/allgather/broadcast and Horovod's callbacks.
+    # #17: PreemptionCheckpoint with SIGTERM to process 0, 1 or both at 5
+    # seeded steps, and the PreemptionCheckpointHandler loop: both resume
+    # bit-identical. One launch (worker_training.training_features).
+    from worker_training import launch_training_features
 
-    launch_gradient_accumulation(workers, TIMEOUT)
-
-
-def test_horovod_collectives_and_callbacks_have_horovods_semantics():
-    # #16: kd.allreduce/allgather/broadcast, BroadcastGlobalVariables,
-    # MetricAverage, LearningRateWarmup across 2 processes.
-    from worker_training import launch_horovod_helpers
-
-    launch_horovod_helpers(workers, TIMEOUT)
-
-
-def test_preemption_saves_at_the_same_step_and_resumes_bit_identical(
-        tmp_path):
-    # #17: SIGTERM to process 0, 1 or both at 5 seeded steps.
-    from worker_training import launch_preemption
-
-    launch_preemption(workers, str(tmp_path), TIMEOUT)
-
-
-def test_preemption_checkpoint_handler_custom_loop(tmp_path):
-    # #17: tf.distribute's PreemptionCheckpointHandler loop (total_run_calls).
-    from worker_training import launch_preemption_handler
-
-    launch_preemption_handler(workers, str(tmp_path), TIMEOUT)
+    launch_training_features(workers, str(tmp_path), TIMEOUT)

@@ -41,13 +41,9 @@ def gradient_accumulation(strategy):
             "iterations": int(model.optimizer.iterations)}
 
 
-def launch_gradient_accumulation(workers, timeout):
-    """Runs `workers.gradient_accumulation` on 2 processes: identical
-    weights in both, equal to one process (short last batch included)."""
-    import keras_distribute as kd
-
-    results = kd.launch(workers.gradient_accumulation, num_processes=2,
-                        timeout=timeout)
+def check_gradient_accumulation(results):
+    """`gradient_accumulation` of 2 processes: identical weights in both,
+    equal to one process (short last batch included)."""
     reference = accumulating_model()
     history = _fit_accumulating(reference)
     for result in results:
@@ -204,13 +200,8 @@ def horovod_helpers(strategy):
             "loss": history.history["loss"], "weights": model.get_weights()}
 
 
-def launch_horovod_helpers(workers, timeout):
-    """Runs `workers.horovod_helpers` on 2 processes and checks Horovod's
-    semantics."""
-    import keras_distribute as kd
-
-    results = kd.launch(workers.horovod_helpers, num_processes=2,
-                        timeout=timeout)
+def check_horovod_helpers(results):
+    """`horovod_helpers` of 2 processes: Horovod's semantics."""
     for rank, result in enumerate(results):
         c = result["collectives"]
         assert (c["count"], c["rank"]) == (2, rank)
@@ -286,13 +277,9 @@ def preemption(strategy, directory):
     return {"reference": reference, "runs": runs}
 
 
-def launch_preemption(workers, directory, timeout):
-    """Runs `workers.preemption` on 2 processes: every run saved once at
-    the signalled step and ends bit-identical to the uninterrupted one."""
-    import keras_distribute as kd
-
-    results = kd.launch(workers.preemption, num_processes=2,
-                        args=(directory,), timeout=timeout)
+def check_preemption(results):
+    """`preemption` of 2 processes: every run saved once at the signalled
+    step and ends bit-identical to the uninterrupted one."""
     for result in results:
         for run in result["runs"]:
             assert run["preempted"] == (True, False), run["step"]
@@ -370,13 +357,9 @@ def preemption_handler(strategy, directory):
             "saved": sorted(os.listdir(os.path.join(directory, "run")))}
 
 
-def launch_preemption_handler(workers, directory, timeout):
-    """Runs `workers.preemption_handler` on 2 processes: both stop after
-    run call 6, resume there and end bit-identical to no interruption."""
-    import keras_distribute as kd
-
-    results = kd.launch(workers.preemption_handler, num_processes=2,
-                        args=(directory,), timeout=timeout)
+def check_preemption_handler(results):
+    """`preemption_handler` of 2 processes: both stop after run call 6,
+    resume there and end bit-identical to no interruption."""
     for result in results:
         assert result["reference"][1:] == (0, 12)
         assert result["stopped"][0] is None and result["stopped"][1:] == (
@@ -387,3 +370,31 @@ def launch_preemption_handler(workers, directory, timeout):
                            results[0]["reference"][0]):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(b, c)
+
+
+def training_features(strategy, directory):
+    """Each process: the #16 and #17 features one after another on one
+    strategy (one launch per backend: starting the processes is most of
+    what these tests cost)."""
+    import os
+
+    return {
+        "accumulation": gradient_accumulation(strategy),
+        "horovod": horovod_helpers(strategy),
+        "preemption": preemption(strategy, os.path.join(directory, "fit")),
+        # Last: its handlers stay installed, as tf.distribute's do.
+        "handler": preemption_handler(strategy,
+                                      os.path.join(directory, "loop")),
+    }
+
+
+def launch_training_features(workers, directory, timeout):
+    """Runs `workers.training_features` on 2 processes and checks each."""
+    import keras_distribute as kd
+
+    results = kd.launch(workers.training_features, num_processes=2,
+                        args=(directory,), timeout=timeout)
+    check_gradient_accumulation([r["accumulation"] for r in results])
+    check_horovod_helpers([r["horovod"] for r in results])
+    check_preemption([r["preemption"] for r in results])
+    check_preemption_handler([r["handler"] for r in results])

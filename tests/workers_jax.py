@@ -155,45 +155,13 @@ def save_before_fit_one_device_per_process(directory):
     return {"path": path, "weights": restored.get_weights()}
 
 
-def gradient_accumulation():
-    """Accumulating optimizer with EMA, 2 processes x 2 devices."""
+def training_features(directory):
+    """Gradient accumulation, Horovod helpers, PreemptionCheckpoint and
+    PreemptionCheckpointHandler on one strategy (worker_training.py)."""
     _jax_process()
     import keras_distribute as kd
-    from worker_training import gradient_accumulation as body
+    from worker_training import training_features as body
 
-    return body(kd.MultiWorkerMirroredStrategy(
-        communication_options=kd.CommunicationOptions(timeout_seconds=60)))
-
-
-def horovod_helpers():
-    """kd.allreduce & co. and Horovod's callbacks, 2 processes x 2
-    devices."""
-    _jax_process()
-    import keras_distribute as kd
-    from worker_training import horovod_helpers as body
-
-    return body(kd.MultiWorkerMirroredStrategy(
-        communication_options=kd.CommunicationOptions(timeout_seconds=60)))
-
-
-def preemption(directory):
-    """PreemptionCheckpoint, 2 processes x 2 devices."""
-    _jax_process()
-    import keras_distribute as kd
-    from worker_training import preemption as body
-
-    return body(kd.MultiWorkerMirroredStrategy(
-        communication_options=kd.CommunicationOptions(timeout_seconds=60)),
-        directory)
-
-
-def preemption_handler(directory):
-    """kd.experimental.PreemptionCheckpointHandler, 2 processes x 2
-    devices."""
-    _jax_process()
-    import keras_distribute as kd
-    from worker_training import preemption_handler as body
-
-    return body(kd.MultiWorkerMirroredStrategy(
-        communication_options=kd.CommunicationOptions(timeout_seconds=60)),
-        directory)
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return body(strategy, directory)

@@ -740,15 +740,6 @@ def mixed_precision(policy):
             "skipped": skipped}
 
 
-def gradient_accumulation():
-    """Accumulating optimizer with EMA, 2 ranks."""
-    _setup()
-    import keras_distribute as kd
-    from worker_training import gradient_accumulation as body
-
-    return body(kd.MirroredStrategy())
-
-
 def compressed_all_reduce():
     """The digits fit with and without 16-bit gradient all-reduce."""
     _setup()
@@ -757,28 +748,35 @@ def compressed_all_reduce():
     return body()
 
 
-def horovod_helpers():
-    """kd.allreduce & co. and Horovod's callbacks, 2 ranks."""
+def training_features(directory):
+    """Gradient accumulation, Horovod helpers, PreemptionCheckpoint and
+    PreemptionCheckpointHandler on one strategy (worker_training.py)."""
     _setup()
     import keras_distribute as kd
-    from worker_training import horovod_helpers as body
-
-    return body(kd.MirroredStrategy())
-
-
-def preemption(directory):
-    """PreemptionCheckpoint, 2 ranks."""
-    _setup()
-    import keras_distribute as kd
-    from worker_training import preemption as body
+    from worker_training import training_features as body
 
     return body(kd.MirroredStrategy(), directory)
 
 
-def preemption_handler(directory):
-    """kd.experimental.PreemptionCheckpointHandler, 2 ranks."""
+def aggregated_after_collection():
+    """A metric freed by the garbage collector in rank 1 only, then a
+    metric updated in `run`: the ranks agree on what to combine."""
     _setup()
-    import keras_distribute as kd
-    from worker_training import preemption_handler as body
+    import gc
 
-    return body(kd.MirroredStrategy(), directory)
+    import keras
+
+    import keras_distribute as kd
+
+    strategy = kd.MirroredStrategy()
+    rank = kd.process_index()
+    with strategy.scope():
+        dead = keras.metrics.Mean()  # "sum" variables: total, count
+        live = keras.metrics.Sum()
+    holder = [dead]
+    holder.append(holder)  # a cycle: only the collector frees `dead`
+    del dead, holder
+    if rank == 1:
+        gc.collect()
+    strategy.run(lambda: live.update_state(float(rank + 1)))
+    return float(live.result())

@@ -193,8 +193,11 @@ class TorchEngine:
         self.distribution = None  # keras.distribution has no torch support
         self._created = []  # variables created in scope, not yet broadcast
         # Variables aggregated by "sum" / "mean" (metric states, moving
-        # statistics): combined over processes after each `run`.
-        self._aggregated = []
+        # statistics): combined over processes after each `run`. Each is
+        # numbered in creation order (the same program makes them in the
+        # same order in every process) and held weakly.
+        self._aggregated = []  # (number, weakref)
+        self._aggregated_made = 0
         self._ddp = weakref.WeakKeyDictionary()
         # `CommunicationOptions(compression=...)`: the dtype gradients are
         # all-reduced in (None: their own), and the bytes handed to those
@@ -216,7 +219,9 @@ class TorchEngine:
         if self.in_group:
             self._created.append(weakref.ref(variable))
             if getattr(variable, "aggregation", "none") in ("sum", "mean"):
-                self._aggregated.append(weakref.ref(variable))
+                self._aggregated.append((self._aggregated_made,
+                                         weakref.ref(variable)))
+                self._aggregated_made += 1
 
     def broadcast_new_variables(self) -> None:
         """Makes every variable created so far equal to rank 0's."""
@@ -425,11 +430,32 @@ class TorchEngine:
             lambda out: out if out is None else PerReplica([out]), result)
 
     def _live_aggregated(self) -> list:
-        """The "sum" / "mean" variables still alive, in creation order (the
-        same on every process: they were made by the same program)."""
-        alive = [(ref, ref()) for ref in self._aggregated]
-        self._aggregated = [ref for ref, v in alive if v is not None]
-        return [v for _, v in alive if v is not None and v._value is not None]
+        """The "sum" / "mean" variables alive in every process, in creation
+        order. The garbage collector frees a dead model's variables at
+        different times in different processes, so the processes first
+        agree on which are alive (one small all-reduce; when they differ,
+        the intersection of their lists): combining lists of different
+        lengths was a collective mismatch (gloo aborted the process)."""
+        alive = [(number, ref()) for number, ref in self._aggregated]
+        alive = [(n, v) for n, v in alive
+                 if v is not None and v._value is not None]
+        numbers = {n for n, _ in alive}
+        self._aggregated = [(n, ref) for n, ref in self._aggregated
+                            if n in numbers]
+        common = self._agreed_numbers(sorted(numbers))
+        return [v for n, v in alive if n in common]
+
+    def _agreed_numbers(self, numbers: list) -> set:
+        """The variable numbers every process of the replica group holds."""
+        signature = hash(tuple(numbers)) & ((1 << 62) - 1)
+        check = torch.tensor([signature, -signature], dtype=torch.int64,
+                             device=self.device)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.replica_group)
+        if int(check[0]) == -int(check[1]):  # max == min: all equal
+            return set(numbers)
+        everyone = [None] * dist.get_world_size(self.replica_group)
+        dist.all_gather_object(everyone, numbers, group=self.replica_group)
+        return set.intersection(*(set(n) for n in everyone))
 
     def _combine_aggregated(self, variables: list, before: list) -> None:
         """As tf.distribute's sync-on-read variables read after `run`: a
