@@ -191,7 +191,10 @@ class TorchEngine:
             shape=(self.world_size,), axis_names=["batch"],
             devices=[f"{device.type}:{r}" for r in range(self.world_size)])
         self.distribution = None  # keras.distribution has no torch support
-        self._created = []  # variables created in scope, not yet broadcast
+        # Variables created in scope, not yet broadcast: (number, weakref),
+        # numbered in creation order as `_aggregated` below.
+        self._created = []
+        self._created_made = 0
         # Variables aggregated by "sum" / "mean" (metric states, moving
         # statistics): combined over processes after each `run`. Each is
         # numbered in creation order (the same program makes them in the
@@ -217,7 +220,8 @@ class TorchEngine:
 
     def record_variable(self, variable: Any) -> None:
         if self.in_group:
-            self._created.append(weakref.ref(variable))
+            self._created.append((self._created_made, weakref.ref(variable)))
+            self._created_made += 1
             if getattr(variable, "aggregation", "none") in ("sum", "mean"):
                 self._aggregated.append((self._aggregated_made,
                                          weakref.ref(variable)))
@@ -226,10 +230,16 @@ class TorchEngine:
     def broadcast_new_variables(self) -> None:
         """Makes every variable created so far equal to rank 0's."""
         pending, self._created = self._created, []
+        if not pending:
+            return
+        alive = [(n, ref()) for n, ref in pending]
+        alive = [(n, v) for n, v in alive
+                 if v is not None and v._value is not None]
+        # The same broadcasts in every process, whatever the collector freed.
+        common = self._agreed_numbers([n for n, _ in alive], group=None)
         with torch.no_grad():
-            for ref in pending:
-                variable = ref()
-                if variable is not None and variable._value is not None:
+            for number, variable in alive:
+                if number in common:
                     dist.broadcast(variable.value.data, src=0)
 
     def variable_layout(self, variable: Any) -> tuple:
@@ -420,7 +430,9 @@ class TorchEngine:
         call_kwargs = keras.tree.map_structure(local, kwargs)
         ctx = context.ReplicaContext(strategy, self.local_replica_ids[0],
                                      _TorchCollectives(self))
-        aggregated = self._live_aggregated() if self.in_group else []
+        # (Made in the same order everywhere: the count is the same.)
+        aggregated = self._live_aggregated() if (
+            self.in_group and self._aggregated_made) else []
         before = [v.value.detach().clone() for v in aggregated]
         with context._enter(strategy, ctx):
             result = fn(*call_args, **call_kwargs)
@@ -445,16 +457,22 @@ class TorchEngine:
         common = self._agreed_numbers(sorted(numbers))
         return [v for n, v in alive if n in common]
 
-    def _agreed_numbers(self, numbers: list) -> set:
-        """The variable numbers every process of the replica group holds."""
+    _REPLICA_GROUP = object()
+
+    def _agreed_numbers(self, numbers: list, group: Any = _REPLICA_GROUP
+                        ) -> set:
+        """The variable numbers every process of `group` (by default the
+        replica group; `None`: all processes) holds."""
+        if group is TorchEngine._REPLICA_GROUP:
+            group = self.replica_group
         signature = hash(tuple(numbers)) & ((1 << 62) - 1)
         check = torch.tensor([signature, -signature], dtype=torch.int64,
                              device=self.device)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.replica_group)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
         if int(check[0]) == -int(check[1]):  # max == min: all equal
             return set(numbers)
-        everyone = [None] * dist.get_world_size(self.replica_group)
-        dist.all_gather_object(everyone, numbers, group=self.replica_group)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, numbers, group=group)
         return set.intersection(*(set(n) for n in everyone))
 
     def _combine_aggregated(self, variables: list, before: list) -> None:
