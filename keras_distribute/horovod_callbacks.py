@@ -18,7 +18,7 @@ from keras_distribute.context import model_strategy
 
 class BroadcastGlobalVariables(keras.callbacks.Callback):
     """Sets every model and optimizer variable to process `root_rank`'s
-    value when training begins (Horovod's
+    value when training begins and after the first batch (Horovod's
     `BroadcastGlobalVariablesCallback`).
 
     Args:
@@ -38,8 +38,21 @@ class BroadcastGlobalVariables(keras.callbacks.Callback):
     def __init__(self, root_rank: int = 0):
         super().__init__()
         self.root_rank = root_rank
+        self._first_batch_done = False
 
     def on_train_begin(self, logs=None):
+        self._first_batch_done = False
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Again after the first batch, as Horovod does: optimizer slots made
+        # by the first step, and (Keras 3.16 torch) the DDP Keras wraps the
+        # model in at its first step broadcasts rank 0's values itself.
+        if not self._first_batch_done:
+            self._first_batch_done = True
+            self._broadcast()
+
+    def _broadcast(self):
         variables = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and getattr(optimizer, "built", False):

@@ -202,14 +202,16 @@ class PreemptionCheckpointHandler:
         """How many `run` calls were made, over every restart."""
         return self._total_run_calls
 
-    def run(self, distributed_train_function: Callable, *args, **kwargs):
+    def run(self, distributed_train_function: Callable, *args: Any,
+            **kwargs: Any) -> Any:
         """Runs one training step, then saves and exits if any worker was
         preempted.
 
         Args:
             distributed_train_function: One step (e.g. a function calling
                 `strategy.run`); every worker calls `run` as often.
-            *args, **kwargs: Its arguments.
+            *args: Its positional arguments.
+            **kwargs: Its keyword arguments.
 
         Returns:
             What `distributed_train_function` returned.

@@ -153,8 +153,15 @@ def test_training_features_across_processes(tmp_path):
     # #16: gradient accumulation + EMA overwrite (short last batch) equal to
     # one process; kd.allreduce/allgather/broadcast and Horovod's callbacks.
     # #17: PreemptionCheckpoint with SIGTERM to process 0, 1 or both at 5
-    # seeded steps, and the PreemptionCheckpointHandler loop: both resume
-    # bit-identical. One launch (worker_training.training_features).
+    # seeded steps, resumed bit-identical. One launch
+    # (worker_training.training_features).
     from worker_training import launch_training_features
 
     launch_training_features(workers, str(tmp_path), TIMEOUT)
+
+
+def test_preemption_checkpoint_handler_custom_loop(tmp_path):
+    # #17: tf.distribute's PreemptionCheckpointHandler loop (total_run_calls).
+    from worker_training import launch_preemption_handler
+
+    launch_preemption_handler(workers, str(tmp_path), TIMEOUT)

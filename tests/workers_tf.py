@@ -81,10 +81,20 @@ def diverged_random_states():
 
 
 def training_features(directory):
-    """Gradient accumulation, Horovod helpers, PreemptionCheckpoint and
-    PreemptionCheckpointHandler on one strategy (worker_training.py)."""
+    """Gradient accumulation, Horovod helpers and PreemptionCheckpoint on
+    one strategy (worker_training.py)."""
     import keras_distribute as kd
     from worker_training import training_features as body
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return body(strategy, directory)
+
+
+def preemption_handler(directory):
+    """kd.experimental.PreemptionCheckpointHandler's loop (2 processes)."""
+    import keras_distribute as kd
+    from worker_training import preemption_handler as body
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))

@@ -749,8 +749,8 @@ def compressed_all_reduce():
 
 
 def training_features(directory):
-    """Gradient accumulation, Horovod helpers, PreemptionCheckpoint and
-    PreemptionCheckpointHandler on one strategy (worker_training.py)."""
+    """Gradient accumulation, Horovod helpers and PreemptionCheckpoint on
+    one strategy (worker_training.py)."""
     _setup()
     import keras_distribute as kd
     from worker_training import training_features as body
@@ -758,25 +758,11 @@ def training_features(directory):
     return body(kd.MirroredStrategy(), directory)
 
 
-def aggregated_after_collection():
-    """A metric freed by the garbage collector in rank 1 only, then a
-    metric updated in `run`: the ranks agree on what to combine."""
+def preemption_handler(directory):
+    """kd.experimental.PreemptionCheckpointHandler's loop (2 processes)."""
     _setup()
-    import gc
-
-    import keras
-
     import keras_distribute as kd
+    from worker_training import preemption_handler as body
 
     strategy = kd.MirroredStrategy()
-    rank = kd.process_index()
-    with strategy.scope():
-        dead = keras.metrics.Mean()  # "sum" variables: total, count
-        live = keras.metrics.Sum()
-    holder = [dead]
-    holder.append(holder)  # a cycle: only the collector frees `dead`
-    del dead, holder
-    if rank == 1:
-        gc.collect()
-    strategy.run(lambda: live.update_state(float(rank + 1)))
-    return float(live.result())
+    return body(strategy, directory)

@@ -42,16 +42,32 @@ def _timeout_s() -> float:
         ) from None
 
 
+# How long a process leaving normally waits at exit for the others.
+_EXIT_BARRIER_S = 10.0
+
+
 def _destroy_own_group() -> None:
-    """At exit: ends the process group kd started. Left to interpreter
-    shutdown, gloo's threads were destroyed while still joinable
-    ("terminate called without an active exception", SIGABRT, in about one
-    run in ten of a launched script)."""
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # exiting anyway: nothing left to protect
-            pass
+    """At exit: ends the process group kd started, every process together.
+
+    Left to interpreter shutdown, gloo's threads were destroyed while still
+    joinable ("terminate called without an active exception", SIGABRT);
+    destroyed at exit by each process on its own, a process could still be
+    tearing its group down when a peer had already closed its connections
+    (seen in CI: the later process aborted). Processes leaving normally
+    first meet at a bounded barrier (a peer that crashed or is still busy
+    only delays the exit by `_EXIT_BARRIER_S`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=datetime.timedelta(
+                seconds=_EXIT_BARRIER_S), wait_all_ranks=True)
+    except Exception:  # a peer is gone: leave without waiting for it
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # exiting anyway: nothing left to protect
+        pass
 
 
 def _init_process_group(**kwargs) -> None:
@@ -191,16 +207,10 @@ class TorchEngine:
             shape=(self.world_size,), axis_names=["batch"],
             devices=[f"{device.type}:{r}" for r in range(self.world_size)])
         self.distribution = None  # keras.distribution has no torch support
-        # Variables created in scope, not yet broadcast: (number, weakref),
-        # numbered in creation order as `_aggregated` below.
-        self._created = []
-        self._created_made = 0
+        self._created = []  # variables created in scope, not yet broadcast
         # Variables aggregated by "sum" / "mean" (metric states, moving
-        # statistics): combined over processes after each `run`. Each is
-        # numbered in creation order (the same program makes them in the
-        # same order in every process) and held weakly.
-        self._aggregated = []  # (number, weakref)
-        self._aggregated_made = 0
+        # statistics): combined over processes after each `run`.
+        self._aggregated = []
         self._ddp = weakref.WeakKeyDictionary()
         # `CommunicationOptions(compression=...)`: the dtype gradients are
         # all-reduced in (None: their own), and the bytes handed to those
@@ -220,26 +230,17 @@ class TorchEngine:
 
     def record_variable(self, variable: Any) -> None:
         if self.in_group:
-            self._created.append((self._created_made, weakref.ref(variable)))
-            self._created_made += 1
+            self._created.append(weakref.ref(variable))
             if getattr(variable, "aggregation", "none") in ("sum", "mean"):
-                self._aggregated.append((self._aggregated_made,
-                                         weakref.ref(variable)))
-                self._aggregated_made += 1
+                self._aggregated.append(weakref.ref(variable))
 
     def broadcast_new_variables(self) -> None:
         """Makes every variable created so far equal to rank 0's."""
         pending, self._created = self._created, []
-        if not pending:
-            return
-        alive = [(n, ref()) for n, ref in pending]
-        alive = [(n, v) for n, v in alive
-                 if v is not None and v._value is not None]
-        # The same broadcasts in every process, whatever the collector freed.
-        common = self._agreed_numbers([n for n, _ in alive], group=None)
         with torch.no_grad():
-            for number, variable in alive:
-                if number in common:
+            for ref in pending:
+                variable = ref()
+                if variable is not None and variable._value is not None:
                     dist.broadcast(variable.value.data, src=0)
 
     def variable_layout(self, variable: Any) -> tuple:
@@ -430,9 +431,7 @@ class TorchEngine:
         call_kwargs = keras.tree.map_structure(local, kwargs)
         ctx = context.ReplicaContext(strategy, self.local_replica_ids[0],
                                      _TorchCollectives(self))
-        # (Made in the same order everywhere: the count is the same.)
-        aggregated = self._live_aggregated() if (
-            self.in_group and self._aggregated_made) else []
+        aggregated = self._live_aggregated() if self.in_group else []
         before = [v.value.detach().clone() for v in aggregated]
         with context._enter(strategy, ctx):
             result = fn(*call_args, **call_kwargs)
@@ -442,38 +441,11 @@ class TorchEngine:
             lambda out: out if out is None else PerReplica([out]), result)
 
     def _live_aggregated(self) -> list:
-        """The "sum" / "mean" variables alive in every process, in creation
-        order. The garbage collector frees a dead model's variables at
-        different times in different processes, so the processes first
-        agree on which are alive (one small all-reduce; when they differ,
-        the intersection of their lists): combining lists of different
-        lengths was a collective mismatch (gloo aborted the process)."""
-        alive = [(number, ref()) for number, ref in self._aggregated]
-        alive = [(n, v) for n, v in alive
-                 if v is not None and v._value is not None]
-        numbers = {n for n, _ in alive}
-        self._aggregated = [(n, ref) for n, ref in self._aggregated
-                            if n in numbers]
-        common = self._agreed_numbers(sorted(numbers))
-        return [v for n, v in alive if n in common]
-
-    _REPLICA_GROUP = object()
-
-    def _agreed_numbers(self, numbers: list, group: Any = _REPLICA_GROUP
-                        ) -> set:
-        """The variable numbers every process of `group` (by default the
-        replica group; `None`: all processes) holds."""
-        if group is TorchEngine._REPLICA_GROUP:
-            group = self.replica_group
-        signature = hash(tuple(numbers)) & ((1 << 62) - 1)
-        check = torch.tensor([signature, -signature], dtype=torch.int64,
-                             device=self.device)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
-        if int(check[0]) == -int(check[1]):  # max == min: all equal
-            return set(numbers)
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, numbers, group=group)
-        return set.intersection(*(set(n) for n in everyone))
+        """The "sum" / "mean" variables still alive, in creation order (the
+        same on every process: they were made by the same program)."""
+        alive = [(ref, ref()) for ref in self._aggregated]
+        self._aggregated = [ref for ref, v in alive if v is not None]
+        return [v for _, v in alive if v is not None and v._value is not None]
 
     def _combine_aggregated(self, variables: list, before: list) -> None:
         """As tf.distribute's sync-on-read variables read after `run`: a

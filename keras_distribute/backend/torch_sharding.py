@@ -180,12 +180,11 @@ class ShardedTorchEngine(TorchEngine):
                 for variable in only:
                     dist.broadcast(variable._value.data, src=0)
             done = {id(v) for v in only}
-            self._created = [(n, ref) for n, ref in self._created
+            self._created = [ref for ref in self._created
                              if id(ref()) not in done]
             return
-        self._created = [(n, ref) for n, ref in self._created
-                         if not isinstance(getattr(ref(), "_value", None),
-                                           DTensor)]
+        self._created = [ref for ref in self._created if not isinstance(
+            getattr(ref(), "_value", None), DTensor)]
         super().broadcast_new_variables()
 
     def variable_layout(self, variable: Any) -> tuple:

@@ -125,10 +125,13 @@ def apply_gradients(optimizer: Any, grads: Sequence[Any],
     """Sums the processes' gradients, then applies them."""
     from keras_distribute import context
 
-    engine = context.get_strategy()._engine
+    # The default strategy's in-place engine has no compression (and no
+    # other process): its all-reduce is the identity.
+    compress = getattr(context.get_strategy()._engine, "compress_gradients",
+                       None) or (lambda g: g)
     dtypes = [g.dtype for g in grads]
     grads = context.get_replica_context().all_reduce(
-        "sum", [engine.compress_gradients(g) for g in grads])
+        "sum", [compress(g) for g in grads])
     grads = [g.to(dtype) for g, dtype in zip(grads, dtypes)]
     with torch.no_grad():
         optimizer.apply(grads, variables)
