@@ -16,11 +16,6 @@ def patch(owner, name: str, replacement) -> None:
     setattr(owner, name, replacement)
 
 
-def is_patched(owner, name: str) -> bool:
-    """Whether `owner.name` is one of the recorded replacements."""
-    return any(o is owner and n == name for o, n, _, _ in originals)
-
-
 def restore_all() -> None:
     """Restores every recorded attribute, newest first."""
     while originals:
