@@ -517,6 +517,13 @@ class BackupAndRestore(_TrainingStateCallback):
         # Every process has seen the last backup committed before the chief
         # deletes it (the others failed, reading a deleted backup).
         engine.barrier("keras_distribute.BackupAndRestore.end")
-        if self.delete_checkpoint and engine.process_id == 0:
-            # Only our checkpoints: a user's file in the directory stays.
-            ckpt_format.remove_all_in(self.directory)
+        if not self.delete_checkpoint:
+            return
+        try:
+            if engine.process_id == 0:
+                # Only our checkpoints: a user's file in the directory stays.
+                ckpt_format.remove_all_in(self.directory)
+        finally:
+            # When fit returns anywhere, the backup is gone everywhere (a
+            # process that looked at once still saw it on the chief's disk).
+            engine.barrier("keras_distribute.BackupAndRestore.deleted")
