@@ -45,8 +45,8 @@ def state(model):
 @pytest.mark.parametrize("block_bytes", [None, 40])
 def test_round_trip_is_bit_exact_with_optimizer_state(tmp_path, monkeypatch,
                                                       block_bytes):
-    if block_bytes is not None:  # read and hashed block by block
-        monkeypatch.setattr(ckpt.reading, "_READ_BLOCK_BYTES", block_bytes)
+    if block_bytes is not None:  # written and read in blocks by threads
+        monkeypatch.setattr(ckpt.parallel_io, "BLOCK_BYTES", block_bytes)
     model = trained_model()
     checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
     path = checkpoint.write(str(tmp_path / "c"))
@@ -144,13 +144,13 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
     assert ckpt.list_variables(path) == [("v", (2,)), ("w", (2,))]
 
 
-# None: each piece read whole; 40: read in blocks of one row, each hashed in
-# a thread while the next is read (the path of pieces over 16 MiB).
+# None: each piece moved whole; 40: written and read in blocks of 40 bytes by
+# a pool of threads (the path of pieces over 16 MiB).
 @pytest.mark.parametrize("block_bytes", [None, 40])
 def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path, monkeypatch,
                                                       block_bytes):
     if block_bytes is not None:
-        monkeypatch.setattr(ckpt.reading, "_READ_BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(ckpt.parallel_io, "BLOCK_BYTES", block_bytes)
     model = trained_model()
     path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
     shard = os.path.join(path, "shards-00000.h5")
@@ -255,3 +255,38 @@ def test_checkpoint_written_on_jax_restores_on_another_backend(tmp_path, other):
     done = subprocess.run([sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=300)
     assert "EQUAL" in done.stdout, done.stderr[-2000:]
+
+
+def test_progress_line_per_save_and_restore(tmp_path, capsys, caplog,
+                                            monkeypatch):
+    model = trained_model()
+    nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    loud = ckpt.CheckpointOptions(verbose=1)
+    path = checkpoint.write(str(tmp_path / "c"), options=loud)
+    ckpt.ShardedCheckpoint(model=make_model()).read(path, options=loud)
+    saved, restored = capsys.readouterr().out.splitlines()
+    megabytes = f"{nbytes / 1e6:,.1f} MB"
+    assert saved.startswith(f"keras_distribute: saved {megabytes} {path} in ")
+    assert restored.startswith(f"keras_distribute: restored {megabytes} ")
+    assert saved.endswith(" MB/s") and restored.endswith(" MB/s")
+    # "auto" (the default) speaks from 1 GiB a process; 0 never.
+    monkeypatch.setattr(ckpt.progress, "AUTO_BYTES", nbytes + 1)
+    checkpoint.write(path)
+    ckpt.ShardedCheckpoint(model=make_model()).read(path)
+    monkeypatch.setattr(ckpt.progress, "AUTO_BYTES", nbytes)
+    checkpoint.write(path, options=ckpt.CheckpointOptions(verbose=0))
+    assert capsys.readouterr().out == ""
+    checkpoint.write(path)
+    assert "saved" in capsys.readouterr().out
+    # Keras' logging switch: to the logger instead of stdout.
+    keras.config.disable_interactive_logging()
+    try:
+        with caplog.at_level("INFO", logger="keras_distribute"):
+            checkpoint.write(path, options=loud)
+    finally:
+        keras.config.enable_interactive_logging()
+    assert capsys.readouterr().out == ""
+    assert "keras_distribute: saved" in caplog.text
+    with pytest.raises(ValueError, match="Expected `verbose` to be 0"):
+        ckpt.CheckpointOptions(verbose=2)

@@ -1,7 +1,9 @@
 """`CheckpointOptions`: how a save runs."""
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
+
+from keras_distribute.checkpoint import progress
 
 
 @dataclasses.dataclass
@@ -16,6 +18,9 @@ class CheckpointOptions:
             name for `enable_async`, accepted when porting.
         timeout_seconds: How long the chief waits for the other processes'
             shards before the save fails (the previous checkpoint is kept).
+        verbose: A line per save or restore with its bytes, seconds and
+            MB/s in each process: `"auto"` (default) when a process moves
+            at least 1 GiB, `1` always, `0` never.
 
     Example:
 
@@ -29,6 +34,7 @@ class CheckpointOptions:
     enable_async: bool = False
     experimental_enable_async_checkpoint: Optional[bool] = None
     timeout_seconds: float = 600.0
+    verbose: Union[int, str] = "auto"
 
     def __post_init__(self):
         if self.experimental_enable_async_checkpoint is not None:
@@ -37,3 +43,4 @@ class CheckpointOptions:
             raise ValueError(
                 "timeout_seconds must be positive. Received: "
                 f"timeout_seconds={self.timeout_seconds}.")
+        progress.check_verbose(self.verbose)

@@ -16,11 +16,12 @@ than the files justify. Every refusal is a `CheckpointError`.
 import json
 import os
 import stat
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
 
 from keras_distribute.backend.interface import whole_region
+from keras_distribute.checkpoint import parallel_io
 from keras_distribute.checkpoint import validation
 from keras_distribute.checkpoint.format import CHECKSUM_FIELDS
 from keras_distribute.checkpoint.format import INDEX
@@ -115,12 +116,14 @@ def read_regions(path: str, record: dict,
            if any(hi == lo for lo, hi in region) else None  # empty
            for region in regions]
     files: Dict[str, Any] = {}
+    descriptors: Dict[str, int] = {}
     try:
         # Every dataset is checked before anything is allocated or read.
         datasets = [_checked_dataset(path, files, piece, dtype)
                     for piece, _, _ in plan]
         for (piece, stored, wanted), dataset in zip(plan, datasets):
-            data = _read_verified(path, piece, dataset, dtype)
+            data = _read_verified(path, piece, dataset, dtype,
+                                  _descriptor(path, descriptors, piece))
             for i, overlap in wanted:
                 if overlap == stored == regions[i]:  # the whole piece
                     out[i] = data
@@ -130,12 +133,14 @@ def read_regions(path: str, record: dict,
                 target = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _)
                                in zip(overlap, regions[i]))
                 if out[i] is None:
-                    out[i] = np.empty([hi - lo for lo, hi in regions[i]],
-                                      dtype)
+                    out[i] = parallel_io.aligned_empty(
+                        [hi - lo for lo, hi in regions[i]], dtype)
                 out[i][target] = data[source]
     finally:
         for h5 in files.values():
             h5.close()
+        for descriptor in descriptors.values():
+            os.close(descriptor)
     for i, region in enumerate(regions):
         if out[i] is None:  # cannot happen with a validated index
             raise CheckpointError(
@@ -221,59 +226,51 @@ def _checked_dataset(path: str, files: Dict[str, Any], piece: dict,
             "Restore an earlier checkpoint.") from None
 
 
-def _read_verified(path: str, piece: dict, dataset: Any,
-                   dtype: np.dtype) -> np.ndarray:
+def _descriptor(path: str, descriptors: Dict[str, int], piece: dict) -> int:
+    """The open file of `piece` (its name was checked by `_checked_dataset`:
+    a regular file inside the directory), never through a symlink."""
+    name = piece["file"]
+    if name not in descriptors:
+        full = os.path.join(path, name)
+        try:
+            descriptor = os.open(full, os.O_RDONLY | getattr(
+                os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as error:
+            raise CheckpointError(
+                f"The shard file {full!r} cannot be opened "
+                f"({error.strerror}). Restore an earlier checkpoint.") from None
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            raise CheckpointError(
+                f"Refusing {full!r}: not a regular file.")
+        descriptors[name] = descriptor
+    return descriptors[name]
+
+
+def _read_verified(path: str, piece: dict, dataset: Any, dtype: np.dtype,
+                   descriptor: int) -> np.ndarray:
+    """A piece's data, read straight from its place in the file into new
+    aligned memory (in parallel blocks) and checked against its checksum.
+    `_checked_dataset` made sure the file holds it there: contiguous, no
+    filters, stored as `dtype` in this machine's byte order."""
     full = os.path.join(path, piece["file"])
+    field = next(f for f in CHECKSUM_FIELDS if f in piece)
+    data = parallel_io.aligned_empty(dataset.shape, dataset.dtype)
     try:
-        field = next(f for f in CHECKSUM_FIELDS if f in piece)
-        data, checksum = _read_and_hash(dataset, field)
-    except Exception as error:  # h5py: OSError, ValueError...
+        if data.ndim == 0:  # HDF5 may keep a scalar anywhere: through h5py
+            dataset.read_direct(data)
+        elif data.nbytes:
+            parallel_io.read_at(descriptor, data, dataset.id.get_offset())
+    except Exception as error:  # OSError, EOFError; h5py's
         raise CheckpointError(
             f"The shard file {full!r} (entry {piece['dataset']!r}) is "
             f"truncated or corrupt ({type(error).__name__}: "
             f"{str(error)[:200]}). Restore an earlier checkpoint.") from None
-    if checksum != piece[field]:
+    digest = new_digest(field)
+    digest.update(data.reshape(-1).view(np.uint8))
+    if digest.hexdigest() != piece[field]:
         raise CheckpointError(
             f"The data of {piece['dataset']!r} in {full!r} does not "
             "match its checksum: the file is corrupt. Restore an earlier "
             "checkpoint.")
     return data.view(dtype) if data.dtype != dtype else data
-
-
-# Large pieces are read in blocks of about this size; each block is hashed
-# in a thread while the next one is read (hashlib releases the GIL; XXH3 is
-# faster than the read anyway).
-_READ_BLOCK_BYTES = 16 << 20
-_hasher_thread: List[Any] = []
-
-
-def _read_and_hash(dataset: Any, field: str) -> Tuple[np.ndarray, str]:
-    """A dataset's data and the checksum `field` of its bytes, reading and hashing
-    overlapped block by block (in row order: the same digest as hashing the
-    whole array)."""
-    import concurrent.futures
-
-    data = np.empty(dataset.shape, dataset.dtype)
-    digest = new_digest(field)
-    rows = dataset.shape[0] if dataset.ndim else 0
-    if rows == 0 or data.nbytes <= _READ_BLOCK_BYTES:
-        if data.size:
-            dataset.read_direct(data)
-        digest.update(data.reshape(-1).view(np.uint8))
-        return data, digest.hexdigest()
-    if not _hasher_thread:
-        _hasher_thread.append(concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kd-checkpoint-hash"))
-    row_bytes = data.nbytes // rows
-    step = max(1, _READ_BLOCK_BYTES // row_bytes)
-    flat = data.reshape(-1).view(np.uint8)
-    hashing = None
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        dataset.read_direct(data, np.s_[start:stop], np.s_[start:stop])
-        if hashing is not None:
-            hashing.result()
-        hashing = _hasher_thread[0].submit(
-            digest.update, flat[start * row_bytes:stop * row_bytes])
-    hashing.result()
-    return data, digest.hexdigest()

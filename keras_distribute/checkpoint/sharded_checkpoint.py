@@ -4,6 +4,7 @@ import concurrent.futures
 import functools
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -12,6 +13,7 @@ from keras_distribute.backend.interface import assign_whole
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
+from keras_distribute.checkpoint import progress
 from keras_distribute.checkpoint import saved_objects
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
@@ -104,6 +106,7 @@ class ShardedCheckpoint:
         # object name -> (checkpoint path, its parsed variables index)
         self._deferred: Dict[str, tuple] = {}
         self._lock = threading.Lock()
+        self._bytes_read = 0  # by the current read (its progress line)
 
     # -------------------------------------------- objects as attributes
     def __getattr__(self, name: str) -> Any:
@@ -224,6 +227,7 @@ class ShardedCheckpoint:
         """`write`; the chief calls `on_commit()` once `path` is committed."""
         from keras_distribute.backend import get_backend
 
+        started = time.perf_counter()
         options = options or CheckpointOptions()
         self.sync()  # one save at a time; re-raises a failed background one
         path = os.path.abspath(path)
@@ -251,7 +255,7 @@ class ShardedCheckpoint:
         }
         finish = functools.partial(
             _finish_save, path, entries, process_id, process_count,
-            index_metadata, options.timeout_seconds, on_commit)
+            index_metadata, options, on_commit, started)
         if options.enable_async:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -313,7 +317,8 @@ class ShardedCheckpoint:
             pending.result()
 
     # ----------------------------------------------------------------- read
-    def read(self, path: str) -> LoadStatus:
+    def read(self, path: str,
+             options: Optional[CheckpointOptions] = None) -> LoadStatus:
         """Restores every variable the checkpoint at `path` holds.
 
         Objects whose variables do not exist yet are restored when they are
@@ -322,6 +327,8 @@ class ShardedCheckpoint:
         Args:
             path: A committed checkpoint directory, or `None` (nothing is
                 restored, as with `tf.train.Checkpoint.restore(None)`).
+            options: A `CheckpointOptions` (its `verbose`: a line with the
+                bytes read and the MB/s).
 
         Returns:
             A `LoadStatus` (call `assert_consumed()` to require a full match);
@@ -331,11 +338,13 @@ class ShardedCheckpoint:
             CheckpointError: if `path` is not a committed checkpoint, a file
                 is corrupt, or a variable's shape differs from the saved one.
         """
+        started = time.perf_counter()
         self.sync()
         if path is None:
             return InitializationOnlyStatus()
         path = os.path.abspath(path)
         saved = reading.read_index(path)["variables"]
+        self._bytes_read = 0
         by_object = self._variables_by_object()
         leaves = self._leaf_objects()
         for name, variables in by_object.items():
@@ -358,6 +367,9 @@ class ShardedCheckpoint:
             path, saved, self._host_array_holders())
         deferred_keys = {key for name in self._deferred
                          for key in saved_objects.saved_keys_of(saved, name)}
+        progress.report((options or CheckpointOptions()).verbose, "restored",
+                        path, self._bytes_read, started, engine.process_id,
+                        engine.process_count)
         return LoadStatus(
             sorted(set(saved) - restored - deferred_keys),
             sorted(restored - set(saved)), checkpoint=self)
@@ -378,7 +390,11 @@ class ShardedCheckpoint:
                     f"{variable.path!r} has {tuple(variable.shape)}. Build the "
                     "model as it was when saved.")
             assign(variable, lambda regions, record=record: (
-                reading.read_regions(path, record, regions)))
+                self._count_read(reading.read_regions(path, record, regions))))
+
+    def _count_read(self, arrays: List[Any]) -> List[Any]:
+        self._bytes_read += sum(array.nbytes for array in arrays)
+        return arrays
 
     def _apply_deferred(self) -> None:
         with self._lock:
@@ -446,9 +462,11 @@ def _chief_path(engine: Any, path: str) -> str:
 
 def _finish_save(path: str, entries: dict, process_id: int,
                  process_count: int, metadata: dict,
-                 timeout_s: float,
-                 on_commit: Optional[Callable[[], None]]) -> None:
+                 options: CheckpointOptions,
+                 on_commit: Optional[Callable[[], None]],
+                 started: float) -> None:
     """Writes this process's shards; the chief then commits."""
+    timeout_s = options.timeout_seconds
     temporary = ckpt_format.temporary_path(path)
     try:
         ckpt_format.write_process_shards(temporary, entries, process_id)
@@ -467,6 +485,9 @@ def _finish_save(path: str, entries: dict, process_id: int,
             raise CheckpointError(
                 f"Saving {path!r} failed on the chief (process 0); see its "
                 "error. The previous checkpoint is kept.")
+    progress.report(options.verbose, "saved", path, sum(
+        array.nbytes for entry in entries.values() for _, array in entry[3]),
+        started, process_id, process_count)
 
 
 def _install_deferred_hooks() -> None:
