@@ -12,9 +12,14 @@ timeout and the gradient compression.
 
 import dataclasses
 import enum
+import os
 from typing import Any, Optional
 
+# The one communication timeout: joining a job and each collective, on
+# every backend and strategy. `KERAS_DISTRIBUTE_TIMEOUT` (seconds) changes
+# the default; `CommunicationOptions(timeout_seconds=...)` one strategy's.
 DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_VARIABLE = "KERAS_DISTRIBUTE_TIMEOUT"
 # Accepted names of each gradient compression, by the name kept.
 _COMPRESSIONS = {"fp16": ("fp16", "float16", "half"),
                  "bf16": ("bf16", "bfloat16")}
@@ -111,6 +116,31 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
+def communication_timeout_s(timeout_s: Optional[float] = None) -> float:
+    """The communication timeout in seconds: `timeout_s` when given (a
+    strategy's `CommunicationOptions`), else `$KERAS_DISTRIBUTE_TIMEOUT`,
+    else 60.
+
+    Raises:
+        ValueError: if `KERAS_DISTRIBUTE_TIMEOUT` is not a positive number.
+    """
+    if timeout_s is not None:
+        return float(timeout_s)
+    value = os.environ.get(TIMEOUT_VARIABLE)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(
+            f"Expected {TIMEOUT_VARIABLE} to be a positive number of seconds. "
+            f"Received: {TIMEOUT_VARIABLE}={value!r}. Unset it for the "
+            f"default ({DEFAULT_TIMEOUT_S:.0f} s).")
+    return seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class CommunicationOptions:
     """How the replicas of a strategy talk.
@@ -118,7 +148,8 @@ class CommunicationOptions:
     Args:
         timeout_seconds: How long start-up (every worker joining) and each
             collective may take before every process fails with an error
-            instead of hanging. Defaults to 60.
+            instead of hanging. Defaults to `None`: the job's default,
+            `$KERAS_DISTRIBUTE_TIMEOUT` or else 60 s.
         implementation: A `kd.CommunicationImplementation` (or its name),
             kept for `tf.distribute` compatibility; the backend's engine
             picks the algorithm. Defaults to `"AUTO"`.
@@ -142,7 +173,7 @@ class CommunicationOptions:
     'bf16'
     """
 
-    timeout_seconds: Optional[float] = DEFAULT_TIMEOUT_S
+    timeout_seconds: Optional[float] = None
     implementation: str = "AUTO"
     compression: Optional[str] = None
 

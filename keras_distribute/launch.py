@@ -160,7 +160,8 @@ def _destroy_process_group() -> None:
 def _end(processes) -> None:
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            # A stopped process holds SIGTERM until continued: kill it.
+            (process.kill if is_frozen(process.pid) else process.terminate)()
     deadline = time.monotonic() + _GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -278,8 +279,31 @@ def _wait_for_exit(processes, grace_s: float) -> None:
         process.join(max(0.0, deadline - time.monotonic()))
 
 
+def is_frozen(pid: Optional[int]) -> bool:
+    """Whether the process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger):
+    alive, but it will never answer a collective."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (name) state ...": the name may hold spaces or ")".
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError, TypeError):
+        return False  # gone, or no /proc (macOS): not known to be frozen
+
+
+def frozen_message(rank: int, count: int) -> str:
+    return (f"Process {rank} of {count} is frozen (stopped by SIGSTOP, "
+            "SIGTSTP or a debugger) and never answered")
+
+
 def _failure(processes, values, rank: int, trace: str) -> LaunchError:
-    """The error for a failed rank, naming a peer that died first if any."""
+    """The error for a failed rank, naming a peer that died or froze first
+    if any (the failed one only reported the loss)."""
+    frozen = [r for r, p in enumerate(processes)
+              if r != rank and p.is_alive() and is_frozen(p.pid)]
+    if frozen:
+        return LaunchError(
+            f"{frozen_message(frozen[0], len(processes))}; process {rank} "
+            f"then failed waiting for it:\n{trace}", frozen[0])
     deadline = time.monotonic() + 2.0  # a dead peer's exit code lands soon
     dead = []
     while time.monotonic() < deadline and not dead:
@@ -461,10 +485,18 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                 return PREEMPTION_EXIT_CODE
             if failed:
                 rank, code = failed[0]
-                print(f"keras_distribute.launch: process {rank} of "
-                      f"{num_processes} exited with code {code}"
-                      f"{_signal_name(code)}; ending the others.",
-                      file=sys.stderr)
+                frozen = [r for r, p in enumerate(processes)
+                          if codes[r] is None and is_frozen(p.pid)]
+                if frozen:
+                    print(f"keras_distribute.launch: "
+                          f"{frozen_message(frozen[0], num_processes)}; "
+                          f"process {rank} then exited with code {code}; "
+                          "ending every process.", file=sys.stderr)
+                else:
+                    print(f"keras_distribute.launch: process {rank} of "
+                          f"{num_processes} exited with code {code}"
+                          f"{_signal_name(code)}; ending the others.",
+                          file=sys.stderr)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
@@ -476,7 +508,8 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
     finally:
         for process in processes:
             if process.poll() is None:
-                process.terminate()
+                (process.kill if is_frozen(process.pid)
+                 else process.terminate)()
         for process in processes:
             try:
                 process.wait(_GRACE_S)

@@ -6,6 +6,7 @@ from keras_distribute import cluster_resolver as cluster_resolver_lib
 from keras_distribute.backend import get_backend
 from keras_distribute.cross_device_ops import CommunicationOptions
 from keras_distribute.cross_device_ops import checked_communication_options
+from keras_distribute.cross_device_ops import communication_timeout_s
 from keras_distribute.strategy import Strategy
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -65,8 +66,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "backend; on one host, kd.MirroredStrategy works on every "
                 "backend.")
         self._cluster_resolver = resolver
-        super().__init__(make(resolver, communication_options.timeout_seconds,
-                              layout_map))
+        super().__init__(make(resolver, communication_timeout_s(
+            communication_options.timeout_seconds), layout_map))
         self._set_communication_options(communication_options)
 
     @property

@@ -76,6 +76,22 @@ def test_tf_distribute_names_port_by_an_import_change():
         kd.CommunicationOptions(implementation="fast")
 
 
+def test_one_communication_timeout_setting(monkeypatch):
+    from keras_distribute.cross_device_ops import communication_timeout_s
+
+    monkeypatch.delenv("KERAS_DISTRIBUTE_TIMEOUT", raising=False)
+    assert kd.CommunicationOptions().timeout_seconds is None  # the default:
+    assert communication_timeout_s(None) == 60.0
+    monkeypatch.setenv("KERAS_DISTRIBUTE_TIMEOUT", "15")  # the job's
+    assert communication_timeout_s(None) == 15.0
+    assert communication_timeout_s(30) == 30.0  # a strategy's options win
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("KERAS_DISTRIBUTE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="KERAS_DISTRIBUTE_TIMEOUT="
+                           f"'{bad}'. Unset it"):
+            communication_timeout_s(None)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="ModelParallel: JAX only here")
 def test_layout_map_shards_variables_and_checks_rank():
     import keras

@@ -153,6 +153,20 @@ def test_a_dead_rank_fails_the_launch_quickly_without_orphans():
     assert multiprocessing.active_children() == []
 
 
+def test_a_frozen_rank_is_named_not_the_survivor():
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match="Process 1 of 2 is frozen "
+                       r"\(stopped by SIGSTOP.*process 0 then failed "
+                       "waiting for it") as info:
+        kd.launch(workers.freeze_on_rank_one, num_processes=2,
+                  timeout=TIMEOUT)
+    assert info.value.rank == 1  # not 0, which only reported the loss
+    assert time.monotonic() - start < TIMEOUT / 2
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []  # the stopped one too
+
+
 def test_launch_argument_errors():
     with pytest.raises(ValueError, match="positive int"):
         kd.launch(workers.rank_and_world, num_processes=0)

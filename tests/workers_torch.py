@@ -390,6 +390,21 @@ def peer_leaves_early():
     return train_unless_rank_one(strategy)
 
 
+def freeze_on_rank_one():
+    """Rank 1 stops itself (SIGSTOP) after joining; rank 0 trains and must
+    fail within the timeout, the launch blaming rank 1."""
+    _setup()
+    os.environ["KERAS_DISTRIBUTE_TIMEOUT"] = "5"
+    import signal
+
+    import keras_distribute as kd
+
+    strategy = kd.MirroredStrategy()
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return train_unless_rank_one(strategy)
+
+
 def auto_shard_policies(directory):
     """What each worker reads under FILE, DATA, AUTO and OFF."""
     _setup()

@@ -10,12 +10,13 @@ import numpy as np
 from keras.distribution import DeviceMesh
 
 from keras_distribute.backend import jax_engine as jax_backend
+from keras_distribute.cross_device_ops import communication_timeout_s
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                              layout_map: Any = None) -> "jax_backend.JaxEngine":
     """Joins the `jax.distributed` job `resolver` describes; all devices."""
-    timeout_s = int(timeout_s or 60)
+    timeout_s = int(communication_timeout_s(timeout_s))
     if not jax.distributed.is_initialized():
         # SIGTERM must still end a process (JAX's preemption service would
         # swallow it); a dead peer is then noticed within the timeout.

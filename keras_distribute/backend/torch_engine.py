@@ -22,24 +22,13 @@ import keras
 from keras.distribution import DeviceMesh
 
 from keras_distribute import context
+from keras_distribute.cross_device_ops import communication_timeout_s
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
 from keras_distribute.backend.torch_variables import whole_value
 
-DEFAULT_TIMEOUT_S = 120.0
 _log = logging.getLogger("keras_distribute")
-
-
-def _timeout_s() -> float:
-    value = os.environ.get("KERAS_DISTRIBUTE_TIMEOUT", DEFAULT_TIMEOUT_S)
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(
-            "Expected KERAS_DISTRIBUTE_TIMEOUT to be a number of seconds. "
-            f"Received: KERAS_DISTRIBUTE_TIMEOUT={value!r}."
-        ) from None
 
 
 # How long a process leaving normally waits at exit for the others.
@@ -96,7 +85,7 @@ def ensure_process_group() -> bool:
         torch.cuda.set_device(local_rank)
     _init_process_group(
         backend="nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(seconds=_timeout_s()),
+        timeout=datetime.timedelta(seconds=communication_timeout_s()),
     )
     return True
 
@@ -155,7 +144,7 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
 
 def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
     """Joins (or checks) the group `resolver` describes."""
-    timeout_s = timeout_s or _timeout_s()
+    timeout_s = communication_timeout_s(timeout_s)
     if dist.is_initialized():
         if dist.get_world_size() != resolver.num_processes:
             raise ValueError(
