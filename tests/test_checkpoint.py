@@ -145,7 +145,7 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
 
 
 # None: each piece moved whole; 40: written and read in blocks of 40 bytes by
-# a pool of threads (the path of pieces over 16 MiB).
+# a pool of threads (the path of pieces over 1 MiB).
 @pytest.mark.parametrize("block_bytes", [None, 40])
 def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path, monkeypatch,
                                                       block_bytes):
@@ -290,3 +290,21 @@ def test_progress_line_per_save_and_restore(tmp_path, capsys, caplog,
     assert "keras_distribute: saved" in caplog.text
     with pytest.raises(ValueError, match="Expected `verbose` to be 0"):
         ckpt.CheckpointOptions(verbose=2)
+
+
+def test_replicated_variables_are_spread_over_the_writing_processes():
+    from keras_distribute.checkpoint.saved_objects import balanced_writers
+
+    mib = 1 << 20
+    sizes = {"a": 8 * mib, "b": 4 * mib, "c": 4 * mib, "d": 2 * mib,
+             "e": 2 * mib, "count": 8, "total": 4}
+    # Largest first, each to the process with fewest bytes; small ones
+    # (counters, metric totals) by process 0.
+    assert balanced_writers(sizes, 2) == {
+        "a": 0, "b": 1, "c": 1, "d": 0, "e": 1, "count": 0, "total": 0}
+    assert balanced_writers(sizes, 1) == dict.fromkeys(sizes, 0)
+    spread = balanced_writers(sizes, 3)
+    assert sorted(set(spread.values())) == [0, 1, 2]
+    # A pure function of the keys and sizes: the same in every process,
+    # whatever order they list the variables in.
+    assert balanced_writers(dict(reversed(list(sizes.items()))), 3) == spread

@@ -7,6 +7,7 @@ process.
 
 import numpy as np
 
+import worker_checkpoint
 from worker_common import initial_weights, make_data, make_model
 
 # Accumulate 3 batches per update, keep an EMA and write it into the
@@ -394,6 +395,7 @@ def training_features(strategy, directory):
         "accumulation": gradient_accumulation(strategy),
         "horovod": horovod_helpers(strategy),
         "preemption": preemption(strategy, os.path.join(directory, "fit")),
+        "spread": worker_checkpoint.spread_writes(strategy, directory),
     }
 
 
@@ -406,6 +408,7 @@ def launch_training_features(workers, directory, timeout):
     check_gradient_accumulation([r["accumulation"] for r in results])
     check_horovod_helpers([r["horovod"] for r in results])
     check_preemption([r["preemption"] for r in results])
+    worker_checkpoint.check_spread_writes([r["spread"] for r in results])
 
 
 def launch_preemption_handler(workers, directory, timeout):

@@ -16,9 +16,16 @@ def _bounds(index: tuple, shape: tuple) -> tuple:
                  for s, n in zip(index, shape))
 
 
-def checkpoint_pieces(variable: Any) -> list:
-    """The unique pieces of a variable this process writes (one per shard)."""
+def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
+    """The unique pieces of a variable this process writes: a replicated
+    variable whole, in process `writer` only; else replica 0 of each
+    shard, by the process holding it."""
     value = variable.value
+    if value.sharding.is_fully_replicated:
+        if jax.process_index() != writer:
+            return []
+        shard = value.addressable_shards[0]
+        return [(_bounds(shard.index, value.shape), np.asarray(shard.data))]
     pieces = []
     for shard in value.addressable_shards:
         if shard.replica_id == 0:  # each distinct piece once

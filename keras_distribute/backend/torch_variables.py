@@ -43,16 +43,17 @@ def on_slot_created(variable: Any, reference: Any) -> None:
         shard_like(variable, reference)
 
 
-def checkpoint_pieces(variable: Any) -> list:
+def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
     """`[(region, array)]` this process writes: its unique shard of a
-    DTensor; a plain variable whole, from process 0 only."""
+    DTensor; a plain (replicated) variable whole, in process `writer`
+    only."""
     value = variable._value if isinstance(variable, keras.Variable) else None
     if _is_dtensor(value):
         if not writes_piece(variable._kd_engine, value):
             return []  # another replica's, or another process's of this one
         local = keras.ops.convert_to_numpy(value.to_local())
         return [(local_region(value), local)]
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if (dist.get_rank() if dist.is_initialized() else 0) != writer:
         return []
     array = keras.ops.convert_to_numpy(variable.value)
     return [(whole_region(array.shape), array)]

@@ -15,8 +15,12 @@ from typing import Callable, List, Tuple
 
 import numpy as np
 
-# Pieces are moved in blocks of this size, by up to this many threads.
-BLOCK_BYTES = 16 << 20
+# Pieces are moved in blocks of this size, by up to this many threads. Small
+# blocks: on a VM the first touch of new memory (its page faults) costs more
+# than the copy, and the threads take those faults side by side (1 GiB
+# restored into 8 JAX devices' 16 MiB pieces: 2.3 s in 16 MiB blocks, 1.2 s
+# in 1 MiB blocks, on 2 cores).
+BLOCK_BYTES = 1 << 20
 THREADS = 4
 # Buffers are aligned so a CPU backend may take them without a copy (JAX
 # aliases a 64-byte aligned numpy array).

@@ -14,6 +14,7 @@ import numpy as np
 from keras_distribute.backend.interface import whole_region
 from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import reading
+from keras_distribute.checkpoint.format import numpy_dtype
 
 
 def check_object(name: str, obj: Any, checkpoint_class: type,
@@ -132,22 +133,53 @@ def restore_host_arrays(path: str, saved: Dict[str, Any],
     return consumed
 
 
+# Replicated variables of at least this size are spread over the processes
+# (each written by one); smaller ones (counters, metric totals, seeds) are
+# written by process 0.
+SPREAD_BYTES = 1 << 20
+
+
+def balanced_writers(sizes: Dict[str, int], process_count: int
+                     ) -> Dict[str, int]:
+    """Which process writes each replicated variable (`key -> process`).
+
+    The same in every process (a pure function of the keys and sizes):
+    variables of at least `SPREAD_BYTES`, largest first, each go to the
+    process with the fewest bytes so far; the others to process 0.
+    """
+    load = [0] * process_count
+    writers = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        if sizes[key] < SPREAD_BYTES or process_count == 1:
+            writers[key] = 0
+            continue
+        writer = min(range(process_count), key=lambda p: (load[p], p))
+        load[writer] += sizes[key]
+        writers[key] = writer
+    return writers
+
+
 def variable_entries(variables: Dict[str, Any], backend: Any,
-                     process_id: int, copy: bool) -> Dict[str, tuple]:
+                     process_id: int, process_count: int,
+                     copy: bool) -> Dict[str, tuple]:
     """The checkpoint entries of Keras variables: each process's unique
     pieces (the backend's `checkpoint_pieces`; else a replicated variable
-    whole, written by process 0). `copy`: own copies of the values (an
-    asynchronous save, while training goes on)."""
+    whole, written by the process `balanced_writers` names). `copy`: own
+    copies of the values (an asynchronous save, while training goes on)."""
     pieces_of = getattr(backend, "checkpoint_pieces", None)
+    writers = balanced_writers({
+        key: int(np.prod(variable.shape, dtype=np.int64)) * numpy_dtype(
+            dtype_name(variable)).itemsize
+        for key, variable in variables.items()}, process_count)
     entries = {}
     for key, variable in variables.items():
         if pieces_of is not None:
-            pieces = pieces_of(variable)
-        else:  # replicated everywhere: process 0 writes it once
+            pieces = pieces_of(variable, writer=writers[key])
+        else:  # replicated everywhere: one process writes it
             # (every process reads it: on TF a sync-on-read variable's
             # read is a collective every worker must join)
             pieces = whole_value(variable, backend)
-            pieces = pieces if process_id == 0 else []
+            pieces = pieces if process_id == writers[key] else []
         if copy:
             pieces = [(region, np.array(array, copy=True))
                       for region, array in pieces]

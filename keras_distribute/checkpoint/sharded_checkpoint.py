@@ -241,7 +241,7 @@ class ShardedCheckpoint:
 
         backend = get_backend()
         entries = saved_objects.variable_entries(
-            self._variables(), backend, process_id,
+            self._variables(), backend, process_id, process_count,
             copy=options.enable_async)  # async: training goes on meanwhile
         entries.update(saved_objects.host_array_entries(
             self._host_array_holders(), process_id))
