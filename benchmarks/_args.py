@@ -20,3 +20,17 @@ def model_parallel_args(description: str, width: int):
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--width", type=int, default=width)
     return parser.parse_args()
+
+
+def checkpoint_args(doc: str, devices=None) -> argparse.ArgumentParser:
+    """The checkpoint benchmarks' parser: `--megabytes`, `--repeats`,
+    `--directory` and, given a default, `--devices` (not parsed yet: a
+    script may add its own)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--megabytes", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--directory", default=None,
+                        help="where to write (default: a temporary one)")
+    if devices is not None:
+        parser.add_argument("--devices", type=int, default=devices)
+    return parser

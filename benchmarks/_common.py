@@ -82,3 +82,63 @@ def sharded_vs_replicated(benchmark, unit, ms, nbytes, **extra):
         f"sharded_variable_bytes_per_{unit}": nbytes["sharded"],
         "memory_ratio": round(nbytes["sharded"] / nbytes["replicated"], 3),
     }
+
+
+def make_checkpoint_state(megabytes: int, seed=None):
+    """The checkpoint benchmarks' state: eight float32 matrices of equal
+    size, `megabytes` in all, as Keras variables of a model (random with a
+    `seed`, else zeros), in existence before anything is timed."""
+    import numpy as np
+
+    rows = max(1, int(megabytes * 2**20 / 4 / 8 / 1024))
+
+    class Holder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            rng = np.random.default_rng(seed)
+            self.parts = [self.add_weight(
+                shape=(rows, 1024), name=f"w{i}",
+                initializer="zeros" if seed is None else
+                keras.initializers.Constant(
+                    rng.standard_normal((rows, 1024), np.float32)))
+                for i in range(8)]
+
+        def call(self, x):
+            return x
+
+    model = Holder()
+    model.built = True
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.block_until_ready([v.value for v in model.weights])
+    return model
+
+
+def checkpoint_summary(times: dict, methods, anchor: str) -> dict:
+    """The checkpoint benchmarks' figures from per-trial `times`
+    (`"save/<method>"` / `"restore/<method>"` -> seconds): for each method
+    its seconds and its time over numpy's in the same trial, and kd's time
+    over the `anchor`'s, each as the median and `[min, max]`."""
+    figure = median_spread
+    out = {"save_s": {}, "restore_s": {}, "save_time_vs_numpy": {},
+           "restore_time_vs_numpy": {}, f"kd_vs_{anchor}": {}}
+    for kind in ("save", "restore"):
+        numpy_times = times[f"{kind}/numpy"]
+        for method in methods:
+            values = times[f"{kind}/{method}"]
+            out[f"{kind}_s"][method] = figure(values)
+            out[f"{kind}_time_vs_numpy"][method] = figure(
+                [v / n for v, n in zip(values, numpy_times)])
+        out[f"kd_vs_{anchor}"][kind] = figure(
+            [k / a for k, a in zip(times[f"{kind}/kd"],
+                                   times[f"{kind}/{anchor}"])])
+    return out
+
+
+def median_spread(values) -> dict:
+    """`{"median": ..., "spread": [min, max]}` of some figures."""
+    import numpy as np
+
+    return {"median": round(float(np.median(values)), 3),
+            "spread": [round(min(values), 3), round(max(values), 3)]}

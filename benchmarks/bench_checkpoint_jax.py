@@ -1,13 +1,17 @@
 """Save / restore throughput of the sharded checkpoint, against the others.
 
-The same state (`--megabytes` of float32 Keras variables, ~1 GB by default)
-is saved and restored by kd's `ShardedCheckpoint`, orbax-checkpoint (if
+The same state (`--megabytes` of float32 Keras variables, ~1 GB by default,
+their rows sharded over `--devices` simulated JAX devices through
+`keras.distribution.ModelParallel`) is saved and restored by kd's
+`ShardedCheckpoint`, orbax-checkpoint (if
 installed: `pip install orbax-checkpoint`), Keras `save_weights` /
 `load_weights`, and raw `numpy.save` / `numpy.load` of the same bytes (the
 limit of the disk). Also: how long an asynchronous kd save blocks, against
 the device-to-host copy of the state; and the peak memory of each restore
 (each in a fresh process: peak RSS minus the state it restores into).
-Prints one JSON object; ratios are each method's time over numpy's.
+The whole cycle runs `--repeats` times; prints one JSON object with every
+run and the medians, ratios (each method's time over numpy's in the same
+run) with their spread.
 
     KERAS_BACKEND=jax python benchmarks/bench_checkpoint_jax.py --megabytes 1024
 """
@@ -20,6 +24,7 @@ import shutil
 import subprocess
 import sys
 
+from _args import checkpoint_args
 from _results import record
 import tempfile
 import time
@@ -27,31 +32,28 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
-def make_state(megabytes: int, seed=None):
-    """Eight float32 matrices of equal size, as Keras variables in a model
-    (random with a seed, else zeros)."""
+def use_devices(count: int) -> None:
+    """Shards every benchmark variable's rows over `count` JAX devices
+    (before JAX starts: simulated CPU devices)."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                               f"--xla_force_host_platform_device_count="
+                               f"{count}")
+    import jax
     import keras
-    import numpy as np
 
-    rows = max(1, int(megabytes * 2**20 / 4 / 8 / 1024))
+    mesh = keras.distribution.DeviceMesh((count,), ["rows"],
+                                         jax.devices()[:count])
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*w[0-9]+"] = ("rows", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layouts))
 
-    class Holder(keras.Model):
-        def __init__(self):
-            super().__init__()
-            rng = np.random.default_rng(seed)
-            self.parts = [self.add_weight(
-                shape=(rows, 1024), name=f"w{i}",
-                initializer="zeros" if seed is None else
-                keras.initializers.Constant(
-                    rng.standard_normal((rows, 1024), np.float32)))
-                for i in range(8)]
 
-        def call(self, x):
-            return x
+def make_state(megabytes: int, seed=None):
+    """`_common.make_checkpoint_state`, imported once the devices are set."""
+    from _common import make_checkpoint_state
 
-    model = Holder()
-    model.built = True
-    return model
+    return make_checkpoint_state(megabytes, seed)
 
 
 def timed(fn):
@@ -149,21 +151,12 @@ def restore_one(method: str, directory: str, megabytes: int) -> dict:
             "bit_exact": exact}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megabytes", type=int, default=1024)
-    parser.add_argument("--directory", default=None,
-                        help="where to write (default: a temporary one)")
-    parser.add_argument("--restore-one", nargs=2, metavar=("METHOD", "DIR"),
-                        help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.restore_one:
-        print(json.dumps(restore_one(*args.restore_one, args.megabytes)))
-        return
+def one_run(args) -> dict:
+    """One save of every method, then each restore in a fresh process."""
     directory = tempfile.mkdtemp(dir=args.directory, prefix="kd-bench-")
     try:
         model = make_state(args.megabytes, seed=0)
-        result = {"megabytes": args.megabytes, **save_all(model, directory)}
+        result = save_all(model, directory)
         del model
         result["restore"] = {}
         for method, seconds in result["save_s"].items():
@@ -171,23 +164,68 @@ def main():
                 continue
             out = subprocess.run(
                 [sys.executable, __file__, "--megabytes", str(args.megabytes),
+                 "--devices", str(args.devices),
                  "--restore-one", method, directory],
                 capture_output=True, text=True, check=True)
             result["restore"][method] = json.loads(out.stdout.splitlines()[-1])
-        numpy_save = result["save_s"]["numpy"]
-        numpy_restore = result["restore"]["numpy"]["restore_s"]
-        result["save_time_vs_numpy"] = {
-            k: round(v / numpy_save, 3) for k, v in result["save_s"].items()
-            if v is not None}
-        result["restore_time_vs_numpy"] = {
-            k: round(v["restore_s"] / numpy_restore, 3)
-            for k, v in result["restore"].items()}
-        result["async"]["blocked_vs_copy"] = round(
-            result["async"]["blocked_s"]
-            / result["async"]["device_to_host_copy_s"], 3)
-        record("checkpoint_jax", result)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    numpy_save = result["save_s"]["numpy"]
+    numpy_restore = result["restore"]["numpy"]["restore_s"]
+    result["save_time_vs_numpy"] = {
+        k: v / numpy_save for k, v in result["save_s"].items()
+        if v is not None}
+    result["restore_time_vs_numpy"] = {
+        k: v["restore_s"] / numpy_restore
+        for k, v in result["restore"].items()}
+    result["async"]["blocked_vs_copy"] = (
+        result["async"]["blocked_s"] / result["async"]["device_to_host_copy_s"])
+    return result
+
+
+def summarise(runs: list) -> dict:
+    """Median and [min, max] over the runs of every figure (ratios are per
+    run, then summarised)."""
+    def figures(run):
+        out = {f"save_s/{k}": v for k, v in run["save_s"].items()
+               if v is not None}
+        out.update({f"restore_s/{k}": v["restore_s"]
+                    for k, v in run["restore"].items()})
+        out.update({f"extra_peak_rss_mb/{k}": v["extra_peak_rss_mb"]
+                    for k, v in run["restore"].items()})
+        out.update({f"save_time_vs_numpy/{k}": v
+                    for k, v in run["save_time_vs_numpy"].items()})
+        out.update({f"restore_time_vs_numpy/{k}": v
+                    for k, v in run["restore_time_vs_numpy"].items()})
+        out.update({f"async/{k}": v for k, v in run["async"].items()})
+        return out
+
+    from _common import median_spread
+
+    table = [figures(run) for run in runs]
+    summary = {}
+    for name in table[0]:
+        group, key = name.split("/")
+        summary.setdefault(group, {})[key] = median_spread(
+            [t[name] for t in table])
+    summary["bit_exact"] = all(v["bit_exact"] for run in runs
+                               for v in run["restore"].values())
+    return summary
+
+
+def main():
+    parser = checkpoint_args(__doc__, devices=8)
+    parser.add_argument("--restore-one", nargs=2, metavar=("METHOD", "DIR"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    use_devices(args.devices)
+    if args.restore_one:
+        print(json.dumps(restore_one(*args.restore_one, args.megabytes)))
+        return
+    runs = [one_run(args) for _ in range(args.repeats)]
+    record("checkpoint_jax", {
+        "megabytes": args.megabytes, "devices": args.devices,
+        "repeats": args.repeats, **summarise(runs), "runs": runs})
 
 
 if __name__ == "__main__":

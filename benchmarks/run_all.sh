@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every benchmark (one after another: they would share the cores) and
-# rewrites the tables of docs/benchmarks.md from their results. About 15
+# rewrites the tables of docs/benchmarks.md from their results. About 25
 # minutes on 2 cores. The checkpoint comparison needs orbax-checkpoint
 # (pip install "keras_distribute[bench]"); without it orbax's row is left out.
 set -euo pipefail
@@ -13,6 +13,8 @@ for script in bench_fit_jax bench_fit_tf bench_fit_torch \
   echo "=== $script ==="
   "$python" "benchmarks/$script.py"
 done
-echo "=== bench_checkpoint_jax (1 GiB) ==="
-"$python" benchmarks/bench_checkpoint_jax.py --megabytes 1024
+for script in bench_checkpoint_jax bench_checkpoint_torch bench_checkpoint_tf; do
+  echo "=== $script (1 GiB, 3 trials) ==="
+  "$python" "benchmarks/$script.py" --megabytes 1024
+done
 "$python" benchmarks/make_tables.py

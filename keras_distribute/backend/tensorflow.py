@@ -72,8 +72,12 @@ def checkpoint_value(variable: Any) -> np.ndarray:
     """
     value = getattr(variable, "_value", None)
     if isinstance(value, tf_values.DistributedValues):
-        return value.read_value().numpy()
-    return keras.ops.convert_to_numpy(variable.value)
+        value = value.read_value()
+    else:
+        value = tf.convert_to_tensor(variable.value)
+    # A read-only view of the tensor's memory on the host (`.numpy()` and
+    # Keras' `convert_to_numpy` copy it); an asynchronous save copies it.
+    return np.asarray(value)
 
 
 def checkpoint_assign(variable: Any, read_regions) -> None:

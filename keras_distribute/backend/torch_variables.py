@@ -51,20 +51,40 @@ def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
     if _is_dtensor(value):
         if not writes_piece(variable._kd_engine, value):
             return []  # another replica's, or another process's of this one
-        local = keras.ops.convert_to_numpy(value.to_local())
-        return [(local_region(value), local)]
+        return [(local_region(value), host_view(value.to_local()))]
     if (dist.get_rank() if dist.is_initialized() else 0) != writer:
         return []
-    array = keras.ops.convert_to_numpy(variable.value)
+    array = host_view(variable.value)
     return [(whole_region(array.shape), array)]
 
 
+def host_view(tensor: Any) -> np.ndarray:
+    """A tensor's values as a numpy array: a view of its memory when it is
+    on the CPU (a synchronous save writes from it; an asynchronous one
+    copies it first), else a copy to the host (Keras' `convert_to_numpy`
+    always copies)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return keras.ops.convert_to_numpy(tensor)
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
 def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
-    """Restores a variable, reading only this process's region of it."""
+    """Restores a variable, reading only this process's region of it; a
+    plain CPU variable straight into its own memory (no copy)."""
     value = variable._value if isinstance(variable, keras.Variable) else None
     if _is_dtensor(value):
         (piece,) = read_regions([local_region(value)])
         assign_piece(variable, piece)
+        return
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and (
+            value.is_contiguous()):
+        with torch.no_grad():
+            read_regions([whole_region(value.shape)], into=[host_view(value)])
         return
     assign_whole(variable, read_regions)
 

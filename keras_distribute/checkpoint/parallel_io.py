@@ -2,9 +2,10 @@
 
 h5py serialises every call, so the shards are laid out by h5py (contiguous
 datasets allocated up front) and the bytes are moved by `os.pwrite` /
-`os.preadv` at each dataset's file offset, in blocks spread over a few
-threads (the calls release the GIL; the page cache and the first touch of
-new memory are the cost, not the disk alone). Every shard stays a valid
+`os.preadv` at each dataset's file offset: written whole, read in blocks
+spread over a few threads (the calls release the GIL; the first touch of
+the new memory is most of a read's cost, and the threads take those page
+faults side by side). Every shard stays a valid
 HDF5 file any HDF5 tool reads. A fresh pool per call: a pool inherited by a
 forked child has no threads and would hang it.
 """
@@ -15,7 +16,7 @@ from typing import Callable, List, Tuple
 
 import numpy as np
 
-# Pieces are moved in blocks of this size, by up to this many threads. Small
+# Pieces are read in blocks of this size, by up to this many threads. Small
 # blocks: on a VM the first touch of new memory (its page faults) costs more
 # than the copy, and the threads take those faults side by side (1 GiB
 # restored into 8 JAX devices' 16 MiB pieces: 2.3 s in 16 MiB blocks, 1.2 s
@@ -59,14 +60,17 @@ def _flat_bytes(array: np.ndarray) -> memoryview:
 
 
 def write_at(fd: int, array: np.ndarray, offset: int) -> None:
-    """Writes a C-contiguous array's bytes at `offset` of the open file."""
+    """Writes a C-contiguous array's bytes at `offset` of the open file.
+
+    One call for the whole piece, from this thread: buffered writes to one
+    file take its inode lock in turn, so threads only add contention (1 GiB
+    in 8 pieces: 0.19 s in whole pieces, 0.21-0.28 s in blocks by 4
+    threads, before the fsync).
+    """
     data = _flat_bytes(array)
-
-    def move(start: int, stop: int) -> None:
-        while start < stop:
-            start += os.pwrite(fd, data[start:stop], offset + start)
-
-    _each_block(len(data), move)
+    start = 0
+    while start < len(data):
+        start += os.pwrite(fd, data[start:], offset + start)
 
 
 def read_at(fd: int, array: np.ndarray, offset: int) -> None:

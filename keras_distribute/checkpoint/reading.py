@@ -79,8 +79,9 @@ def _overlap(a: Slice, b: Slice) -> Optional[Slice]:
     return region if all(lo < hi for lo, hi in region) or not region else None
 
 
-def read_regions(path: str, record: dict,
-                 regions: Iterable[Slice]) -> List[np.ndarray]:
+def read_regions(path: str, record: dict, regions: Iterable[Slice],
+                 into: Optional[List[Optional[np.ndarray]]] = None
+                 ) -> List[np.ndarray]:
     """Reads the global `regions` of one variable, verifying every piece.
 
     `record` comes from an index `read_index` validated: its pieces tile
@@ -90,9 +91,16 @@ def read_regions(path: str, record: dict,
     regions it overlaps and dropped: no more than one stored piece and the
     requested regions are in memory at a time.
 
+    `into` may give, per region, the array to fill in place (C-contiguous,
+    writable, of the region's shape; e.g. a variable's own memory): of the
+    saved dtype, a piece that is the whole region is read straight into
+    it; of another, the values are cast into it. A piece whose checksum
+    fails leaves it holding those bytes (the restore fails).
+
     Raises:
         CheckpointError: on a missing, truncated, corrupted or hostile
             shard file, or a region outside the variable.
+        ValueError: for an `into` array that does not fit its region.
     """
     shape = tuple(record["shape"])
     regions = [tuple(tuple(int(x) for x in r) for r in region)
@@ -115,6 +123,22 @@ def read_regions(path: str, record: dict,
     out = [np.empty([hi - lo for lo, hi in region], dtype)
            if any(hi == lo for lo, hi in region) else None  # empty
            for region in regions]
+    cast_into = {}  # region -> an `into` array of another dtype
+    for i, target in enumerate(into or ()):
+        if target is None:
+            continue
+        wanted_shape = tuple(hi - lo for lo, hi in regions[i])
+        if (target.shape != wanted_shape or not target.flags.c_contiguous
+                or not target.flags.writeable):
+            raise ValueError(
+                f"Expected `into[{i}]` to be a writable C-contiguous array "
+                f"of shape {wanted_shape}. Received: {target.dtype} of shape "
+                f"{target.shape}.")
+        if target.dtype == dtype:
+            out[i] = target
+        else:  # read as saved, then cast into it
+            cast_into[i] = target
+    filled = [False] * len(regions)
     files: Dict[str, Any] = {}
     descriptors: Dict[str, int] = {}
     try:
@@ -122,12 +146,22 @@ def read_regions(path: str, record: dict,
         datasets = [_checked_dataset(path, files, piece, dtype)
                     for piece, _, _ in plan]
         for (piece, stored, wanted), dataset in zip(plan, datasets):
+            whole = [i for i, overlap in wanted
+                     if overlap == stored == regions[i]]
+            destination = next((out[i] for i in whole if out[i] is not None),
+                               None)
             data = _read_verified(path, piece, dataset, dtype,
-                                  _descriptor(path, descriptors, piece))
+                                  _descriptor(path, descriptors, piece),
+                                  destination)
             for i, overlap in wanted:
-                if overlap == stored == regions[i]:  # the whole piece
-                    out[i] = data
+                if i in whole:  # the whole piece
+                    if out[i] is None:
+                        out[i] = data
+                    elif out[i] is not data:
+                        out[i][...] = data
+                    filled[i] = True
                     continue
+                filled[i] = True
                 source = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _)
                                in zip(overlap, stored))
                 target = tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _)
@@ -142,10 +176,14 @@ def read_regions(path: str, record: dict,
         for descriptor in descriptors.values():
             os.close(descriptor)
     for i, region in enumerate(regions):
-        if out[i] is None:  # cannot happen with a validated index
+        if out[i] is None or not (filled[i] or out[i].size == 0):
+            # cannot happen with a validated index
             raise CheckpointError(
                 f"The checkpoint at {path!r} does not cover region {region} "
                 "of a variable: its pieces are incomplete.")
+    for i, target in cast_into.items():
+        target[...] = out[i]
+        out[i] = target
     return out
 
 
@@ -248,14 +286,17 @@ def _descriptor(path: str, descriptors: Dict[str, int], piece: dict) -> int:
 
 
 def _read_verified(path: str, piece: dict, dataset: Any, dtype: np.dtype,
-                   descriptor: int) -> np.ndarray:
-    """A piece's data, read straight from its place in the file into new
-    aligned memory (in parallel blocks) and checked against its checksum.
-    `_checked_dataset` made sure the file holds it there: contiguous, no
-    filters, stored as `dtype` in this machine's byte order."""
+                   descriptor: int,
+                   destination: Optional[np.ndarray] = None) -> np.ndarray:
+    """A piece's data, read straight from its place in the file into
+    `destination` (else new aligned memory), in parallel blocks, and
+    checked against its checksum. `_checked_dataset` made sure the file
+    holds it there: contiguous, no filters, stored as `dtype` in this
+    machine's byte order."""
     full = os.path.join(path, piece["file"])
     field = next(f for f in CHECKSUM_FIELDS if f in piece)
-    data = parallel_io.aligned_empty(dataset.shape, dataset.dtype)
+    data = (parallel_io.aligned_empty(dataset.shape, dataset.dtype)
+            if destination is None else destination.view(dataset.dtype))
     try:
         if data.ndim == 0:  # HDF5 may keep a scalar anywhere: through h5py
             dataset.read_direct(data)
@@ -273,4 +314,6 @@ def _read_verified(path: str, piece: dict, dataset: Any, dtype: np.dtype,
             f"The data of {piece['dataset']!r} in {full!r} does not "
             "match its checksum: the file is corrupt. Restore an earlier "
             "checkpoint.")
+    if destination is not None:
+        return destination
     return data.view(dtype) if data.dtype != dtype else data

@@ -389,8 +389,9 @@ class ShardedCheckpoint:
                     f"shape {tuple(record['shape'])} but the variable "
                     f"{variable.path!r} has {tuple(variable.shape)}. Build the "
                     "model as it was when saved.")
-            assign(variable, lambda regions, record=record: (
-                self._count_read(reading.read_regions(path, record, regions))))
+            assign(variable, lambda regions, into=None, record=record: (
+                self._count_read(reading.read_regions(path, record, regions,
+                                                      into))))
 
     def _count_read(self, arrays: List[Any]) -> List[Any]:
         self._bytes_read += sum(array.nbytes for array in arrays)
