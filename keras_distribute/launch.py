@@ -161,7 +161,7 @@ def _end(processes) -> None:
     for process in processes:
         if process.is_alive():
             # A stopped process holds SIGTERM until continued: kill it.
-            (process.kill if is_frozen(process.pid) else process.terminate)()
+            (process.kill if _is_frozen(process.pid) else process.terminate)()
     deadline = time.monotonic() + _GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -279,7 +279,7 @@ def _wait_for_exit(processes, grace_s: float) -> None:
         process.join(max(0.0, deadline - time.monotonic()))
 
 
-def is_frozen(pid: Optional[int]) -> bool:
+def _is_frozen(pid: Optional[int]) -> bool:
     """Whether the process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger):
     alive, but it will never answer a collective."""
     try:
@@ -290,7 +290,8 @@ def is_frozen(pid: Optional[int]) -> bool:
         return False  # gone, or no /proc (macOS): not known to be frozen
 
 
-def frozen_message(rank: int, count: int) -> str:
+def _frozen_message(rank: int, count: int) -> str:
+    """What a launcher says of a frozen process."""
     return (f"Process {rank} of {count} is frozen (stopped by SIGSTOP, "
             "SIGTSTP or a debugger) and never answered")
 
@@ -299,10 +300,10 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
     """The error for a failed rank, naming a peer that died or froze first
     if any (the failed one only reported the loss)."""
     frozen = [r for r, p in enumerate(processes)
-              if r != rank and p.is_alive() and is_frozen(p.pid)]
+              if r != rank and p.is_alive() and _is_frozen(p.pid)]
     if frozen:
         return LaunchError(
-            f"{frozen_message(frozen[0], len(processes))}; process {rank} "
+            f"{_frozen_message(frozen[0], len(processes))}; process {rank} "
             f"then failed waiting for it:\n{trace}", frozen[0])
     deadline = time.monotonic() + 2.0  # a dead peer's exit code lands soon
     dead = []
@@ -486,10 +487,10 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
             if failed:
                 rank, code = failed[0]
                 frozen = [r for r, p in enumerate(processes)
-                          if codes[r] is None and is_frozen(p.pid)]
+                          if codes[r] is None and _is_frozen(p.pid)]
                 if frozen:
                     print(f"keras_distribute.launch: "
-                          f"{frozen_message(frozen[0], num_processes)}; "
+                          f"{_frozen_message(frozen[0], num_processes)}; "
                           f"process {rank} then exited with code {code}; "
                           "ending every process.", file=sys.stderr)
                 else:
@@ -508,7 +509,7 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
     finally:
         for process in processes:
             if process.poll() is None:
-                (process.kill if is_frozen(process.pid)
+                (process.kill if _is_frozen(process.pid)
                  else process.terminate)()
         for process in processes:
             try:
