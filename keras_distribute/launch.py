@@ -160,8 +160,7 @@ def _destroy_process_group() -> None:
 def _end(processes) -> None:
     for process in processes:
         if process.is_alive():
-            # A stopped process holds SIGTERM until continued: kill it.
-            (process.kill if _is_frozen(process.pid) else process.terminate)()
+            _stop(process)
     deadline = time.monotonic() + _GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -290,6 +289,18 @@ def _is_frozen(pid: Optional[int]) -> bool:
         return False  # gone, or no /proc (macOS): not known to be frozen
 
 
+def _first_frozen(processes) -> Optional[int]:
+    """The first rank whose process is frozen (an ended one is not)."""
+    return next((rank for rank, process in enumerate(processes)
+                 if _is_frozen(process.pid)), None)
+
+
+def _stop(process) -> None:
+    """SIGTERM, or SIGKILL for a frozen process (a stopped process holds
+    SIGTERM until it is continued)."""
+    (process.kill if _is_frozen(process.pid) else process.terminate)()
+
+
 def _frozen_message(rank: int, count: int) -> str:
     """What a launcher says of a frozen process."""
     return (f"Process {rank} of {count} is frozen (stopped by SIGSTOP, "
@@ -299,12 +310,11 @@ def _frozen_message(rank: int, count: int) -> str:
 def _failure(processes, values, rank: int, trace: str) -> LaunchError:
     """The error for a failed rank, naming a peer that died or froze first
     if any (the failed one only reported the loss)."""
-    frozen = [r for r, p in enumerate(processes)
-              if r != rank and p.is_alive() and _is_frozen(p.pid)]
-    if frozen:
+    frozen = _first_frozen(processes)
+    if frozen is not None:
         return LaunchError(
-            f"{_frozen_message(frozen[0], len(processes))}; process {rank} "
-            f"then failed waiting for it:\n{trace}", frozen[0])
+            f"{_frozen_message(frozen, len(processes))}; process {rank} "
+            f"then failed waiting for it:\n{trace}", frozen)
     deadline = time.monotonic() + 2.0  # a dead peer's exit code lands soon
     dead = []
     while time.monotonic() < deadline and not dead:
@@ -486,11 +496,10 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                 return PREEMPTION_EXIT_CODE
             if failed:
                 rank, code = failed[0]
-                frozen = [r for r, p in enumerate(processes)
-                          if codes[r] is None and _is_frozen(p.pid)]
-                if frozen:
+                frozen = _first_frozen(processes)
+                if frozen is not None:
                     print(f"keras_distribute.launch: "
-                          f"{_frozen_message(frozen[0], num_processes)}; "
+                          f"{_frozen_message(frozen, num_processes)}; "
                           f"process {rank} then exited with code {code}; "
                           "ending every process.", file=sys.stderr)
                 else:
@@ -509,8 +518,7 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
     finally:
         for process in processes:
             if process.poll() is None:
-                (process.kill if _is_frozen(process.pid)
-                 else process.terminate)()
+                _stop(process)
         for process in processes:
             try:
                 process.wait(_GRACE_S)

@@ -83,8 +83,7 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
         return
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and (
             value.is_contiguous()):
-        with torch.no_grad():
-            read_regions([whole_region(value.shape)], into=[host_view(value)])
+        read_regions([whole_region(value.shape)], into=[host_view(value)])
         return
     assign_whole(variable, read_regions)
 
