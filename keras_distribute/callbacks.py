@@ -6,6 +6,8 @@
 - `PreemptionCheckpoint` saves that state at one step on every process
   when one receives SIGTERM, then exits with `PREEMPTION_EXIT_CODE`
   (`preemption`).
+- `RayReport` reports metrics and checkpoints to Ray Train and resumes
+  from Ray's checkpoint (`ray_callbacks`).
 - `BroadcastGlobalVariables`, `MetricAverage`, `LearningRateWarmup`:
   Horovod's callbacks, for ported programs (`horovod_callbacks`).
 
@@ -20,3 +22,4 @@ from keras_distribute.launch import PREEMPTION_EXIT_CODE  # noqa: F401
 from keras_distribute.preemption import PreemptionCheckpoint  # noqa: F401
 from keras_distribute.state_callbacks import BackupAndRestore  # noqa: F401
 from keras_distribute.state_callbacks import ShardedCheckpoint  # noqa: F401
+from keras_distribute.ray_callbacks import RayReport  # noqa: F401

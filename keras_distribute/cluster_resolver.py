@@ -7,9 +7,11 @@ Small classes with `detect()`, in the order `resolve()` tries them:
 | 1 | `SimpleClusterResolver` | explicit arguments |
 | 2 | `KerasDistributionClusterResolver` | `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`, `KERAS_DISTRIBUTION_PROCESS_ID` |
 | 3 | `TFConfigClusterResolver` | `TF_CONFIG` (Kubernetes, Ray, Kubeflow) |
-| 4 | `TorchElasticClusterResolver` | `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` (torchrun) |
-| 5 | `SlurmClusterResolver` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` |
-| 6 | local fallback | one process on this host |
+| 4 | `TorchElasticClusterResolver` | `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` (torchrun, Kubeflow PyTorchJob, Ray's TorchTrainer) |
+| 5 | `JaxEnvClusterResolver` | `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` or `JOB_COMPLETION_INDEX` (JAX on Kubernetes) |
+| 6 | `RayTrainClusterResolver` | Ray Train's worker context (Ray's JaxTrainer and generic trainers, which set no variables) |
+| 7 | `SlurmClusterResolver` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` (srun, submitit) |
+| 8 | local fallback | one process on this host |
 
 Every resolver gives the same answers: `num_processes`, `process_id`,
 `coordinator_address` (`host:port` of process 0), `task_type`, `task_id`,
@@ -18,124 +20,25 @@ Every resolver gives the same answers: `num_processes`, `process_id`,
 
 import json
 import os
-import re
-from typing import Iterator, List, Mapping, Optional
+from typing import List, Mapping, Optional
 
+from keras_distribute.cluster_resolver_base import DEFAULT_PORT
+from keras_distribute.cluster_resolver_base import ClusterResolver
+from keras_distribute.cluster_resolver_base import check_address
+from keras_distribute.cluster_resolver_base import int_env
 from keras_distribute.cluster_spec import ClusterSpec
+from keras_distribute.scheduler_resolvers import JaxEnvClusterResolver
+from keras_distribute.scheduler_resolvers import RayTrainClusterResolver
+from keras_distribute.scheduler_resolvers import SlurmClusterResolver
+from keras_distribute.scheduler_resolvers import TorchElasticClusterResolver
+from keras_distribute.scheduler_resolvers import expand_slurm_nodelist
+from keras_distribute.scheduler_resolvers import iter_slurm_nodelist
 
-DEFAULT_PORT = 29500
-_PORT_VARIABLE = "KERAS_DISTRIBUTE_PORT"
-
-
-def _check_address(address: str, source: str) -> str:
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not host:
-        raise ValueError(
-            f"Expected an address 'host:port' in {source}. Received: "
-            f"{address!r}. Write it as e.g. 'worker-0.example.com:12345'.")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"The port of {address!r} in {source} is not a number between 1 "
-            f"and 65535. Received: port={port!r}. Write it as 'host:12345'.")
-    return address
-
-
-def int_env(environ: Mapping[str, str], name: str, minimum: int = 0) -> int:
-    """The integer environment variable `name`, at least `minimum`.
-
-    Raises:
-        ValueError: if it is missing, not an integer, or too small.
-    """
-    value = environ.get(name)
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or number < minimum:
-        raise ValueError(
-            f"Expected the environment variable {name} to be an integer "
-            f">= {minimum}. Received: "
-            f"{name}={value!r}{' (not set)' if value is None else ''}. Set "
-            f"it as the launcher does, e.g. {name}={max(minimum, 0)}, or "
-            "unset the job variables for a one-process run.") from None
-    return number
-
-
-_int_env = int_env
-
-
-class ClusterResolver:
-    """The answers every resolver gives; see the module docstring."""
-
-    def __init__(self, addresses: List[str], process_id: int,
-                 task_type: str = "worker", task_id: Optional[int] = None):
-        if not addresses:
-            raise ValueError("Expected at least one process address. "
-                             "Received: an empty cluster.")
-        if not 0 <= process_id < len(addresses):
-            raise ValueError(
-                f"The process index {process_id} is out of range for a "
-                f"cluster of {len(addresses)} process(es). Use an index in "
-                f"[0, {len(addresses)}).")
-        self._addresses = list(addresses)
-        self._process_id = process_id
-        self._task_type = task_type
-        self._task_id = process_id if task_id is None else task_id
-
-    @classmethod
-    def detect(cls, environ: Optional[Mapping[str, str]] = None) -> bool:
-        """Whether this resolver's environment variables are set."""
-        return False
-
-    @property
-    def num_processes(self) -> int:
-        """How many processes the job has."""
-        return len(self._addresses)
-
-    @property
-    def num_workers(self) -> int:
-        """How many workers (processes) take part in training."""
-        return len(self._addresses)
-
-    @property
-    def process_id(self) -> int:
-        """This process's index, 0 for the chief."""
-        return self._process_id
-
-    @property
-    def task_type(self) -> str:
-        """`"chief"` or `"worker"`, as in `TF_CONFIG`."""
-        return self._task_type
-
-    @property
-    def task_id(self) -> int:
-        """This process's index within its task type."""
-        return self._task_id
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this is process 0, which writes checkpoints and logs."""
-        return self._process_id == 0
-
-    @property
-    def coordinator_address(self) -> str:
-        """`host:port` of process 0."""
-        return self._addresses[0]
-
-    @property
-    def addresses(self) -> List[str]:
-        """Every process's `host:port`, in process order."""
-        return list(self._addresses)
-
-    def cluster_spec(self) -> ClusterSpec:
-        """The cluster as a `ClusterSpec` (a dict `{"worker": [addresses]}`
-        with `tf.train.ClusterSpec`'s methods)."""
-        return ClusterSpec({"worker": list(self._addresses)})
-
-    def __repr__(self) -> str:
-        return (f"<{type(self).__name__} num_processes={self.num_processes}, "
-                f"process_id={self.process_id}, task_type='{self.task_type}', "
-                f"coordinator_address='{self.coordinator_address}'>")
+__all__ = ["ClusterResolver", "JaxEnvClusterResolver",
+           "KerasDistributionClusterResolver", "RayTrainClusterResolver",
+           "SimpleClusterResolver", "SlurmClusterResolver",
+           "TFConfigClusterResolver", "TorchElasticClusterResolver",
+           "expand_slurm_nodelist", "iter_slurm_nodelist", "resolve"]
 
 
 class SimpleClusterResolver(ClusterResolver):
@@ -160,7 +63,7 @@ class SimpleClusterResolver(ClusterResolver):
     def __init__(self, addresses: List[str], process_id: int = 0,
                  task_type: str = "worker", task_id: Optional[int] = None):
         for address in addresses:
-            _check_address(address, "SimpleClusterResolver(addresses=...)")
+            check_address(address, "SimpleClusterResolver(addresses=...)")
         super().__init__(addresses, process_id, task_type, task_id)
 
 
@@ -177,8 +80,8 @@ class KerasDistributionClusterResolver(ClusterResolver):
         raw = env.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "")
         addresses = [a.strip() for a in raw.split(",") if a.strip()]
         for address in addresses:
-            _check_address(address, "KERAS_DISTRIBUTION_JOB_ADDRESSES")
-        num = _int_env(env, "KERAS_DISTRIBUTION_NUM_PROCESSES")
+            check_address(address, "KERAS_DISTRIBUTION_JOB_ADDRESSES")
+        num = int_env(env, "KERAS_DISTRIBUTION_NUM_PROCESSES")
         if len(addresses) == 1:
             addresses = addresses * num  # only the coordinator was given
         elif len(addresses) != num:
@@ -187,7 +90,7 @@ class KerasDistributionClusterResolver(ClusterResolver):
                 f"addresses but KERAS_DISTRIBUTION_NUM_PROCESSES={num}. List "
                 "every process, or only the coordinator.")
         super().__init__(addresses,
-                         _int_env(env, "KERAS_DISTRIBUTION_PROCESS_ID"))
+                         int_env(env, "KERAS_DISTRIBUTION_PROCESS_ID"))
 
     @classmethod
     def detect(cls, environ=None) -> bool:
@@ -245,7 +148,7 @@ class TFConfigClusterResolver(ClusterResolver):
                 f"{len(cluster[task_type])} '{task_type}' task(s). Use an "
                 f"index in [0, {len(cluster[task_type])}).")
         addresses = [
-            _check_address(a, f"TF_CONFIG cluster '{job}'")
+            check_address(a, f"TF_CONFIG cluster '{job}'")
             for job in self._TRAINING_JOBS for a in cluster.get(job, [])]
         if task_type in self._TRAINING_JOBS:
             offset = 0 if task_type == "chief" else len(cluster.get("chief", []))
@@ -271,164 +174,12 @@ class TFConfigClusterResolver(ClusterResolver):
             {job: list(v) for job, v in self._raw_cluster.items()})
 
 
-class TorchElasticClusterResolver(ClusterResolver):
-    """Reads the environment `torchrun` (and `kd.launch`) sets."""
-
-    def __init__(self, environ: Optional[Mapping[str, str]] = None):
-        env = os.environ if environ is None else environ
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK",
-                               "WORLD_SIZE") if not env.get(k)]
-        if missing:
-            raise ValueError(
-                "A torchrun-style job needs MASTER_ADDR, MASTER_PORT, RANK "
-                f"and WORLD_SIZE; {missing} are not set. Received: "
-                + ", ".join(f"{k}={env.get(k)!r}" for k in (
-                    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
-                + ". Start the processes with torchrun or `python -m "
-                "keras_distribute.launch`, which set all four, or unset "
-                "RANK/WORLD_SIZE for a one-process run.")
-        world = _int_env(env, "WORLD_SIZE", minimum=1)
-        rank = _int_env(env, "RANK")
-        if rank >= world:
-            raise ValueError(
-                f"RANK must be below WORLD_SIZE. Received: RANK={rank}, "
-                f"WORLD_SIZE={world}. Number the processes 0 .. "
-                f"{world - 1}.")
-        port = _int_env(env, "MASTER_PORT", minimum=1)
-        address = _check_address(f"{env['MASTER_ADDR']}:{port}",
-                                 "MASTER_ADDR/MASTER_PORT")
-        super().__init__([address] * world, rank)
-        self._local_rank = (_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env
-                            else rank)
-        # Under torchrun itself (not kd.launch) the agent's TCP store holds
-        # MASTER_PORT on the master node: a coordinator of another engine
-        # (jax.distributed) listens on the next port instead.
-        self.master_port_taken = bool(env.get("TORCHELASTIC_RUN_ID"))
-
-    @classmethod
-    def detect(cls, environ=None) -> bool:
-        # A partial torchrun environment (RANK=1 WORLD_SIZE=2 without
-        # MASTER_ADDR) is detected too, so that it fails with what is
-        # missing instead of running as a one-process job that acts as chief.
-        env = os.environ if environ is None else environ
-        return "MASTER_ADDR" in env or env.get("WORLD_SIZE", "1").strip() not in (
-            "1", "") or env.get("RANK", "0").strip() not in ("0", "")
-
-    @property
-    def local_rank(self) -> int:
-        """This process's index on its host."""
-        return self._local_rank
-
-
-def expand_slurm_nodelist(nodelist: str) -> List[str]:
-    """Expands a SLURM node list such as `"gpu[01-03,07],cpu5"`.
-
-    Args:
-        nodelist: The value of `SLURM_JOB_NODELIST`.
-
-    Returns:
-        The host names, in order.
-
-    Raises:
-        ValueError: on an unbalanced bracket or a bad range.
-
-    Example:
-
-    >>> expand_slurm_nodelist("node[01-03,07],login")
-    ['node01', 'node02', 'node03', 'node07', 'login']
-    """
-    return list(iter_slurm_nodelist(nodelist))
-
-
-def iter_slurm_nodelist(nodelist: str) -> Iterator[str]:
-    """The host names of a SLURM node list, one at a time (the first of
-    `node[1-10000000]` without making the other ten million)."""
-    for pattern in _split_slurm_nodelist(nodelist):
-        yield from _expand_one(pattern, nodelist)
-
-
-def _split_slurm_nodelist(nodelist: str) -> List[str]:
-    patterns, depth, current = [], 0, ""
-    for char in nodelist + ",":
-        if char == "," and depth == 0:
-            if current:
-                patterns.append(current)
-            current = ""
-            continue
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if depth not in (0, 1):
-            raise ValueError(f"Unbalanced brackets in the SLURM node list "
-                             f"{nodelist!r}.")
-        current += char
-    if depth:
-        raise ValueError(f"Unbalanced brackets in the SLURM node list "
-                         f"{nodelist!r}.")
-    return patterns
-
-
-def _expand_one(pattern: str, nodelist: str) -> Iterator[str]:
-    match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", pattern)
-    if match is None:
-        if "[" in pattern or "]" in pattern:
-            raise ValueError(f"Cannot parse {pattern!r} in the SLURM node "
-                             f"list {nodelist!r}.")
-        yield pattern
-        return
-    prefix, ranges, suffix = match.groups()
-    parts = []
-    for part in ranges.split(","):  # all checked before the first host
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"Bad range {part!r} in the SLURM node list "
-                             f"{nodelist!r}: expected numbers like "
-                             "'01-08' or '7'.")
-        if high and int(high) < int(low):
-            raise ValueError(
-                f"The range {part!r} in the SLURM node list {nodelist!r} runs "
-                f"backwards. Write it low to high: '{high}-{low}'.")
-        parts.append((low, high))
-    for low, high in parts:
-        width = len(low)
-        for number in range(int(low), int(high or low) + 1):
-            yield f"{prefix}{number:0{width}d}{suffix}"
-
-
-class SlurmClusterResolver(ClusterResolver):
-    """Reads SLURM's variables (one task per process, e.g. via `srun`).
-
-    The coordinator is the first node of `SLURM_JOB_NODELIST` on port
-    `KERAS_DISTRIBUTE_PORT` (default 29500).
-    """
-
-    def __init__(self, environ: Optional[Mapping[str, str]] = None):
-        env = os.environ if environ is None else environ
-        self._nodelist = (env.get("SLURM_JOB_NODELIST")
-                          or env.get("SLURM_NODELIST", ""))
-        first = next(iter_slurm_nodelist(self._nodelist), None)
-        if first is None:
-            raise ValueError("SLURM_JOB_NODELIST is empty; run inside a "
-                             "SLURM allocation (srun / sbatch).")
-        port = env.get(_PORT_VARIABLE, str(DEFAULT_PORT))
-        coordinator = _check_address(f"{first}:{port}", _PORT_VARIABLE)
-        super().__init__(
-            [coordinator] * _int_env(env, "SLURM_NTASKS", minimum=1),
-            _int_env(env, "SLURM_PROCID"))
-
-    @property
-    def nodes(self) -> List[str]:
-        """Every host of the allocation (expanded when asked for)."""
-        return expand_slurm_nodelist(self._nodelist)
-
-    @classmethod
-    def detect(cls, environ=None) -> bool:
-        env = os.environ if environ is None else environ
-        return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
-
-
 _DETECTED_IN_ORDER = (
     KerasDistributionClusterResolver,
     TFConfigClusterResolver,
     TorchElasticClusterResolver,
+    JaxEnvClusterResolver,
+    RayTrainClusterResolver,
     SlurmClusterResolver,
 )
 
@@ -448,5 +199,7 @@ def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterResolver:
     """
     for resolver in _DETECTED_IN_ORDER:
         if resolver.detect(environ):
+            if resolver is RayTrainClusterResolver:
+                return resolver.for_this_worker()
             return resolver(environ)
     return SimpleClusterResolver([f"127.0.0.1:{DEFAULT_PORT}"], 0)

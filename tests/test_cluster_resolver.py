@@ -153,3 +153,34 @@ def test_slurm_node_lists_backwards_and_huge():
     with pytest.raises(ValueError, match="SLURM_NTASKS to be an integer "
                        ">= 1"):
         cr.resolve(dict(env, SLURM_NTASKS="0"))
+
+
+def test_jax_kubernetes_environment():
+    # An indexed Job: the pod's JOB_COMPLETION_INDEX is its process index.
+    env = {"JAX_COORDINATOR_ADDRESS": "train-0.train:1234",
+           "JAX_NUM_PROCESSES": "4", "JOB_COMPLETION_INDEX": "2"}
+    resolver = cr.resolve(env)
+    assert isinstance(resolver, cr.JaxEnvClusterResolver)
+    assert (resolver.process_id, resolver.num_processes,
+            resolver.coordinator_address) == (2, 4, "train-0.train:1234")
+    # An explicit JAX_PROCESS_ID wins; a SLURM step under it is not read.
+    resolver = cr.resolve(dict(env, JAX_PROCESS_ID="3", SLURM_PROCID="0",
+                               SLURM_NTASKS="2", SLURM_JOB_NODELIST="n1"))
+    assert isinstance(resolver, cr.JaxEnvClusterResolver)
+    assert resolver.process_id == 3
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES=None"):
+        cr.resolve({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"})
+    with pytest.raises(ValueError, match="must be below JAX_NUM_PROCESSES"):
+        cr.resolve(dict(env, JOB_COMPLETION_INDEX="4"))
+    with pytest.raises(ValueError, match="Expected an address 'host:port'"):
+        cr.resolve(dict(env, JAX_COORDINATOR_ADDRESS="train-0"))
+
+
+def test_ray_train_resolver_only_inside_a_ray_train_worker():
+    # This process is no Ray Train worker (Ray imported or not): not a job;
+    # an environment given to read is never this process's Ray context.
+    assert not cr.RayTrainClusterResolver.detect()
+    assert not cr.RayTrainClusterResolver.detect({})
+    with pytest.raises(ValueError, match="not a Ray Train worker"):
+        cr.RayTrainClusterResolver()
+    assert cr.resolve({}).num_processes == 1

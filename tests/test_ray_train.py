@@ -1,0 +1,107 @@
+"""Keras 3 `fit` under Ray Train on every backend (issue #18).
+
+A local Ray cluster (2 CPUs), 2 Ray workers, the backend's own Ray trainer:
+`TorchTrainer` (Ray makes the torch process group; kd joins it),
+`TensorflowTrainer` (Ray sets TF_CONFIG) and `JaxTrainer` (Ray sets nothing
+on CPU; kd's Ray resolver starts jax.distributed). The loop is
+`workers_ray.train_loop_per_worker`: `kd.MultiWorkerMirroredStrategy()` and
+`kd.callbacks.RayReport`.
+"""
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+
+import workers_ray
+from conftest import BACKEND
+
+# The optional extra keras_distribute[ray]; scripts/setup_env.sh installs it.
+import ray  # noqa: E402
+
+TRAINERS = {"torch": ("ray.train.torch", "TorchTrainer"),
+            "tensorflow": ("ray.train.tensorflow", "TensorflowTrainer"),
+            "jax": ("ray.train.v2.jax", "JaxTrainer")}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    paths = [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "KERAS_BACKEND": BACKEND, "JAX_PLATFORMS": "cpu",
+        # One device per worker: the job's 2 replicas are the 2 workers.
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "KERAS_DISTRIBUTE_TIMEOUT": "60",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "TF_CPP_MIN_LOG_LEVEL": "2"}})
+    yield
+    ray.shutdown()
+
+
+def _trainer(config, name, storage, **kwargs):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    module, cls = TRAINERS[BACKEND]
+    trainer = getattr(importlib.import_module(module), cls)
+    return trainer(
+        workers_ray.train_loop_per_worker, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2,
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=storage,
+                             failure_config=FailureConfig(max_failures=1)),
+        **kwargs)
+
+
+def _reference(epochs):
+    x, y = workers_ray.make_data()
+    model = workers_ray.make_model(workers_ray.initial_weights())
+    history = model.fit(x, y, batch_size=workers_ray.BATCH, epochs=epochs,
+                        shuffle=False, verbose=0)
+    return model.get_weights(), history.history
+
+
+def test_fit_under_ray_train_restarts_and_resumes_to_one_process(
+        local_ray, tmp_path):
+    storage = str(tmp_path / "ray_results")
+    out = tmp_path / "weights"
+    out.mkdir()
+    marker = tmp_path / "crashed"
+    config = {"epochs": 2, "crash_epoch": 1, "marker": str(marker),
+              "staging": str(tmp_path / "staging"), "out": str(out)}
+    # Worker 1 dies at the end of epoch 2: Ray restarts the group, which
+    # resumes from the checkpoint RayReport made after epoch 1.
+    first = _trainer(config, "first", storage).fit()
+    assert first.error is None
+    assert marker.exists(), "worker 1 never crashed: the test tests nothing"
+    assert first.metrics["epoch"] == 2
+    assert first.checkpoint is not None
+    # The job started again (Ray Train's job-level restore: the same run
+    # name and storage) resumes from Ray's latest checkpoint and trains the
+    # third epoch only.
+    second = _trainer(dict(config, epochs=3, crash_epoch=None), "first",
+                      storage).fit()
+    assert second.error is None and second.metrics["epoch"] == 3
+
+    weights, history = _reference(3)
+    np.testing.assert_allclose(first.metrics["loss"], history["loss"][1],
+                               rtol=1e-5)
+    np.testing.assert_allclose(second.metrics["loss"], history["loss"][2],
+                               rtol=1e-5)
+    for rank in (0, 1):
+        # Attempt 1 ran epochs 0 and 1 (worker 1 died at the end of 1), the
+        # restart redid epoch 1 only, the job started again ran epoch 2 only.
+        assert (out / f"epochs-rank{rank}.txt").read_text().split() == [
+            "start", "0", "1", "start", "1", "start", "2"]
+        saved = np.load(out / f"rank{rank}.npz")
+        for i, expected in enumerate(weights):
+            np.testing.assert_allclose(saved[f"arr_{i}"], expected,
+                                       atol=1e-5)
+
+
+def test_ray_report_outside_ray_names_the_fix():
+    import keras_distribute as kd
+
+    with pytest.raises(RuntimeError, match="inside a Ray Train worker"):
+        kd.callbacks.RayReport()
