@@ -10,8 +10,9 @@ Small classes with `detect()`, in the order `resolve()` tries them:
 | 4 | `TorchElasticClusterResolver` | `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` (torchrun, Kubeflow PyTorchJob, Ray's TorchTrainer) |
 | 5 | `JaxEnvClusterResolver` | `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` or `JOB_COMPLETION_INDEX` (JAX on Kubernetes) |
 | 6 | `RayTrainClusterResolver` | Ray Train's worker context (Ray's JaxTrainer and generic trainers, which set no variables) |
-| 7 | `SlurmClusterResolver` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` (srun, submitit) |
-| 8 | local fallback | one process on this host |
+| 7 | `SlurmClusterResolver` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` (srun, submitit on SLURM) |
+| 8 | `SubmititLocalClusterResolver` | `SUBMITIT_LOCAL_NTASKS`, `SUBMITIT_LOCAL_GLOBALID` (submitit's LocalExecutor) |
+| 9 | local fallback | one process on this host |
 
 Every resolver gives the same answers: `num_processes`, `process_id`,
 `coordinator_address` (`host:port` of process 0), `task_type`, `task_id`,
@@ -30,6 +31,7 @@ from keras_distribute.cluster_spec import ClusterSpec
 from keras_distribute.scheduler_resolvers import JaxEnvClusterResolver
 from keras_distribute.scheduler_resolvers import RayTrainClusterResolver
 from keras_distribute.scheduler_resolvers import SlurmClusterResolver
+from keras_distribute.scheduler_resolvers import SubmititLocalClusterResolver
 from keras_distribute.scheduler_resolvers import TorchElasticClusterResolver
 from keras_distribute.scheduler_resolvers import expand_slurm_nodelist
 from keras_distribute.scheduler_resolvers import iter_slurm_nodelist
@@ -37,6 +39,7 @@ from keras_distribute.scheduler_resolvers import iter_slurm_nodelist
 __all__ = ["ClusterResolver", "JaxEnvClusterResolver",
            "KerasDistributionClusterResolver", "RayTrainClusterResolver",
            "SimpleClusterResolver", "SlurmClusterResolver",
+           "SubmititLocalClusterResolver",
            "TFConfigClusterResolver", "TorchElasticClusterResolver",
            "expand_slurm_nodelist", "iter_slurm_nodelist", "resolve"]
 
@@ -181,6 +184,7 @@ _DETECTED_IN_ORDER = (
     JaxEnvClusterResolver,
     RayTrainClusterResolver,
     SlurmClusterResolver,
+    SubmititLocalClusterResolver,
 )
 
 

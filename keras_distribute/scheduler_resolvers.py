@@ -185,6 +185,42 @@ def _free_address() -> str:
     return f"{host}:{port}"
 
 
+class SubmititLocalClusterResolver(ClusterResolver):
+    """Reads the variables of submitit's `LocalExecutor` (`SUBMITIT_LOCAL_*`):
+    the tasks of one job on this host.
+
+    (submitit's SLURM executor runs its tasks as a SLURM step, read by
+    `SlurmClusterResolver`.) The coordinator is 127.0.0.1 on
+    `KERAS_DISTRIBUTE_PORT`, else on a port derived from the job id, the
+    same in every task.
+    """
+
+    def __init__(self, environ: Optional[Mapping[str, str]] = None):
+        env = os.environ if environ is None else environ
+        count = int_env(env, "SUBMITIT_LOCAL_NTASKS", minimum=1)
+        index = int_env(env, "SUBMITIT_LOCAL_GLOBALID")
+        if index >= count:
+            raise ValueError(
+                f"SUBMITIT_LOCAL_GLOBALID must be below SUBMITIT_LOCAL_NTASKS."
+                f" Received: {index} and {count}. Let submitit set both.")
+        if PORT_VARIABLE in env:
+            port = int_env(env, PORT_VARIABLE, minimum=1)
+        else:
+            port = 20000 + int_env(env, "SUBMITIT_LOCAL_JOB_ID") % 40000
+        super().__init__([f"127.0.0.1:{port}"] * count, index)
+        self._local_rank = int(env.get("SUBMITIT_LOCAL_LOCALID", index))
+
+    @classmethod
+    def detect(cls, environ=None) -> bool:
+        env = os.environ if environ is None else environ
+        return "SUBMITIT_LOCAL_NTASKS" in env and "SUBMITIT_LOCAL_GLOBALID" in env
+
+    @property
+    def local_rank(self) -> int:
+        """This task's index on the host."""
+        return self._local_rank
+
+
 def expand_slurm_nodelist(nodelist: str) -> List[str]:
     """Expands a SLURM node list such as `"gpu[01-03,07],cpu5"`.
 

@@ -184,3 +184,18 @@ def test_ray_train_resolver_only_inside_a_ray_train_worker():
     with pytest.raises(ValueError, match="not a Ray Train worker"):
         cr.RayTrainClusterResolver()
     assert cr.resolve({}).num_processes == 1
+
+
+def test_submitit_local_executor_variables():
+    env = {"SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1",
+           "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_JOB_ID": "4242"}
+    resolver = cr.resolve(env)
+    assert isinstance(resolver, cr.SubmititLocalClusterResolver)
+    assert (resolver.process_id, resolver.num_processes,
+            resolver.local_rank) == (1, 2, 1)
+    # The same port in every task of the job, or the one named.
+    assert resolver.coordinator_address == "127.0.0.1:24242"
+    assert cr.resolve(dict(env, KERAS_DISTRIBUTE_PORT="4000")
+                      ).coordinator_address == "127.0.0.1:4000"
+    with pytest.raises(ValueError, match="must be below SUBMITIT_LOCAL_NTASKS"):
+        cr.resolve(dict(env, SUBMITIT_LOCAL_GLOBALID="2"))

@@ -70,9 +70,9 @@ def _env(**extra) -> dict:
     return env
 
 
-def _run_together(commands, cwd, refused: str = "") -> None:
+def _run_together(commands, cwd, refused: str = "") -> list:
     """Starts every `(argv, env)` at once; all must exit 0 in time (or, with
-    `refused`, all fail saying it)."""
+    `refused`, all fail saying it). Returns their outputs."""
     processes = [subprocess.Popen(argv, cwd=cwd, env=env,
                                   stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -88,11 +88,14 @@ def _run_together(commands, cwd, refused: str = "") -> None:
                 process.wait()
     codes = [p.returncode for p in processes]
     if refused:
-        assert all(c != 0 and refused in o for c, o in zip(codes, outputs))
-        return
+        assert all(c != 0 and refused in o for c, o in zip(codes, outputs)), (
+            "\n".join(f"--- process {i} exited {c}:\n{o[-4000:]}"
+                      for i, (c, o) in enumerate(zip(codes, outputs))))
+        return outputs
     assert codes == [0] * len(codes), "\n".join(
         f"--- process {i} exited {c}:\n{o[-4000:]}"
         for i, (c, o) in enumerate(zip(codes, outputs)))
+    return outputs
 
 
 def test_the_launcher_recipe(train_script):

@@ -129,7 +129,9 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             "TensorFlow runs one server per worker, so every worker needs its "
             f"own 'host:port'. Received: {addresses}. Describe the job with "
             "TF_CONFIG or kd.cluster_resolver.SimpleClusterResolver(addresses)"
-            " (torchrun and SLURM give only the coordinator's address).")
+            " (torchrun, SLURM, submitit, JAX_COORDINATOR_ADDRESS and Ray's"
+            " non-TensorFlow trainers give only the coordinator's address;"
+            " Ray's TensorflowTrainer and Kubeflow's TFJob set TF_CONFIG).")
     tf_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type=resolver.task_type,
         task_id=resolver.task_id, rpc_layer="grpc")
