@@ -177,7 +177,7 @@ class TFConfigClusterResolver(ClusterResolver):
             {job: list(v) for job, v in self._raw_cluster.items()})
 
 
-_DETECTED_IN_ORDER = (
+DETECTED_IN_ORDER = (
     KerasDistributionClusterResolver,
     TFConfigClusterResolver,
     TorchElasticClusterResolver,
@@ -201,7 +201,7 @@ def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterResolver:
     Raises:
         ValueError: when the detected variables are malformed.
     """
-    for resolver in _DETECTED_IN_ORDER:
+    for resolver in DETECTED_IN_ORDER:
         if resolver.detect(environ):
             if resolver is RayTrainClusterResolver:
                 return resolver.for_this_worker()

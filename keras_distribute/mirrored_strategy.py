@@ -1,5 +1,6 @@
 """`MirroredStrategy`: synchronous data parallelism over one host's devices."""
 
+import warnings
 from typing import Any, Optional, Sequence
 
 from keras_distribute.backend import get_backend
@@ -129,8 +130,35 @@ class MirroredStrategy(Strategy):
                 f"cross_device_ops={cross_device_ops!r}.")
         super().__init__(backend.make_engine(resolved, layout_map=layout_map))
         self._set_communication_options(communication_options)
+        if self._engine.process_count == 1:
+            _warn_if_in_a_job()
         # The engine chooses the all-reduce; kept for inspection only.
         self.cross_device_ops = cross_device_ops
+
+
+def _warn_if_in_a_job() -> None:
+    """Warns when the environment describes a job of several processes that
+    this one-process strategy leaves out (each process would train alone)."""
+    from keras_distribute import cluster_resolver
+
+    found = []
+    for resolver in cluster_resolver.DETECTED_IN_ORDER:
+        if not resolver.detect():
+            continue
+        if resolver is not cluster_resolver.RayTrainClusterResolver:
+            try:  # (Ray's is a collective to make; it detects 2+ workers)
+                if resolver().num_processes < 2:
+                    continue
+            except ValueError:  # malformed: the multi-worker strategy says
+                continue
+        found.append(resolver.__name__)
+    if found:
+        warnings.warn(
+            f"kd.MirroredStrategy uses this process's devices only, but the "
+            f"environment describes a job of several processes "
+            f"({found[0]}): every process would train its own model. Use "
+            "kd.MultiWorkerMirroredStrategy() to train one model over the "
+            "job.", stacklevel=3)
 
 
 def _mesh_devices(backend, layout_map) -> list:

@@ -90,3 +90,34 @@ def test_jax_indexed_job_variables(train_script):
                             refused=COORDINATOR_ONLY)
     if not COORDINATOR_ONLY:
         _both_done(outputs)
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow",
+                    reason="the page: TensorFlow takes TF_CONFIG, not torchrun")
+def test_torchrun_max_restarts_resumes_from_the_backup(tmp_path):
+    # #17/#18: a process dies in epoch 2; torchrun restarts the job, which
+    # resumes from BackupAndRestore's backup and ends at the weights of one
+    # process that was never interrupted.
+    import numpy as np
+
+    import worker_common
+
+    assert "`--max-restarts 1`" in PAGE.read_text()
+    script = ROOT / "tests" / "restart_train.py"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+            "--nproc-per-node", "2", "--max-restarts", "1",
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(script)]
+    _run_together([(argv, _env())], tmp_path)
+    assert (tmp_path / "died").exists(), "no process died: nothing tested"
+    x, y = worker_common.make_data()
+    model = worker_common.make_model(worker_common.initial_weights())
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    for rank in (0, 1):
+        # The restart began at epoch 1 (the backup of the end of epoch 0).
+        assert (tmp_path / f"epochs-rank{rank}.txt").read_text().split() == [
+            "start", "0", "1", "start", "1", "2"]
+        saved = np.load(tmp_path / f"weights-rank{rank}.npz")
+        for i, expected in enumerate(model.get_weights()):
+            np.testing.assert_allclose(saved[f"arr_{i}"], expected,
+                                       atol=1e-5)

@@ -295,3 +295,29 @@ def test_tf_tpu_strategy_wiring_with_a_stand_in_tpu_system(monkeypatch):
     assert history.history["loss"][1] < history.history["loss"][0]
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
         strategy.experimental_assign_to_logical_device(x, 2)
+
+
+@pytest.mark.parametrize("env", [
+    {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "RANK": "1",
+     "WORLD_SIZE": "2"},
+    {"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, '
+                  '"task": {"type": "worker", "index": 0}}'},
+    {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
+     "JOB_COMPLETION_INDEX": "0"},
+])
+def test_mirrored_strategy_in_a_job_of_several_processes_warns(
+        monkeypatch, env):
+    # #18: each process of the job would train alone (e.g. under Ray's
+    # JaxTrainer): say so and name the strategy that trains one model.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning, match="every process would train its "
+                      "own model. Use kd.MultiWorkerMirroredStrategy"):
+        kd.MirroredStrategy()
+    for name in env:
+        monkeypatch.delenv(name)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kd.MirroredStrategy()  # alone: no warning

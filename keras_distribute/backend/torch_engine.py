@@ -67,6 +67,24 @@ def _init_process_group(**kwargs) -> None:
     atexit.register(_destroy_own_group)
 
 
+def _store_of_this_attempt(address: str, timeout_s: float) -> Any:
+    """Under torchrun, a client of its agent's store whose keys belong to
+    this restart attempt; `None` elsewhere.
+
+    torchrun keeps one store for the whole job, and torch's own rendezvous
+    reads it without a per-attempt prefix: after `--max-restarts` restarted
+    the processes, gloo found the addresses the dead attempt had published
+    and every process failed connecting to them ("Connection refused").
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"keras_distribute/attempt-{attempt}", store)
+
+
 def ensure_process_group() -> bool:
     """Joins the torchrun-style group of this process; `False` when alone."""
     from keras_distribute import cluster_resolver
@@ -83,9 +101,14 @@ def ensure_process_group() -> bool:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_rank)
+    timeout_s = communication_timeout_s()
+    store = _store_of_this_attempt(resolver.coordinator_address, timeout_s)
     _init_process_group(
         backend="nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(seconds=communication_timeout_s()),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({} if store is None else dict(
+            store=store, rank=resolver.process_id,
+            world_size=resolver.num_processes)),
     )
     return True
 
@@ -158,12 +181,15 @@ def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
         use_cuda = torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(local_rank)
+        store = _store_of_this_attempt(resolver.coordinator_address,
+                                       timeout_s)
         try:
             _init_process_group(
                 backend="nccl" if use_cuda else "gloo",
-                init_method=f"tcp://{resolver.coordinator_address}",
                 rank=resolver.process_id, world_size=resolver.num_processes,
-                timeout=datetime.timedelta(seconds=timeout_s))
+                timeout=datetime.timedelta(seconds=timeout_s),
+                **(dict(init_method=f"tcp://{resolver.coordinator_address}")
+                   if store is None else dict(store=store)))
         except (RuntimeError, TimeoutError) as error:
             raise TimeoutError(
                 f"Not every worker joined within {timeout_s:.0f} s: process "
