@@ -13,13 +13,17 @@ import argparse
 import multiprocessing
 import os
 import queue as queue_module
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
+
+from keras_distribute import process_notes
 
 DEFAULT_TIMEOUT_S = 900.0
 _GRACE_S = 5.0
@@ -92,7 +96,8 @@ def _free_ports(count: int) -> List[int]:
 
 
 def process_env(rank: int, world_size: int, port: int,
-                job_ports: Sequence[int] = ()) -> dict:
+                job_ports: Sequence[int] = (),
+                notes_dir: Optional[str] = None) -> dict:
     """The environment of process `rank` of a job on this host.
 
     The torchrun variables (for `kd.MirroredStrategy` on torch), plus Keras'
@@ -116,6 +121,8 @@ def process_env(rank: int, world_size: int, port: int,
             "KERAS_DISTRIBUTION_NUM_PROCESSES": str(world_size),
             "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
         })
+    if notes_dir:
+        env[process_notes.NOTES_VARIABLE] = notes_dir
     return env
 
 
@@ -137,8 +144,9 @@ def _check_main_guard() -> None:
 
 
 def _worker(payload: bytes, rank: int, world_size: int, port: int,
-            job_ports, results) -> None:
-    os.environ.update(process_env(rank, world_size, port, job_ports))
+            job_ports, results, notes_dir=None) -> None:
+    os.environ.update(process_env(rank, world_size, port, job_ports,
+                                  notes_dir))
     try:
         import cloudpickle
 
@@ -219,12 +227,15 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port, job_ports = _free_port(), _free_ports(num_processes)
+    notes_dir = tempfile.mkdtemp(prefix="keras_distribute-notes-")
     processes = [
         context.Process(target=_worker,
                         args=(payload, rank, num_processes, port, job_ports,
-                              results))
+                              results, notes_dir))
         for rank in range(num_processes)
     ]
+    for process in processes:
+        process.kd_notes = notes_dir
     def send(signum):
         for process in processes:
             if process.is_alive():
@@ -240,6 +251,7 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
             return _collect(processes, results, timeout, forwarder)
         finally:
             _end(processes)
+            shutil.rmtree(notes_dir, ignore_errors=True)
 
 
 def _collect(processes, results, timeout: float,
@@ -326,8 +338,8 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
         code = processes[cause].exitcode
         return LaunchError(
             f"Process {cause} of {len(processes)} died with exit code {code}"
-            f"{_signal_name(code)}; process {rank} then failed:\n{trace}",
-            cause)
+            f"{_signal_name(code)}{_last_note(processes, cause, code)}; "
+            f"process {rank} then failed:\n{trace}", cause)
     return LaunchError(
         f"Process {rank} of {len(processes)} failed{_gone(values)}"
         f":\n{trace}", rank)
@@ -359,8 +371,18 @@ def _check_dead(processes, values, exited_at) -> None:
                 f"Process {rank} of {len(processes)} died with exit code "
                 f"{process.exitcode} before returning"
                 f"{_signal_name(process.exitcode)}"
+                f"{_last_note(processes, rank, process.exitcode)}"
                 f"{_gone(values)}. The other processes were "
                 "ended.", rank)
+
+
+def _last_note(processes, rank: int, exitcode: Optional[int]) -> str:
+    """What process `rank` noted it was doing, when a signal ended it (a
+    runtime's abort leaves no Python traceback to report)."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    note = process_notes.read(getattr(processes[rank], "kd_notes", None), rank)
+    return f" while {note}" if note else ""
 
 
 def _signal_name(exitcode: int) -> str:
@@ -447,12 +469,14 @@ def _run_script_once(script, script_args, num_processes, deadline, timeout,
     """One start of every process: `(exit code, final)`, final when a
     timeout or a signal ended it (no restart then)."""
     port, job_ports = _free_port(), _free_ports(num_processes)
+    notes_dir = tempfile.mkdtemp(prefix="keras_distribute-notes-")
     processes = []
     for rank in range(num_processes):
         env = dict(os.environ, **process_env(rank, num_processes, port,
-                                             job_ports))
+                                             job_ports, notes_dir))
         processes.append(subprocess.Popen(
             [sys.executable, script, *script_args], env=env))
+        processes[-1].kd_notes = notes_dir
     def send(signum):
         for process in processes:
             if process.poll() is None:
@@ -462,8 +486,11 @@ def _run_script_once(script, script_args, num_processes, deadline, timeout,
                     pass
 
     with _SignalForwarder(send) as forwarder:
-        code = _watch(processes, num_processes, deadline, timeout, forwarder,
-                      signal_grace)
+        try:
+            code = _watch(processes, num_processes, deadline, timeout,
+                          forwarder, signal_grace)
+        finally:
+            shutil.rmtree(notes_dir, ignore_errors=True)
         return code, bool(forwarder.received) or code == 124
 
 
@@ -505,8 +532,9 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                 else:
                     print(f"keras_distribute.launch: process {rank} of "
                           f"{num_processes} exited with code {code}"
-                          f"{_signal_name(code)}; ending the others.",
-                          file=sys.stderr)
+                          f"{_signal_name(code)}"
+                          f"{_last_note(processes, rank, code)}; ending the "
+                          "others.", file=sys.stderr)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0

@@ -129,3 +129,28 @@ def test_sigterm_to_a_kd_launch_parent_ends_its_workers(tmp_path):
     assert code == 3
     assert "received SIGTERM and passed it on" in parent.stdout.read()
     assert _wait_for(lambda: not any(map(_alive, pids)), 10), "orphans"
+
+
+def test_a_process_a_runtime_aborts_is_reported_with_its_last_note(tmp_path):
+    # #17: a runtime that aborts a process from native code (JAX's
+    # coordination service) leaves no traceback; the launcher says what the
+    # process noted it was doing. Its notes directory is gone afterwards.
+    (tmp_path / "worker.py").write_text(
+        "import os, signal\n"
+        "from keras_distribute import process_notes\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    open('notes-dir', 'w').write(os.environ["
+        "process_notes.NOTES_VARIABLE])\n"
+        "    process_notes.write('waiting for the runtime to answer')\n"
+        "    os.kill(os.getpid(), signal.SIGABRT)\n"
+        "import time; time.sleep(30)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+         "worker.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert ("process 1 of 2 exited with code -6 (killed by SIGABRT) while "
+            "waiting for the runtime to answer; ending the others"
+            ) in result.stderr
+    assert not os.path.exists((tmp_path / "notes-dir").read_text())

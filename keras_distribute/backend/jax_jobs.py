@@ -27,6 +27,14 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             # next port, the same on every host (docs/multi_worker.md).
             host, _, port = coordinator.rpartition(":")
             coordinator = f"{host}:{int(port) + 1}"
+        from keras_distribute import process_notes
+
+        process_notes.write(
+            f"joining jax.distributed at {coordinator} as process "
+            f"{resolver.process_id} of {resolver.num_processes}: JAX aborts "
+            f"a process (SIGABRT) when not every process joined within "
+            f"{timeout_s} s. Check that every process started, with the same "
+            "cluster description, and can reach the coordinator")
         try:
             jax.distributed.initialize(
                 coordinator_address=coordinator,
@@ -48,6 +56,11 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                 f"for the coordinator {coordinator}. Check "
                 "that every worker started with the same cluster description."
                 f" Cause: {error}") from error
+        process_notes.write(
+            f"in a jax.distributed job of {resolver.num_processes} processes:"
+            f" JAX's coordination service aborts a process (SIGABRT) when a "
+            f"peer stops answering for {max(timeout_s, 10)} s; look for the "
+            "process that died, froze or finished first")
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
         from keras_distribute import context
