@@ -177,7 +177,26 @@ def compression_table():
     return "\n".join(rows)
 
 
-TABLES = {"fit": fit_table, "checkpoint": checkpoint_table,
+def soak_table():
+    rows = ["| backend | steps (saves) | RSS after 2 saves → end | threads | "
+            "file descriptors | leftovers | run |",
+            "|---|---|---|---|---|---|---|"]
+    for backend in ("jax", "tensorflow", "torch"):
+        entry = _load(f"soak_{backend}")
+        r = entry["result"]
+        for p in r["per_process"]:
+            rows.append(
+                f"| {backend}, process {p['process']} | {p['steps']:,} "
+                f"({p['saves']}) | {p['rss_mb_warm']:.0f} → "
+                f"{p['rss_mb_end']:.0f} MB ({100 * p['rss_growth']:+.2f} %) "
+                f"| {p['threads_warm']} → max {p['max_threads']} | "
+                f"{p['fds_warm']} → max {p['max_fds']} | "
+                f"{len(p['leftovers']) + len(p['new_temporaries'])} | "
+                f"{_run(entry)} |")
+    return "\n".join(rows)
+
+
+TABLES = {"fit": fit_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
           "compression": compression_table}

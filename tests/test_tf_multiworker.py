@@ -78,3 +78,25 @@ def test_preemption_checkpoint_handler_custom_loop(tmp_path):
     from worker_training import launch_preemption_handler
 
     launch_preemption_handler(workers, str(tmp_path), TIMEOUT)
+
+
+def test_a_worker_that_never_joins_fails_within_the_timeout():
+    # #17: TensorFlow waited without end (past 180 s) in native code that
+    # no exception reaches; kd's watchdog ends the process and says why.
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=(
+            r"Process 0 of 1 died with exit code -9 before returning \(killed "
+            r"by SIGKILL\) while joining the TensorFlow job .* as worker 0: "
+            r"not every worker joined within 5 s")):
+        kd.launch(workers.peer_never_joins, num_processes=1, timeout=TIMEOUT)
+    assert time.monotonic() - start < 40
+
+
+def test_training_holds_no_thread_per_collective():
+    # #17 soak: with a per-collective timeout TensorFlow kept a thread per
+    # all-reduce alive for the whole timeout (+400 threads an epoch here).
+    for counts in kd.launch(workers.fit_thread_count, num_processes=2,
+                            args=(50,), timeout=TIMEOUT):
+        assert counts[-1] <= counts[0] + 5, counts

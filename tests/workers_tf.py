@@ -99,3 +99,38 @@ def preemption_handler(directory):
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     return body(strategy, directory)
+
+
+def peer_never_joins():
+    """Only worker 0 of a 2-worker job starts: ended after the timeout with
+    the cause, not a hang (#17: it waited past 180 s)."""
+    import keras_distribute as kd
+
+    own = os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")[0]
+    resolver = kd.cluster_resolver.SimpleClusterResolver(
+        [own, "127.0.0.1:1"], 0)
+    kd.MultiWorkerMirroredStrategy(
+        resolver, kd.CommunicationOptions(timeout_seconds=5))
+    return "joined"
+
+
+def fit_thread_count(steps):
+    """Native threads before and after `steps` more training steps: TF's
+    per-collective timeouts held a sleeping thread per collective."""
+    import keras
+
+    import keras_distribute as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    x, y = make_data(n=32 * steps)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    counts = []
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            counts.append(len(os.listdir("/proc/self/task")))
+
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[Count()])
+    return counts

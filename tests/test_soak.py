@@ -1,0 +1,26 @@
+"""The short soak (#17): 2 processes x 300 steps, a sharded checkpoint every
+50, on the active backend. `benchmarks/soak.py` runs the long one (2,000
+steps) and records its figures in docs/benchmarks.md.
+"""
+
+import os
+import sys
+
+import keras_distribute as kd
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "benchmarks"))
+import soak  # noqa: E402
+
+
+def test_a_long_fit_with_checkpoints_leaks_nothing(tmp_path):
+    results = kd.launch(soak.soak, num_processes=2, timeout=600,
+                        args=(300, 50, str(tmp_path / "ckpt")))
+    for result in results:
+        assert result["saves"] == 6, result
+        # From the third save on: no thread or descriptor more, no leftover
+        # in the checkpoint directory or the temporary directory.
+        assert result["max_threads"] <= result["threads_warm"], result
+        assert result["max_fds"] <= result["fds_warm"], result
+        assert result["leftovers"] == [] and result["new_temporaries"] == []
+        assert result["rss_growth"] < 0.05, result
