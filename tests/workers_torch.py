@@ -781,3 +781,28 @@ def preemption_handler(directory):
 
     strategy = kd.MirroredStrategy()
     return body(strategy, directory)
+
+
+def run_with_different_metric_variables():
+    """Rank 1 holds an extra "sum" metric variable (as chief-only work or the
+    garbage collector leave them) when `run` updates a metric: the processes
+    combine the variables they share, and no collective goes out of step."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        mean = keras.metrics.Mean(name="shared")
+        if strategy.cluster_resolver is None and int(
+                os.environ["RANK"]) == 1:
+            extra = keras.metrics.Sum(name="only_on_rank_1")
+            extra.update_state(5.0)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(4.0) + 4 * ctx.replica_id_in_sync_group)
+    results = []
+    for _ in range(2):
+        strategy.run(mean.update_state, args=(values,))
+        results.append(float(mean.result()))
+    return results

@@ -9,6 +9,7 @@ every global batch. In a plain single process there is one replica.
 """
 
 import datetime
+import hashlib
 import logging
 import os
 import weakref
@@ -111,6 +112,20 @@ def ensure_process_group() -> bool:
             world_size=resolver.num_processes)),
     )
     return True
+
+
+def _variable_keys(variables: list) -> list:
+    """`(path, shape, n)` of each variable: n counts earlier variables of the
+    same path and shape (keys that name the same variable in every process
+    of one program)."""
+    seen: dict = {}
+    keys = []
+    for variable in variables:
+        name = (str(getattr(variable, "path", variable.name)),
+                tuple(variable.shape))
+        seen[name] = seen.get(name, -1) + 1
+        keys.append(name + (seen[name],))
+    return keys
 
 
 def host_rng_state() -> list:
@@ -252,11 +267,12 @@ class TorchEngine:
     def broadcast_new_variables(self) -> None:
         """Makes every variable created so far equal to rank 0's."""
         pending, self._created = self._created, []
+        alive = [v for v in (ref() for ref in pending)
+                 if v is not None and v._value is not None]
         with torch.no_grad():
-            for ref in pending:
-                variable = ref()
-                if variable is not None and variable._value is not None:
-                    dist.broadcast(variable.value.data, src=0)
+            # Only those every process made (chief-only work may make more).
+            for variable in self._agreed(alive, group=None):
+                dist.broadcast(variable.value.data, src=0)
 
     def variable_layout(self, variable: Any) -> tuple:
         size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
@@ -446,7 +462,8 @@ class TorchEngine:
         call_kwargs = keras.tree.map_structure(local, kwargs)
         ctx = context.ReplicaContext(strategy, self.local_replica_ids[0],
                                      _TorchCollectives(self))
-        aggregated = self._live_aggregated() if self.in_group else []
+        aggregated = (self._agreed(self._live_aggregated())
+                      if self.in_group and self.num_replicas > 1 else [])
         before = [v.value.detach().clone() for v in aggregated]
         with context._enter(strategy, ctx):
             result = fn(*call_args, **call_kwargs)
@@ -461,6 +478,34 @@ class TorchEngine:
         alive = [(ref, ref()) for ref in self._aggregated]
         self._aggregated = [ref for ref, v in alive if v is not None]
         return [v for _, v in alive if v is not None and v._value is not None]
+
+    def _agreed(self, variables: list, group: Any = "replicas") -> list:
+        """The `variables` that every process holds, in one order everywhere
+        (a collective).
+
+        Processes may hold different ones: a metric made by chief-only work
+        (a callback, a save), or freed by the garbage collector at another
+        time. Combining lists of different lengths aborted gloo ("Received
+        data size doesn't match"). A variable is known by its path and shape
+        (and which of that name it is); one small all-reduce finds the lists
+        equal, else the processes exchange them and keep the common ones.
+        `group`: the replicas' group (combining), or `None` for every
+        process (broadcasting from process 0).
+        """
+        group = self.replica_group if group == "replicas" else group
+        keys = _variable_keys(variables)
+        digest = int.from_bytes(hashlib.blake2b(
+            repr(keys).encode(), digest_size=7).digest(), "little")
+        probe = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        if int(probe[0]) == digest == -int(probe[1]):
+            return variables
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, keys, group=group)
+        common = set(every[0]).intersection(*every[1:])
+        return [v for key, v in sorted(zip(keys, variables),
+                                       key=lambda pair: pair[0])
+                if key in common]
 
     def _combine_aggregated(self, variables: list, before: list) -> None:
         """As tf.distribute's sync-on-read variables read after `run`: a
