@@ -40,8 +40,9 @@ def _both_done(outputs):
         assert f"process {rank} of 2 done" in output, output[-3000:]
 
 
-@pytest.mark.skipif(BACKEND == "tensorflow",
-                    reason="the page: TensorFlow takes TF_CONFIG, not torchrun")
+@pytest.mark.skipif(BACKEND != "torch", reason=(
+    "the page: TensorFlow takes TF_CONFIG, not torchrun; JAX under torchrun: "
+    "test_jax_multiprocess.py::test_torchrun_launches_a_jax_job"))
 def test_torchrun_on_two_nodes(train_script):
     text = PAGE.read_text()
     assert ("torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\\n"

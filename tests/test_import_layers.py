@@ -26,8 +26,12 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _type_checking_only(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
-        node.test)
+    """`if TYPE_CHECKING:`, and `if __name__ == "__main__":` (run as a
+    script, the module is `__main__`, not itself: no cycle)."""
+    return isinstance(node, ast.If) and (
+        "TYPE_CHECKING" in ast.unparse(node.test)
+        or ast.unparse(node.test) in ("__name__ == '__main__'",
+                                      '__name__ == "__main__"'))
 
 
 def _imports(tree: ast.Module, modules: set):

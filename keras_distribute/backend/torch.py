@@ -15,9 +15,9 @@ import torch.distributed as dist
 from keras_distribute.backend.torch_engine import TorchEngine
 from keras_distribute.backend.torch_engine import default_devices
 from keras_distribute.backend.torch_engine import device_name  # noqa: F401
-from keras_distribute.backend.torch_engine import ensure_process_group
+from keras_distribute.backend.torch_groups import ensure_process_group
 from keras_distribute.backend.torch_engine import host_rng_state  # noqa: F401
-from keras_distribute.backend.torch_engine import join_process_group
+from keras_distribute.backend.torch_groups import join_process_group
 from keras_distribute.backend.torch_engine import on_variable_created  # noqa: F401
 from keras_distribute.backend.torch_engine import resolve_device  # noqa: F401
 from keras_distribute.backend.torch_engine import set_host_rng_state  # noqa: F401
