@@ -95,7 +95,7 @@ class RayReport(BackupAndRestore):
         if directory is None:
             directory = os.path.join(
                 tempfile.gettempdir(), "keras_distribute_ray",
-                f"{context.get_experiment_name()}")
+                context.get_experiment_name())
         super().__init__(directory, save_freq=save_freq,
                          delete_checkpoint=True, async_save=False,
                          max_to_keep=max_to_keep)
