@@ -18,7 +18,7 @@ from tensorflow.python.distribute import values as tf_values
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute import context
 from keras_distribute.backend import tf_fit
-from keras_distribute.backend.tf_cluster import health_checked_strategy
+from keras_distribute.backend.tf_cluster import bounded_multi_worker_strategy
 from keras_distribute.backend.tf_fit import apply_gradients  # noqa: F401
 from keras_distribute.backend.tf_fit import value_and_gradients  # noqa: F401
 from keras_distribute.devices import DeviceSpec
@@ -137,7 +137,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
         tf.train.ClusterSpec(spec), task_type=resolver.task_type,
         task_id=resolver.task_id, rpc_layer="grpc")
     try:
-        strategy = health_checked_strategy(tf_resolver, timeout_s)
+        strategy = bounded_multi_worker_strategy(tf_resolver, timeout_s)
     except RuntimeError as error:
         raise RuntimeError(
             "tf.distribute's multi-worker collectives must be set up before "

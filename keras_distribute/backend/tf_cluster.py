@@ -1,6 +1,6 @@
 """How kd's TensorFlow multi-worker strategy notices workers that never
 join or are lost, without a timeout on each collective (see
-`health_checked_strategy`)."""
+`bounded_multi_worker_strategy`)."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 
-def health_checked_strategy(tf_resolver: Any, timeout_s: float) -> Any:
+def bounded_multi_worker_strategy(tf_resolver: Any, timeout_s: float) -> Any:
     """A `tf.distribute.MultiWorkerMirroredStrategy` that finds a worker that
     never joins or is lost within `timeout_s`, with no timeout on each
     collective.
