@@ -17,6 +17,15 @@ model.fit(x, y, batch_size=256, epochs=3)   # 256 = global batch size
 ```
 """
 
+import warnings as _warnings
+
+# `python -m keras_distribute.launch` imports this package (and so its
+# `launch` module) before running the module as `__main__`; runpy then
+# warns of the second copy. That copy only hands over to `launch_script`.
+_warnings.filterwarnings(
+    "ignore", category=RuntimeWarning,
+    message="'keras_distribute.launch' found in sys.modules")
+
 from keras_distribute import checkpoint
 from keras_distribute import integration  # registers what it installs
 from keras_distribute import cluster_resolver
@@ -36,6 +45,7 @@ from keras_distribute.context import in_cross_replica_context
 from keras_distribute.distributed_iterator import DistributedIterator
 from keras_distribute.distributed_iterator import OptionalValue
 from keras_distribute.distributed_iterator import OutOfRangeError
+from keras_distribute.errors import WorkerLostError
 from keras_distribute.input_lib import AutoShardPolicy
 from keras_distribute.input_lib import DistributedDataset
 from keras_distribute.input_lib import InputContext
@@ -105,6 +115,7 @@ __all__ = [
     "StrategyExtended",
     "TPUStrategy",
     "ValueContext",
+    "WorkerLostError",
     "allgather",
     "allreduce",
     "broadcast",

@@ -73,7 +73,20 @@ def _signal_exit_code(signum: int) -> int:
 
 
 class LaunchError(RuntimeError):
-    """A launched process failed, died or did not finish in time."""
+    """A launched process failed, died or did not finish in time.
+
+    `rank` is the process that failed first: a peer that died, froze or
+    was named lost by the survivor (`kd.WorkerLostError`), never a survivor
+    that only reported the loss; `None` when the whole launch timed out or
+    was ended by a signal.
+
+    Example:
+
+    >>> try:
+    ...     kd.launch(train, num_processes=2)  # doctest: +SKIP
+    ... except kd.LaunchError as error:
+    ...     print("look at the log of process", error.rank)  # doctest: +SKIP
+    """
 
     def __init__(self, message: str, rank: Optional[int] = None):
         super().__init__(message)
@@ -158,6 +171,9 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
 
 
 def _destroy_process_group() -> None:
+    peers = sys.modules.get("keras_distribute.peer_board")
+    if peers is not None:  # its peers then know it left, not froze
+        peers.stop()
     torch_distributed = sys.modules.get("torch.distributed")
     if torch_distributed is not None and torch_distributed.is_initialized():
         torch_distributed.destroy_process_group()
@@ -325,6 +341,14 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
         return LaunchError(
             f"{_frozen_message(frozen, len(processes))}; process {rank} "
             f"then failed waiting for it:\n{trace}", frozen)
+    lost = blamed_peer(processes, rank)
+    if (lost is not None and lost not in values
+            and processes[lost].exitcode is None):
+        # Alive but hung: the failed process named it (`kd.WorkerLostError`);
+        # a peer that died or finished is reported below.
+        return LaunchError(
+            f"Process {lost} of {len(processes)} was lost (named by process "
+            f"{rank}, which then failed){_gone(values)}:\n{trace}", lost)
     deadline = time.monotonic() + 2.0  # a dead peer's exit code lands soon
     dead = []
     while time.monotonic() < deadline and not dead:
@@ -364,6 +388,15 @@ def _check_dead(processes, values, exited_at) -> None:
             continue
         # A clean exit may still have its result in flight: wait a little.
         exited_at.setdefault(rank, now)
+        lost = blamed_peer(processes, rank)
+        # (The named peer may be gone by now: a JAX job's processes abort
+        # once the one hosting its coordinator ended.)
+        if process.exitcode != 0 and lost is not None and lost not in values:
+            raise LaunchError(
+                f"Process {lost} of {len(processes)} was lost (named by "
+                f"process {rank}, which then exited with code "
+                f"{process.exitcode}): {_note_reason(processes, rank)}. The "
+                "other processes were ended.", lost)
         if process.exitcode != 0 or now - exited_at[rank] > _GRACE_S:
             raise LaunchError(
                 f"Process {rank} of {len(processes)} died with exit code "
@@ -372,6 +405,26 @@ def _check_dead(processes, values, exited_at) -> None:
                 f"{_last_note(processes, rank, process.exitcode)}"
                 f"{_gone(values)}. The other processes were "
                 "ended.", rank)
+
+
+def blamed_peer(processes, rank: int) -> Optional[int]:
+    """The peer process `rank` named as lost (`kd.WorkerLostError` leaves a
+    note "lost process N"), if any."""
+    note = process_notes.read(getattr(processes[rank], "kd_notes", None),
+                              rank) or ""
+    prefix = "lost process "
+    number = note[len(prefix):].split(":", 1)[0]
+    if note.startswith(prefix) and number.isdigit():
+        lost = int(number)
+        return lost if 0 <= lost < len(processes) and lost != rank else None
+    return None
+
+
+def _note_reason(processes, rank: int) -> str:
+    """The reason process `rank` noted with the peer it named."""
+    note = process_notes.read(getattr(processes[rank], "kd_notes", None),
+                              rank) or ""
+    return note.split(":", 1)[1].strip() if ":" in note else note
 
 
 def _last_note(processes, rank: int, exitcode: Optional[int]) -> str:

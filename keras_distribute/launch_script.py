@@ -23,6 +23,7 @@ from keras_distribute.launch import PREEMPTION_EXIT_CODE
 from keras_distribute.launch import _GRACE_S
 from keras_distribute.launch import _SignalForwarder
 from keras_distribute.launch import _first_frozen
+from keras_distribute.launch import blamed_peer
 from keras_distribute.launch import _free_port
 from keras_distribute.launch import _free_ports
 from keras_distribute.launch import _frozen_message
@@ -139,6 +140,12 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                     print(f"keras_distribute.launch: "
                           f"{_frozen_message(frozen, num_processes)}; "
                           f"process {rank} then exited with code {code}; "
+                          "ending every process.", file=sys.stderr)
+                elif blamed_peer(processes, rank) is not None:
+                    lost = blamed_peer(processes, rank)
+                    print(f"keras_distribute.launch: process {lost} of "
+                          f"{num_processes} was lost (named by process "
+                          f"{rank}, which then exited with code {code}); "
                           "ending every process.", file=sys.stderr)
                 else:
                     print(f"keras_distribute.launch: process {rank} of "

@@ -18,6 +18,7 @@ import numpy as np
 import keras
 
 from keras_distribute import context
+from keras_distribute import peer_board
 from keras_distribute.data_sources import iterate_source
 
 
@@ -195,6 +196,7 @@ def _fit(engine, method, model, params: dict) -> Any:
     # while another does not would hang both.
     engine.sync_metrics_each_step = engine.any_process(
         _batch_logs_are_read(params))
+    params["callbacks"] = peer_board.counting_epochs(params.get("callbacks"))
     try:
         with context.service("chief_only_writes")(
                 params.get("callbacks"), engine.rank == 0,

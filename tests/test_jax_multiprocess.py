@@ -8,6 +8,7 @@ import pytest
 import keras_distribute as kd
 import workers_jax as workers
 from conftest import BACKEND
+from worker_common import assert_hung_peer_is_named
 from worker_common import assert_survivor_fails_within
 
 pytestmark = pytest.mark.skipif(
@@ -49,6 +50,13 @@ def test_multi_worker_custom_loop_with_train_step_matches_fit():
 
 def test_a_lost_worker_fails_the_survivor_within_the_timeout():
     assert_survivor_fails_within(kd.launch, workers.peer_leaves_early, TIMEOUT)
+
+
+def test_a_hung_worker_that_still_runs_is_named_not_waited_for():
+    # Rank 1 sleeps in a callback (alive): JAX would wait for it without
+    # end in native code; kd's watchdog ends rank 0 after the 10 s timeout,
+    # naming rank 1, and the launcher blames rank 1.
+    assert_hung_peer_is_named(kd.launch, workers.hang_on_rank_one)
 
 
 def test_a_worker_that_never_joins_fails_within_the_timeout():

@@ -6,6 +6,7 @@ import pytest
 import keras_distribute as kd
 import workers_tf as workers
 from conftest import BACKEND
+from worker_common import assert_hung_peer_is_named
 from worker_common import assert_survivor_fails_within
 
 pytestmark = pytest.mark.skipif(
@@ -36,6 +37,13 @@ def test_multi_worker_fit_matches_one_process(tmp_path):
 
 def test_a_lost_worker_fails_the_survivor_within_the_timeout():
     assert_survivor_fails_within(kd.launch, workers.peer_leaves_early, TIMEOUT)
+
+
+def test_a_hung_worker_that_still_runs_is_named_not_waited_for():
+    # Rank 1 sleeps in a callback (alive): TensorFlow would wait for it without
+    # end in native code; kd's watchdog ends rank 0 after the 10 s timeout,
+    # naming rank 1, and the launcher blames rank 1.
+    assert_hung_peer_is_named(kd.launch, workers.hang_on_rank_one)
 
 
 def test_checkpoint_callbacks_across_processes(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import keras_distribute as kd
 import workers_torch as workers
 from conftest import BACKEND
+from worker_common import assert_hung_peer_is_named
 from worker_common import assert_survivor_fails_within
 
 pytestmark = pytest.mark.skipif(
@@ -161,10 +162,21 @@ def test_a_frozen_rank_is_named_not_the_survivor():
         kd.launch(workers.freeze_on_rank_one, num_processes=2,
                   timeout=TIMEOUT)
     assert info.value.rank == 1  # not 0, which only reported the loss
+    # The survivor's own error names the frozen process too (kd's, with
+    # gloo's timeout as its cause).
+    assert "WorkerLostError: Process 0 of 2 could not complete a collective: " \
+        "process 1 of 2 stopped answering" in str(info.value)
     assert time.monotonic() - start < TIMEOUT / 2
     import multiprocessing
 
     assert multiprocessing.active_children() == []  # the stopped one too
+
+
+def test_a_hung_rank_that_still_runs_is_named_by_the_survivor():
+    # Rank 1 sleeps in a callback (alive, its heartbeat goes on): rank 0's
+    # collective times out (5 s) and its error says rank 1 is behind; the
+    # launcher blames rank 1 and ends it.
+    assert_hung_peer_is_named(kd.launch, workers.hang_on_rank_one)
 
 
 def test_launch_argument_errors():
@@ -299,7 +311,10 @@ def test_rank_dependent_callbacks_and_saves_in_every_process(tmp_path):
 
 
 def test_a_lost_worker_fails_the_survivor_within_the_timeout():
-    assert_survivor_fails_within(kd.launch, workers.peer_leaves_early, TIMEOUT)
+    error = assert_survivor_fails_within(kd.launch, workers.peer_leaves_early,
+                                         TIMEOUT)
+    assert "WorkerLostError: Process 0 of 2 could not complete a " \
+        "collective: process 1 of 2 has left the job" in str(error)
 
 
 def test_auto_shard_policies_decide_what_each_worker_reads(tmp_path):

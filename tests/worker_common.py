@@ -119,6 +119,47 @@ def train_unless_rank_one(strategy):
     return "trained alone"
 
 
+def fit_while_rank_one_hangs(strategy):
+    """Rank 1 stays alive but hangs in a callback after epoch 1 (a save only
+    it runs, a breakpoint); rank 0 must not wait for it without end."""
+    import os
+    import time
+
+    import keras
+
+    class HangOnRankOne(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if os.environ["RANK"] == "1":
+                time.sleep(120)  # ended by the launcher long before
+
+    x, y = make_data(n=256)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+              callbacks=[HangOnRankOne()])
+    return "trained"
+
+
+def assert_hung_peer_is_named(launch, worker, limit_s=60):
+    """Launches `worker` on 2 processes: the launch blames rank 1 (alive
+    but behind), as named by rank 0, within `limit_s`."""
+    import multiprocessing
+    import time
+
+    import pytest
+
+    import keras_distribute as kd
+
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=r"Process 1 of 2 was lost "
+                       r"\(named by process 0, which then") as info:
+        launch(worker, num_processes=2, timeout=240)
+    assert info.value.rank == 1
+    assert "process 1 of 2 is alive but behind" in str(info.value)
+    assert time.monotonic() - start < limit_s
+    assert multiprocessing.active_children() == []
+
+
 def assert_survivor_fails_within(launch, worker, timeout, limit_s=120):
     """Launches `worker` on 2 processes; process 0 must fail, naming 1."""
     import time
@@ -133,6 +174,7 @@ def assert_survivor_fails_within(launch, worker, timeout, limit_s=120):
         launch(worker, num_processes=2, timeout=timeout)
     assert info.value.rank == 0
     assert time.monotonic() - start < limit_s
+    return info.value
 
 
 def fit_with_sharded_checkpoints(strategy, directory):

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+from worker_common import fit_while_rank_one_hangs
 from worker_common import train_unless_rank_one
 from worker_common import initial_weights, make_data, make_model  # noqa: F401
 
@@ -67,6 +68,16 @@ def multi_worker_train_step():
     x, y = make_data(n=128)
     return train_step_loop(strategy, tf.data.Dataset.from_tensor_slices(
         (x, y)).batch(BATCH))
+
+
+def hang_on_rank_one():
+    """Rank 1 hangs alive in a callback; rank 0, waiting in the engine's
+    native code, is ended by kd's watchdog naming rank 1."""
+    _jax_process()
+    import keras_distribute as kd
+
+    return fit_while_rank_one_hangs(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=10)))
 
 
 def peer_leaves_early():

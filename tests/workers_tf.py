@@ -3,6 +3,7 @@
 import os
 
 
+from worker_common import fit_while_rank_one_hangs
 from worker_common import train_unless_rank_one
 from worker_common import initial_weights, make_model
 from worker_common import make_data as common_make_data
@@ -40,6 +41,15 @@ def multi_worker_fit(directory):
         "weights": model.get_weights(),
         "evaluate": model.evaluate(x, y, batch_size=20, verbose=0),
     }
+
+
+def hang_on_rank_one():
+    """Rank 1 hangs alive in a callback; rank 0, waiting in the engine's
+    native code, is ended by kd's watchdog naming rank 1."""
+    import keras_distribute as kd
+
+    return fit_while_rank_one_hangs(kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=10)))
 
 
 def peer_leaves_early():

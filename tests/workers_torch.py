@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from worker_common import Interrupt, interrupt_at
+from worker_common import fit_while_rank_one_hangs
 from worker_common import train_unless_rank_one
 from worker_common import initial_weights, make_data, make_model  # noqa: F401
 
@@ -403,6 +404,20 @@ def freeze_on_rank_one():
     if os.environ["RANK"] == "1":
         os.kill(os.getpid(), signal.SIGSTOP)
     return train_unless_rank_one(strategy)
+
+
+def hang_on_rank_one():
+    """Rank 1 hangs alive in a callback; rank 0's collective fails within
+    the timeout with `kd.WorkerLostError` naming rank 1."""
+    _setup()
+    os.environ["KERAS_DISTRIBUTE_TIMEOUT"] = "5"
+    import keras_distribute as kd
+
+    try:
+        return fit_while_rank_one_hangs(kd.MirroredStrategy())
+    except kd.WorkerLostError as error:
+        assert error.rank == 1 and isinstance(error.__cause__, RuntimeError)
+        raise
 
 
 def auto_shard_policies(directory):

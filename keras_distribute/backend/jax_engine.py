@@ -211,9 +211,10 @@ class JaxEngine:
         saved = [(v, v._value) for v in variables]
         try:
             if self.multi_process:
+                from keras_distribute import peer_board
                 from keras_distribute import process_data
 
-                with process_local_predictions(model):
+                with process_local_predictions(model), peer_board.busy():
                     return process_data.call_sharded(self, method, model,
                                                      args, kwargs)
             return method(model, *args, **kwargs)
@@ -369,6 +370,15 @@ class JaxEngine:
 
     # ------------------------------------------------------------------ run
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if not self.multi_process:
+            return self._run(strategy, fn, args, kwargs)
+        from keras_distribute import peer_board
+
+        peer_board.advance()
+        with peer_board.busy():
+            return self._run(strategy, fn, args, kwargs)
+
+    def _run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(
             (args, kwargs), is_leaf=lambda x: isinstance(x, PerReplica)
         )

@@ -61,6 +61,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             f" JAX's coordination service aborts a process (SIGABRT) when a "
             f"peer stops answering for {max(timeout_s, 10)} s; look for the "
             "process that died, froze or finished first")
+        _watch_peers(resolver.process_id, resolver.num_processes, timeout_s)
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
         from keras_distribute import context
@@ -116,3 +117,44 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     engine = jax_backend.JaxEngine(devices, layout_map)
     engine.num_logical_devices = logical
     return engine
+
+
+class _CoordinationText:
+    """JAX's coordination service (its key-value store) as the peer
+    board's text store."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def set(self, key: str, text: str) -> None:
+        self._client.key_value_set(key, text, allow_overwrite=True)
+
+    def get(self, key: str) -> Optional[str]:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception:  # not there (yet)
+            return None
+
+
+def _watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
+    """Names a peer that hangs while this process waits for it.
+
+    JAX's coordination service aborts a process whose peer died or froze,
+    but a peer that is alive and never reaches the collective (stuck in a
+    callback only it runs) leaves the others waiting in native code without
+    end. The peer board's watchdog sees this process's steps stall for the
+    timeout while a live peer lags, says which, and ends this process (no
+    Python exception can reach a thread waiting in XLA)."""
+    import atexit
+
+    from jax._src import distributed
+
+    from keras_distribute import peer_board
+
+    client = getattr(distributed.global_state, "client", None)
+    if client is None or not hasattr(client, "key_value_try_get"):
+        return  # another JAX: no board, the launcher's timeout remains
+    peer_board.start(_CoordinationText(client), rank, world_size, timeout_s,
+                     on_stall=peer_board.ending_this_process("JAX"))
+    atexit.register(peer_board.stop)  # before JAX's own shutdown (LIFO)
+

@@ -17,6 +17,8 @@ from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute import context
+from keras_distribute import peer_board
+from keras_distribute.backend import tf_cluster
 from keras_distribute.backend import tf_fit
 from keras_distribute.backend.tf_cluster import bounded_multi_worker_strategy
 from keras_distribute.backend.tf_fit import apply_gradients  # noqa: F401
@@ -144,6 +146,8 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             "TensorFlow runs anything. Create kd.MultiWorkerMirroredStrategy "
             "at the start of the program, before any tensor is made."
         ) from error
+    tf_cluster.watch_peers(resolver.process_id, resolver.num_processes,
+                           timeout_s)
     return TfEngine(None, tf_strategy=strategy, resolver=resolver)
 
 
@@ -406,10 +410,13 @@ class TfEngine:
         if even:
             tf_fit.even_fits.add(self.tf_strategy)
         callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
+        if method.__name__ == "fit" and len(args) <= 5:
+            kwargs = dict(kwargs, callbacks=peer_board.counting_epochs(
+                callbacks))
         try:
             with context.service("chief_only_writes")(
                     callbacks if method.__name__ == "fit" else None,
-                    self.is_chief):
+                    self.is_chief), peer_board.busy():
                 return method(model, *args, **kwargs)
         finally:
             tf_fit.even_fits.discard(self.tf_strategy)

@@ -87,3 +87,45 @@ class _JoinWatchdog:
         process_notes.write("")
         self._watcher.stdin.close()  # readable (EOF): the watcher exits
         self._watcher.wait()
+
+
+class _CoordinationText:
+    """TensorFlow's coordination service (its key-value store) as the peer
+    board's text store. A key is not overwritten in place: it is deleted
+    and set again, so a reader that finds it missing looks once more."""
+
+    def __init__(self, tf_context: Any):
+        self._context = tf_context
+
+    def set(self, key: str, text: str) -> None:
+        try:
+            self._context.delete_config_key_value(key)
+        except Exception:  # not there yet
+            pass
+        self._context.set_config_key_value(key, text)
+
+    def get(self, key: str) -> Any:
+        for _ in range(3):
+            try:
+                return self._context.get_config_key_value(
+                    key, timeout_in_ms=200)
+            except Exception:  # between a delete and a set, or never set
+                continue
+        return None
+
+
+def watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
+    """Names a peer that hangs while this process waits for it (see
+    `keras_distribute.peer_board`): TensorFlow's heartbeat fails the others
+    when a worker dies or freezes, but a worker that is alive and never
+    reaches the collective leaves them waiting without end."""
+    import atexit
+
+    from tensorflow.python.eager import context as tf_context
+
+    from keras_distribute import peer_board
+
+    peer_board.start(_CoordinationText(tf_context.context()), rank,
+                     world_size, timeout_s,
+                     on_stall=peer_board.ending_this_process("TensorFlow"))
+    atexit.register(peer_board.stop)

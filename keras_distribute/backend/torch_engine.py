@@ -25,6 +25,7 @@ from keras_distribute import context
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
+from keras_distribute.backend import torch_peers
 from keras_distribute.backend.torch_groups import ensure_process_group
 from keras_distribute.backend.torch_variables import whole_value
 
@@ -145,6 +146,7 @@ class TorchEngine:
             if getattr(variable, "aggregation", "none") in ("sum", "mean"):
                 self._aggregated.append(weakref.ref(variable))
 
+    @torch_peers.collective
     def broadcast_new_variables(self) -> None:
         """Makes every variable created so far equal to rank 0's."""
         pending, self._created = self._created, []
@@ -173,6 +175,7 @@ class TorchEngine:
             return (variable.value,)
         return None
 
+    @torch_peers.collective
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` is true in any process (a collective)."""
         if not self.in_group:
@@ -181,10 +184,12 @@ class TorchEngine:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return bool(tensor.item() > 0)
 
+    @torch_peers.collective
     def barrier(self, name: str) -> None:
         if self.in_group:
             dist.barrier()
 
+    @torch_peers.collective
     def broadcast_text(self, text: str) -> str:
         if not self.in_group:
             return text
@@ -198,7 +203,9 @@ class TorchEngine:
             return method(model, *args, **kwargs)
         from keras_distribute import process_data
 
-        return process_data.call_sharded(self, method, model, args, kwargs)
+        with torch_peers.naming_a_lost_peer():
+            return process_data.call_sharded(self, method, model, args,
+                                             kwargs)
 
     def split_rows(self, batch: int, pipeline: Optional[int] = None):
         """The rows of a global batch an input pipeline (this process's by
@@ -209,6 +216,7 @@ class TorchEngine:
             batch, self.input_pipeline_id if pipeline is None else pipeline,
             self.num_input_pipelines)
 
+    @torch_peers.collective
     def shared_seed(self) -> int:
         """A seed from the global numpy RNG, the same in every process (each
         draws one; rank 0's wins)."""
@@ -216,6 +224,7 @@ class TorchEngine:
         dist.broadcast_object_list(seed, src=0)
         return seed[0]
 
+    @torch_peers.collective
     def process_all_gather(self, array: np.ndarray) -> np.ndarray:
         """Every process's `array` (same shape), stacked in process order."""
         array = np.asarray(array)
@@ -297,6 +306,7 @@ class TorchEngine:
         """Keras' torch train step, forwarding through the held DDP."""
         from keras_distribute.backend import torch_training
 
+        torch_peers.advance()
         return torch_training.train_step(self, model, data)
 
     def global_metric_states(self, variables: Sequence[Any]):
@@ -336,8 +346,14 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ run
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.in_group:
+        if not self.in_group:
+            return self._run(strategy, fn, args, kwargs)
+        torch_peers.advance()
+        with torch_peers.naming_a_lost_peer():
             self.broadcast_new_variables()
+            return self._run(strategy, fn, args, kwargs)
+
+    def _run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
         local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
         call_args = keras.tree.map_structure(local, args)
         call_kwargs = keras.tree.map_structure(local, kwargs)
@@ -360,6 +376,7 @@ class TorchEngine:
         self._aggregated = [ref for ref, v in alive if v is not None]
         return [v for _, v in alive if v is not None and v._value is not None]
 
+    @torch_peers.collective
     def _agreed(self, variables: list, group: Any = "replicas") -> list:
         """The `variables` that every process holds, in one order everywhere
         (a collective).
@@ -432,6 +449,7 @@ class TorchEngine:
         _check_axis(axis, tensor.dim())
         return self.all_gather(tensor, axis)
 
+    @torch_peers.collective
     def _all_reduce_sum(self, tensor):
         """Sums `tensor` over the replicas, in place."""
         if self.in_group and self.num_replicas > 1:
@@ -439,6 +457,7 @@ class TorchEngine:
                             group=self.replica_group)
         return tensor
 
+    @torch_peers.collective
     def all_gather(self, tensor, axis: int):
         """Concatenates `tensor` of every replica along `axis` (sizes may
         differ), in replica order."""

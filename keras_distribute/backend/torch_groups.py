@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from keras_distribute.backend import torch_peers
 from keras_distribute.cross_device_ops import communication_timeout_s
 
 
@@ -28,6 +29,7 @@ def _destroy_own_group() -> None:
     only delays the exit by `_EXIT_BARRIER_S`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    torch_peers.stop()
     try:
         if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
             dist.monitored_barrier(timeout=datetime.timedelta(
@@ -40,11 +42,24 @@ def _destroy_own_group() -> None:
         pass
 
 
-def _init_process_group(**kwargs) -> None:
-    """`dist.init_process_group`, ended at interpreter exit (once)."""
+def _init_process_group(address: str, rank: int, world_size: int,
+                        timeout_s: float, store: Any = None,
+                        backend: str = "gloo") -> None:
+    """`dist.init_process_group` on a store kd holds (torch's own when
+    `store` is `None`: a TCP store at `address` hosted by rank 0), with the
+    heartbeat that names a lost peer (`torch_peers`), ended at interpreter
+    exit (once)."""
     import atexit
 
-    dist.init_process_group(**kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size,
+                              is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=True)
+    dist.init_process_group(backend=backend, store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    torch_peers.start(store, rank, world_size, timeout_s)
     atexit.register(_destroy_own_group)
 
 
@@ -83,14 +98,11 @@ def ensure_process_group() -> bool:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     timeout_s = communication_timeout_s()
-    store = _store_of_this_attempt(resolver.coordinator_address, timeout_s)
     _init_process_group(
-        backend="nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **({} if store is None else dict(
-            store=store, rank=resolver.process_id,
-            world_size=resolver.num_processes)),
-    )
+        resolver.coordinator_address, resolver.process_id,
+        resolver.num_processes, timeout_s,
+        store=_store_of_this_attempt(resolver.coordinator_address, timeout_s),
+        backend="nccl" if use_cuda else "gloo")
     return True
 
 
@@ -114,11 +126,9 @@ def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
                                        timeout_s)
         try:
             _init_process_group(
-                backend="nccl" if use_cuda else "gloo",
-                rank=resolver.process_id, world_size=resolver.num_processes,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                **(dict(init_method=f"tcp://{resolver.coordinator_address}")
-                   if store is None else dict(store=store)))
+                resolver.coordinator_address, resolver.process_id,
+                resolver.num_processes, timeout_s, store=store,
+                backend="nccl" if use_cuda else "gloo")
         except (RuntimeError, TimeoutError) as error:
             raise TimeoutError(
                 f"Not every worker joined within {timeout_s:.0f} s: process "

@@ -38,6 +38,7 @@ import keras
 from keras.distribution import TensorLayout
 
 from keras_distribute import context
+from keras_distribute.backend import torch_peers
 from keras_distribute.backend.torch_engine import TorchEngine
 from keras_distribute.backend.torch_variables import whole_value
 from keras_distribute.layouts import check_keys_match
@@ -172,6 +173,7 @@ class ShardedTorchEngine(TorchEngine):
         variable._value = parameter
         object.__setattr__(variable, "_layout", layout)
 
+    @torch_peers.collective
     def broadcast_new_variables(self, only: Optional[list] = None) -> None:
         """Rank 0's values for new plain variables (DTensors were cut from
         them), or for the variables `only` (before they are cut)."""
@@ -203,6 +205,7 @@ class ShardedTorchEngine(TorchEngine):
     def ddp(self, model: Any) -> Any:
         return model  # DTensor's collectives replace DDP's all-reduce
 
+    @torch_peers.collective
     def sync_gradients(self, variables: Sequence[Any]) -> None:
         """Averages every gradient over the replicas (the batch axis): one
         flat all-reduce of this process's parts, as DDP would."""

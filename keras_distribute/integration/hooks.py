@@ -41,6 +41,7 @@ import threading
 import keras
 
 from keras_distribute import context
+from keras_distribute import peer_board
 from keras_distribute.integration import registry
 from keras_distribute.integration import patching
 from keras_distribute.integration import saving
@@ -184,6 +185,7 @@ def _install_jax_data_hook() -> None:
         # Keras 3.16 adds `is_super_batch`: passed on as given.
         distribution = distribution_lib.distribution()
         if getattr(distribution, "_kd_strategy_distribution", False):
+            peer_board.advance()  # a step begins (names a peer that lags)
             layouts = None  # per batch: a short batch gets its own layout
             # `train_on_batch(x, y)` with a tf.data batch (tf.Tensors, as
             # the TF checkpoint guide's loop feeds): Keras lays out only

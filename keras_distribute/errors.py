@@ -1,0 +1,26 @@
+"""kd's errors for a job that lost one of its processes (framework-free)."""
+
+from typing import Optional
+
+
+class WorkerLostError(RuntimeError):
+    """A collective failed because another process of the job froze, left
+    or stopped progressing; `rank` names it (`None` when it could not be
+    told apart).
+
+    The engine's own error (gloo's "Timed out waiting ... for recv", a
+    closed connection) is the `__cause__`. Launchers (`kd.launch`,
+    `python -m keras_distribute.launch`) blame `rank`, not the process
+    that raised.
+
+    Example:
+
+    >>> try:
+    ...     model.fit(x, y)  # doctest: +SKIP
+    ... except kd.WorkerLostError as error:
+    ...     print("lost process", error.rank)  # doctest: +SKIP
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None):
+        super().__init__(message)
+        self.rank = rank
