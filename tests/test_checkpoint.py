@@ -308,3 +308,42 @@ def test_replicated_variables_are_spread_over_the_writing_processes():
     # A pure function of the keys and sizes: the same in every process,
     # whatever order they list the variables in.
     assert balanced_writers(dict(reversed(list(sizes.items()))), 3) == spread
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's restore "
+                    "hands the read buffer over without a copy (DLPack)")
+def test_tf_restore_without_a_copy_never_shares_memory_it_changes(
+        tmp_path, monkeypatch):
+    from keras_distribute.backend import tensorflow as tf_backend
+    from keras_distribute.checkpoint import parallel_io
+
+    handed_over = []
+    zero_copy = tf_backend._zero_copy_tensor
+    monkeypatch.setattr(tf_backend, "_zero_copy_tensor", lambda array: (
+        handed_over.append(zero_copy(array)) or handed_over[-1]))
+
+    aligned = parallel_io.aligned_empty((4, 3), np.float32)
+    aligned[...] = 1.0
+    import tensorflow as tf
+
+    assert isinstance(tf_backend._zero_copy_tensor(aligned), tf.Tensor)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        variable = keras.Variable(np.arange(12, dtype="float32").reshape(4, 3))
+    path = kd.checkpoint.ShardedCheckpoint(weights=[variable]).write(
+        str(tmp_path / "ckpt"))
+    saved = np.arange(12, dtype="float32").reshape(4, 3)
+    variable.assign(np.zeros((4, 3), "float32"))
+    handed_over.clear()
+    kd.checkpoint.ShardedCheckpoint(weights=[variable]).read(path)
+    assert [type(t).__name__ for t in handed_over] == ["EagerTensor"]
+    # Updates after the restore (TensorFlow copies the restored buffer
+    # before its first write) land once on every replica.
+    variable.assign_add(np.ones((4, 3), "float32"))
+    strategy.run(tf.function(lambda: variable.assign_add(
+        tf.fill((4, 3), 2.0))))
+    for component in strategy.experimental_local_results(variable.value):
+        np.testing.assert_array_equal(np.asarray(component), saved + 3)
+    # A second restore of the same file still reads what was saved.
+    kd.checkpoint.ShardedCheckpoint(weights=[variable]).read(path)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), saved)
