@@ -11,6 +11,7 @@ the group, which resumes from Ray's checkpoint.
 
 import importlib
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +90,26 @@ def test_fit_under_ray_train_restarts_and_resumes_to_one_process(
         for i, expected in enumerate(weights):
             np.testing.assert_allclose(saved[f"arr_{i}"], expected,
                                        atol=1e-5)
+
+
+def test_the_clusters_pages_ray_block_runs_in_this_cluster(
+        local_ray, tmp_path, monkeypatch):
+    # docs/clusters.md's Ray block, as the page shows it, on this backend
+    # (the page's docs test skips it: a second Ray cluster per backend cost
+    # ~30 s of CI). Its `ray.init` / `ray.shutdown` are this module's
+    # cluster, whose runtime environment sets what the page's does.
+    import re
+
+    page = (Path(TESTS).parent / "docs" / "clusters.md").read_text()
+    (code,) = [block for block in re.findall(
+        r"```python\n(.*?)^```", page, re.DOTALL | re.MULTILINE)
+        if "ray.train" in block]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    namespace = {"__name__": "clusters_page"}
+    exec(compile(code, "docs/clusters.md (Ray block)", "exec"), namespace)
+    assert namespace["result"].metrics["epoch"] == 3
 
 
 def test_ray_report_outside_ray_names_the_fix():
