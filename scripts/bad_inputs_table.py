@@ -99,7 +99,7 @@ def main() -> int:
     if problems:
         print("docs/bad_inputs.md is not current:\n  " + "\n  ".join(problems)
               + "\nRegenerate it: bash scripts/test.sh, then python "
-              "scripts/bad_inputs_table.py --write .venv/bad-inputs-*.json")
+              "scripts/bad_inputs_table.py --write .venv/bad-inputs-*.json*")
         return 1
     print(f"docs/bad_inputs.md lists the {len(tried)} cases the suite tries")
     return 0

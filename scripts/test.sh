@@ -7,16 +7,26 @@ bash scripts/setup_env.sh || exit 1
 export TF_CPP_MIN_LOG_LEVEL=2
 status=0
 backends=${KD_BACKENDS:-jax tensorflow torch}
-rm -f .venv/bad-inputs-*.json
+# Two test files at a time (pytest-xdist; a file's tests stay together, so
+# module fixtures such as a Ray cluster are made once): a third of the tests
+# wait on processes they started, and CI has 2 cores. KD_TEST_WORKERS=0
+# runs everything in one process.
+workers=${KD_TEST_WORKERS:-2}
+parallel=""
+if [ "$workers" != "0" ]; then
+  parallel="-n $workers --dist loadfile"
+fi
+rm -f .venv/bad-inputs-*.json*
 for backend in $backends; do
   echo "=== KERAS_BACKEND=$backend ==="
   # Every bad input a test tries is recorded for docs/bad_inputs.md.
   KD_RECORD_BAD_INPUTS=.venv/bad-inputs-$backend.json KERAS_BACKEND=$backend \
-    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 tests "$@" || status=1
+    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 \
+    $parallel tests "$@" || status=1
 done
 if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
   echo "=== docs/bad_inputs.md lists what the suite tries ==="
-  .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json || status=1
+  .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json* || status=1
 fi
 echo "=== docs/benchmarks.md tables match benchmarks/results/ ==="
 .venv/bin/python benchmarks/make_tables.py --check || status=1
@@ -42,7 +52,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # tests the engines' failure detection and the launchers, not Keras.
   KD_DOCS_BLOCKS=0 PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend \
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 \
-    --ignore=tests/test_notebooks.py --ignore=tests/test_examples.py \
+    $parallel --ignore=tests/test_notebooks.py --ignore=tests/test_examples.py \
     --ignore=tests/test_launcher_signals.py \
     --ignore=tests/test_cluster_resolver.py --ignore=tests/test_ray_train.py \
     --ignore=tests/test_soak.py \

@@ -117,5 +117,12 @@ if _RECORD:
     def pytest_sessionfinish(session):
         import json
 
-        with open(_RECORD, "w") as f:
+        # Under pytest-xdist each worker records its own tests in a file
+        # of its own (`<file>.gw0`, ...); the controller records nothing.
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        if worker is None and getattr(session.config, "workerinput",
+                                      None) is None and (
+                session.config.pluginmanager.has_plugin("dsession")):
+            return
+        with open(f"{_RECORD}.{worker}" if worker else _RECORD, "w") as f:
             json.dump(_recorded, f, indent=0)
