@@ -37,11 +37,16 @@ def start(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
 
 
 def looks_like_lost_peer(error: BaseException) -> bool:
-    """Whether `error` is what gloo or the store raise for a lost peer."""
+    """Whether `error` is what gloo, nccl or the c10d store raise for a lost
+    peer (a `TimeoutError` of the user's own code inside `fit` is not)."""
+    import torch.distributed as dist
+
     if not isinstance(error, (RuntimeError, TimeoutError, ConnectionError)):
         return False
     text = str(error).lower()
-    return any(part in text for part in _LOST_PEER_TEXT)
+    from_engine = isinstance(error, getattr(dist, "DistError", ())) or any(
+        name in text for name in ("gloo", "nccl", "c10d", "tcpstore"))
+    return from_engine and any(part in text for part in _LOST_PEER_TEXT)
 
 
 @contextlib.contextmanager
