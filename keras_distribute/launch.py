@@ -392,11 +392,12 @@ def _check_dead(processes, values, exited_at) -> None:
         # (The named peer may be gone by now: a JAX job's processes abort
         # once the one hosting its coordinator ended.)
         if process.exitcode != 0 and lost is not None and lost not in values:
+            why = process_notes.reason(getattr(process, "kd_notes", None), rank)
             raise LaunchError(
                 f"Process {lost} of {len(processes)} was lost (named by "
                 f"process {rank}, which then exited with code "
-                f"{process.exitcode}): {_note_reason(processes, rank)}. The "
-                "other processes were ended.", lost)
+                f"{process.exitcode}): {why}. The other processes were "
+                "ended.", lost)
         if process.exitcode != 0 or now - exited_at[rank] > _GRACE_S:
             raise LaunchError(
                 f"Process {rank} of {len(processes)} died with exit code "
@@ -408,23 +409,10 @@ def _check_dead(processes, values, exited_at) -> None:
 
 
 def blamed_peer(processes, rank: int) -> Optional[int]:
-    """The peer process `rank` named as lost (`kd.WorkerLostError` leaves a
-    note "lost process N"), if any."""
-    note = process_notes.read(getattr(processes[rank], "kd_notes", None),
-                              rank) or ""
-    prefix = "lost process "
-    number = note[len(prefix):].split(":", 1)[0]
-    if note.startswith(prefix) and number.isdigit():
-        lost = int(number)
-        return lost if 0 <= lost < len(processes) and lost != rank else None
-    return None
-
-
-def _note_reason(processes, rank: int) -> str:
-    """The reason process `rank` noted with the peer it named."""
-    note = process_notes.read(getattr(processes[rank], "kd_notes", None),
-                              rank) or ""
-    return note.split(":", 1)[1].strip() if ":" in note else note
+    """The peer process `rank` named as lost, if any (see
+    `process_notes.named_lost_peer`)."""
+    return process_notes.named_lost_peer(
+        getattr(processes[rank], "kd_notes", None), rank, len(processes))
 
 
 def _last_note(processes, rank: int, exitcode: Optional[int]) -> str:

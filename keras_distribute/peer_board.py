@@ -24,6 +24,7 @@ steps stalled for the timeout while a live peer lags (`on_stall`).
 Framework-free: each backend hands in its store (`set`, `get`).
 """
 
+import logging
 import os
 import sys
 import threading
@@ -116,8 +117,10 @@ class PeerBoard:
             self._thread.join(self.interval_s + 1.0)
         try:
             self._store.set(f"{_PREFIX}{self.rank}", _ENDED)
-        except Exception:
-            pass
+        except Exception as error:  # the store's host left first: its
+            # peers then see this heartbeat stop, which names it as well
+            logging.getLogger("keras_distribute").debug(
+                "could not mark process %d as ended: %s", self.rank, error)
 
     def _read_all(self) -> dict:
         """Every other process's heartbeat text (none yet: `None`)."""
@@ -261,7 +264,7 @@ def ending_this_process(engine: str) -> Callable[[int, str], None]:
         from keras_distribute import process_notes
 
         board = _board
-        process_notes.write(f"lost process {lost}: {why}")
+        process_notes.write_lost_peer(lost, why)
         print(f"keras_distribute: Process {board.rank} of {board.world_size} "
               f"waited {board.timeout_s:.0f} s for a collective that cannot "
               f"complete: {why}. {engine} waits in native code without end, "

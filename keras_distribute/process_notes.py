@@ -52,3 +52,29 @@ def read(directory: Optional[str], rank: int) -> Optional[str]:
             return note.read(2000).strip() or None
     except OSError:
         return None
+
+
+_LOST = "lost process "
+
+
+def write_lost_peer(rank: int, why: str) -> None:
+    """Records that this process gave up on peer `rank`, and why (the
+    launcher then blames `rank`, not this process)."""
+    write(f"{_LOST}{int(rank)}: {why}")
+
+
+def named_lost_peer(directory: Optional[str], rank: int,
+                    count: int) -> Optional[int]:
+    """The peer process `rank` named as lost in its last note, if any."""
+    note = read(directory, rank) or ""
+    number = note[len(_LOST):].split(":", 1)[0]
+    if note.startswith(_LOST) and number.isdigit():
+        lost = int(number)
+        return lost if 0 <= lost < count and lost != rank else None
+    return None
+
+
+def reason(directory: Optional[str], rank: int) -> str:
+    """Why process `rank` named a peer lost (its note after the rank)."""
+    note = read(directory, rank) or ""
+    return note.split(":", 1)[1].strip() if ":" in note else note

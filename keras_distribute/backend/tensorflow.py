@@ -15,11 +15,12 @@ import tensorflow as tf
 from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
-from keras_distribute.backend.interface import assign_whole
 from keras_distribute import context
 from keras_distribute import peer_board
 from keras_distribute.backend import tf_cluster
 from keras_distribute.backend import tf_fit
+from keras_distribute.backend.tf_checkpoint import checkpoint_assign  # noqa: F401
+from keras_distribute.backend.tf_checkpoint import checkpoint_value  # noqa: F401
 from keras_distribute.backend.tf_cluster import bounded_multi_worker_strategy
 from keras_distribute.backend.tf_fit import apply_gradients  # noqa: F401
 from keras_distribute.backend.tf_fit import value_and_gradients  # noqa: F401
@@ -65,54 +66,6 @@ def default_devices() -> list:
     """All local logical GPUs, else all local logical CPU devices."""
     return tf.config.list_logical_devices("GPU") or (
         tf.config.list_logical_devices("CPU"))
-
-
-def checkpoint_value(variable: Any) -> np.ndarray:
-    """A variable's value on the host, for the sharded checkpoint.
-
-    Metric variables under tf.distribute are sync-on-read: reading one in
-    cross-replica context aggregates its replicas' parts.
-    """
-    value = getattr(variable, "_value", None)
-    if isinstance(value, tf_values.DistributedValues):
-        value = value.read_value()
-    else:
-        value = tf.convert_to_tensor(variable.value)
-    # A read-only view of the tensor's memory on the host (`.numpy()` and
-    # Keras' `convert_to_numpy` copy it); an asynchronous save copies it.
-    return np.asarray(value)
-
-
-def checkpoint_assign(variable: Any, read_regions) -> None:
-    """Assigns a variable's restored value, now.
-
-    A deferred restore can fire inside a `tf.function` trace: without a
-    strategy, `train_on_batch` builds the optimizer in its first traced
-    step. An assignment there would be an op of the step (run later, or
-    pruned), so it is lifted out of the trace and runs eagerly, once.
-    """
-    with tf.init_scope():
-        assign_whole(variable, lambda regions: [
-            _zero_copy_tensor(array) for array in read_regions(regions)])
-
-
-def _zero_copy_tensor(array: Any) -> Any:
-    """A tensor over `array`'s own memory (DLPack), or `array` as it is.
-
-    The checkpoint reads into fresh 64-byte aligned memory; handed over as
-    numpy, `assign` first copied it into a tensor (65 ms per 128 MiB, then
-    the copy into each replica). TensorFlow may keep the given buffer as the
-    variable's value and copies it before the first update that would write
-    into it (copy-on-write; tested), so the memory is never shared with
-    anything that changes it: the reader hands out each buffer once."""
-    if (not isinstance(array, np.ndarray) or array.ndim == 0
-            or not array.flags.c_contiguous or array.ctypes.data % 64
-            or array.dtype.kind not in "fiuc"):
-        return array
-    try:
-        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-    except Exception:  # a dtype DLPack does not carry: the numpy path
-        return array
 
 
 def device_name(device: Any) -> str:

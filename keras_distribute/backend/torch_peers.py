@@ -71,8 +71,8 @@ def naming_a_lost_peer():
         message += ("a restart resumes from the last checkpoint "
                     "(BackupAndRestore). The engine said: "
                     f"{str(error).strip().splitlines()[0][:300]}")
-        process_notes.write(f"lost process {rank}: {why}" if rank is not None
-                            else f"lost a peer: {why}")
+        if rank is not None:
+            process_notes.write_lost_peer(rank, why)
         raise WorkerLostError(message, rank) from error
 
 
