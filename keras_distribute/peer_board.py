@@ -178,9 +178,10 @@ class PeerBoard:
                 f"this process reached {self.steps}; it is stuck in work of "
                 "its own between them (a callback or a save only it runs, its "
                 "input pipeline, a breakpoint)")
-        if count == 2 and self._on_stall is None:
-            # Torch: this process's collective failed; the other is alive
-            # at the same point, so it never reached the exchange.
+        if count == 2:
+            # This process waits in the exchange; the other is alive at the
+            # same point, so it never reached it (the watchdog acts only on
+            # "behind": a step merely long on both is not this).
             (rank,) = first
             self.verdict = "hangs"
             return rank, (
