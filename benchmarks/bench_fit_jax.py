@@ -24,15 +24,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
-from _common import StepTimer, make_model  # noqa: E402
+from _common import fit_step_times, make_model  # noqa: E402
 
 
 def step_times(build, x, y):
-    model = build()
-    timer = StepTimer()
-    model.fit(x, y, batch_size=ARGS.batch_size, epochs=1, shuffle=False,
-              verbose=0, callbacks=[timer])
-    return timer.times
+    return fit_step_times(build(), x, y, ARGS.batch_size)
 
 
 def main():

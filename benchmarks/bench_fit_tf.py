@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
-from _common import StepTimer, make_model  # noqa: E402
+from _common import fit_step_times, make_model  # noqa: E402
 
 kd.simulate_cpu_devices(ARGS.devices)
 
@@ -31,10 +31,7 @@ kd.simulate_cpu_devices(ARGS.devices)
 def step_times(scope, x, y):
     with scope():
         model = make_model()
-    timer = StepTimer()
-    model.fit(x, y, batch_size=ARGS.batch_size, epochs=1, shuffle=False,
-              verbose=0, callbacks=[timer])
-    return timer.times
+    return fit_step_times(model, x, y, ARGS.batch_size)
 
 
 def main():

@@ -177,6 +177,30 @@ def compression_table():
     return "\n".join(rows)
 
 
+def compression_jax_table():
+    entry = _load("compression_jax")
+    r = entry["result"]
+    rows = [f"{r['devices']} simulated devices, global batch "
+            f"{r['global_batch']}, {r['parameters']:,} parameters; "
+            f"`keras.distribution.DataParallel` (anchor, uncompressed): "
+            f"{_ms(r['keras_data_parallel_ms'])}/step; run {_run(entry)} "
+            f"({entry['machine']}).",
+            "",
+            "| compression | kd `fit` | ratio vs DataParallel | all-reduce "
+            "bytes / step (compiled) | bytes vs uncompressed | kd time vs "
+            "uncompressed |",
+            "|---|---|---|---|---|---|"]
+    for name in ("none", "fp16", "bf16"):
+        row = r[name]
+        rows.append(
+            f"| {name} | {_ms(row['kd_ms'])}/step | "
+            f"{row['ratio_vs_keras_data_parallel']:.3f} | "
+            f"{row['all_reduce_bytes_per_step']:,} | "
+            f"{row.get('bytes_vs_uncompressed', 1.0):.3f} | "
+            f"{row.get('kd_step_time_vs_uncompressed', 1.0):.3f} |")
+    return "\n".join(rows)
+
+
 def soak_table():
     rows = ["| backend | steps (saves) | RSS after 2 saves → end | threads | "
             "file descriptors | leftovers | run |",
@@ -199,7 +223,8 @@ def soak_table():
 TABLES = {"fit": fit_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
-          "compression": compression_table}
+          "compression": compression_table,
+          "compression_jax": compression_jax_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)
 

@@ -157,9 +157,10 @@ class CommunicationOptions:
             that 16-bit type (half the bytes on the wire; Horovod's
             `Compression.fp16`, DDP's `fp16_compress_hook`), or `None` (the
             default) for their own dtype. Honoured on torch (a DDP
-            communication hook) and TensorFlow (the optimizer's all-reduce);
-            the JAX engine refuses it (XLA fuses the reduction into the
-            compiled step).
+            communication hook), TensorFlow (the optimizer's all-reduce)
+            and JAX (Keras' training step differentiated per replica in a
+            `shard_map`, its gradients summed in 16 bits; see
+            docs/strategies.md for the models that keep XLA's own).
 
     Raises:
         ValueError: if `timeout_seconds` is not positive, `implementation`

@@ -69,13 +69,13 @@ class MirroredStrategy(Strategy):
             axis is the replica (batch) axis.
         communication_options: Optional `kd.CommunicationOptions`; its
             `compression` ("fp16"/"bf16") halves the bytes of the gradient
-            all-reduce (torch, TensorFlow).
+            all-reduce (every backend; on JAX not with a `layout_map`).
 
     Raises:
         TypeError: for a `cross_device_ops` that is none of those.
         ValueError: for an unknown, duplicate or malformed device,
             `communication_options` that is not a `kd.CommunicationOptions`
-            or asks for compression the backend cannot honour,
+            or asks for compression with a `layout_map` (JAX),
             `devices` that disagree with `layout_map`'s mesh, or (torch) a
             mesh whose size is not the number of processes.
         NotImplementedError: on a backend not supported yet; sharded

@@ -49,13 +49,10 @@ class Strategy:
                                None)
             if compress is None:
                 raise ValueError(
-                    "Gradient compression is honoured on the 'torch' and "
-                    "'tensorflow' Keras backends; on this one the gradient "
-                    "all-reduce is part of the compiled step and keeps the "
-                    "gradients' dtype. Received: "
+                    f"{type(self).__name__} has no gradient all-reduce to "
+                    "compress on this backend (one replica). Received: "
                     f"compression={options.compression!r}. Pass "
-                    "`kd.CommunicationOptions(compression=None)`, or use a "
-                    "mixed precision policy to compute in 16 bits.")
+                    "`kd.CommunicationOptions(compression=None)`.")
             compress(options.compression)
         self._communication_options = options
 

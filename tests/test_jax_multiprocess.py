@@ -37,6 +37,20 @@ def test_multi_worker_fit_matches_one_device():
             np.testing.assert_allclose(a, b, atol=1e-5)
         np.testing.assert_allclose(result["evaluate"], evaluation, rtol=1e-5)
         np.testing.assert_allclose(result["predict"], predictions, atol=1e-5)
+        # #16: gradients all-reduced in fp16 across the processes: one set
+        # of weights in both, near the one-device run, global logs.
+        compressed = result["compressed"]
+        assert {dtype for dtype, _ in compressed["reduced"]} == {"float16"}
+        assert sum(n for _, n in compressed["reduced"]) == (
+            2 * model.count_params())
+        for a, b in zip(compressed["weights"], model.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-3)
+        for key in ("loss", "accuracy", "val_loss"):
+            np.testing.assert_allclose(compressed["history"][key],
+                                       history.history[key], rtol=1e-3)
+    for a, b in zip(results[0]["compressed"]["weights"],
+                    results[1]["compressed"]["weights"]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_multi_worker_custom_loop_with_train_step_matches_fit():

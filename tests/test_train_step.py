@@ -87,3 +87,28 @@ def test_train_step_needs_per_example_losses():
         kd.train_step(model, optimizer,
                       keras.losses.SparseCategoricalCrossentropy(
                           from_logits=True), x, y)
+
+
+@pytest.mark.needs_strategy
+def test_train_step_all_reduces_in_the_strategys_compression():
+    # #16: `kd.train_step` under CommunicationOptions(compression="fp16")
+    # sums the gradients in 16 bits (JAX: inside `run`; TF: the optimizer's
+    # all-reduce) and still reaches fit's weights, to fp16's precision
+    # (Adam divides by sqrt(v), so small gradients carry its rounding).
+    x, y = data()
+    reference, history = fit_reference(x, y)
+    strategy = kd.MirroredStrategy(communication_options=kd.
+                                   CommunicationOptions(compression="fp16"))
+    model, accuracies, _ = custom_loop(strategy, x, y)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-2)  # Adam: 1/sqrt(v)
+    np.testing.assert_allclose(accuracies, history["accuracy"], atol=0.02)
+    if keras.backend.backend() == "tensorflow":
+        from keras_distribute.backend import tf_fit
+
+        reduced = tf_fit.traced_gradient_reductions[
+            strategy._engine.tf_strategy]
+    else:
+        reduced = strategy._engine.traced_gradient_reductions
+    assert {dtype for dtype, _ in reduced} == {"float16"}
+    assert sum(size for _, size in reduced) == 2 * model.count_params()

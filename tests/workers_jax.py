@@ -52,7 +52,23 @@ def multi_worker_fit():
         "weights": model.get_weights(),
         "evaluate": model.evaluate(x, y, batch_size=BATCH, verbose=0),
         "predict": model.predict(x, batch_size=BATCH, verbose=0),
+        "compressed": _compressed_fit(x, y),
     }
+
+
+def _compressed_fit(x, y):
+    """The same fit with the gradients all-reduced in fp16 over the job."""
+    import keras_distribute as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(
+            timeout_seconds=60, compression="fp16"))
+    with strategy.scope():
+        model = make_model(initial_weights())
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False,
+                        verbose=0, validation_split=0.2)
+    return {"history": history.history, "weights": model.get_weights(),
+            "reduced": strategy._engine.traced_gradient_reductions}
 
 
 def multi_worker_train_step():

@@ -8,6 +8,7 @@ per-replica inputs of unequal shape (a short last batch) run one thread per
 replica instead, with collectives that meet at a barrier.
 """
 
+import contextlib
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,6 +23,7 @@ from keras.distribution import DeviceMesh
 
 from keras_distribute import context
 from keras_distribute.backend import jax_collectives
+from keras_distribute.backend import jax_compression
 from keras_distribute.backend import jax_run
 from keras_distribute.backend.jax_collectives import as_array
 from keras_distribute.backend.jax_collectives import unwrap
@@ -144,6 +146,24 @@ class JaxEngine:
         self.local_replica_devices = tuple(
             self.replica_devices[i] for i in self.local_replica_ids)
         self._run_cache = {}
+        # `CommunicationOptions(compression=...)`: the dtype gradients are
+        # all-reduced in (None: their own), and what the last traced
+        # training step handed to that all-reduce (`(dtype, bytes)`).
+        self.gradient_compression = None
+        self.traced_gradient_reductions = []
+
+    def set_gradient_compression(self, name: str) -> None:
+        """All-reduces the gradients of `fit` and of `kd.train_step` in
+        `name`'s 16-bit dtype (backend/jax_compression.py)."""
+        if self.layout_map is not None:
+            raise ValueError(
+                "Gradient compression on JAX is for data-parallel "
+                "strategies: with a `layout_map` XLA reduces the gradients "
+                "of sharded variables inside the compiled step, in their own "
+                f"dtype. Received: compression={name!r} with a layout_map. "
+                "Pass `kd.CommunicationOptions(compression=None)`, or drop "
+                "the layout_map.")
+        self.gradient_compression = jax_compression.DTYPES[name]
 
     # ------------------------------------------------------------ variables
     def scope(self):
@@ -209,20 +229,30 @@ class JaxEngine:
         if optimizer is not None and hasattr(optimizer, "variables"):
             variables += list(optimizer.variables)
         saved = [(v, v._value) for v in variables]
+        compressing = contextlib.nullcontext()
+        if self.gradient_compression is not None and getattr(
+                method, "__name__", "") in ("fit", "train_on_batch"):
+            compressing = jax_compression.compressing(
+                model, self, self.gradient_compression)
         try:
-            if self.multi_process:
-                from keras_distribute import peer_board
-                from keras_distribute import process_data
-
-                with process_local_predictions(model), peer_board.busy():
-                    return process_data.call_sharded(self, method, model,
-                                                     args, kwargs)
-            return method(model, *args, **kwargs)
+            with compressing:
+                return self._call_trainer(method, model, args, kwargs)
         except BaseException:
             for variable, value in saved:
                 if variable._value is None:
                     variable._value = value
             raise
+
+    def _call_trainer(self, method: Callable, model: Any, args: tuple,
+                      kwargs: dict) -> Any:
+        if self.multi_process:
+            from keras_distribute import peer_board
+            from keras_distribute import process_data
+
+            with process_local_predictions(model), peer_board.busy():
+                return process_data.call_sharded(self, method, model, args,
+                                                 kwargs)
+        return method(model, *args, **kwargs)
 
     def constrain(self, tensor: Any, parts: Sequence[int],
                   in_replica: bool) -> Any:

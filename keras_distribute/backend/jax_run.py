@@ -153,8 +153,18 @@ def value_and_gradients(model: Any, compute_loss: Callable, x: Any) -> tuple:
 
 def apply_gradients(optimizer: Any, grads: List[Any],
                     variables: List[Any]) -> None:
-    """Sums the replicas' gradients, then applies them (inside `run`)."""
+    """Sums the replicas' gradients, then applies them (inside `run`); in
+    the strategy's compression dtype when it has one."""
     from keras_distribute import context
 
+    engine = context.get_strategy()._engine
+    dtype = getattr(engine, "gradient_compression", None)
+    dtypes = [g.dtype for g in grads]
+    if dtype is not None:
+        grads = [g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating)
+                 else g for g in grads]
+        engine.traced_gradient_reductions[:] = [
+            (jnp.dtype(g.dtype).name, int(g.size) * g.dtype.itemsize)
+            for g in grads]
     grads = context.get_replica_context().all_reduce("sum", grads)
-    optimizer.apply(grads, variables)
+    optimizer.apply([g.astype(d) for g, d in zip(grads, dtypes)], variables)
