@@ -552,6 +552,8 @@ def test_counting_metrics_are_global_with_one_ddp_and_one_reduction():
     # in one process). Keras 3.16 makes its own DDP and all-reduces every
     # metric variable itself: the engine uses that DDP and its one flat
     # reduction replaces Keras' (not two of each).
+    import keras
+
     from worker_common import counting_metrics_fit
 
     results = kd.launch(workers.counting_metrics_and_one_ddp,
@@ -564,6 +566,17 @@ def test_counting_metrics_are_global_with_one_ddp_and_one_reduction():
             assert result["results"][name] == evaluation[name]
         assert result["ddp"] == ["Sequential"]  # one DDP, made once
         assert result["reductions"] == [(4,)]  # one flat all-reduce
+        if keras.version() < "3.16":  # no torch distribution in Keras
+            assert result["distribution"] is None
+            continue
+        # Keras 3.16 distributes torch: the strategy drives its
+        # DataParallel over Keras' device list (current in fit, no second
+        # sharding of the input), and Keras' DDP runs on the mesh's group.
+        assert result["distribution"] == {
+            "type": "DataParallel", "devices": ["cpu:0", "cpu:1"],
+            "keras_devices": ["cpu:0", "cpu:1"],
+            "auto_shard_dataset": False, "current_in_fit": True,
+            "ddp_group_is_the_mesh_group": True}
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

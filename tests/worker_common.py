@@ -519,10 +519,11 @@ def launch_diverged_random_states(workers, timeout):
             np.testing.assert_allclose(a, c, atol=1e-5)
 
 
-def counting_metrics_fit():
+def counting_metrics_fit(callbacks=()):
     """A binary classifier with counting metrics (TruePositives,
-    FalseNegatives), fit for 2 epochs and evaluated: `(history, evaluation,
-    model)`. Call it inside a strategy's scope or outside any."""
+    FalseNegatives), fit for 2 epochs (with `callbacks`) and evaluated:
+    `(history, evaluation, model)`. Call it inside a strategy's scope or
+    outside any."""
     import keras
 
     rng = np.random.default_rng(0)
@@ -534,7 +535,7 @@ def counting_metrics_fit():
     model.compile("sgd", "binary_crossentropy", metrics=[
         keras.metrics.TruePositives(), keras.metrics.FalseNegatives()])
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                        shuffle=False).history
+                        shuffle=False, callbacks=list(callbacks)).history
     evaluation = model.evaluate(x, y, batch_size=16, verbose=0,
                                 return_dict=True)
     return history, evaluation, model

@@ -719,8 +719,19 @@ def counting_metrics_and_one_ddp():
     torch.nn.parallel.DistributedDataParallel.__init__ = counting_init
     from worker_common import counting_metrics_fit
 
-    with kd.MirroredStrategy().scope():
-        history, evaluation, model = counting_metrics_fit()
+    import keras
+
+    strategy = kd.MirroredStrategy()
+    current = []
+
+    class Current(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            current.append(keras.distribution.distribution())
+
+    with strategy.scope():
+        history, evaluation, model = counting_metrics_fit(
+            callbacks=[Current()])
+    ddp_group = getattr(model, "ddp_model", None)
     reductions = []
     original_all_reduce = torch.distributed.all_reduce
 
@@ -733,8 +744,19 @@ def counting_metrics_and_one_ddp():
         results = {k: float(v) for k, v in model.get_metrics_result().items()}
     finally:
         torch.distributed.all_reduce = original_all_reduce
+    distribution = strategy.distribution
     return {"history": history, "evaluate": evaluation, "results": results,
-            "ddp": made, "reductions": reductions}
+            "ddp": made, "reductions": reductions,
+            "distribution": None if distribution is None else {
+                "type": type(distribution).__name__,
+                "devices": list(distribution.device_mesh.devices.flat),
+                "keras_devices": keras.distribution.list_devices(),
+                "auto_shard_dataset": distribution.auto_shard_dataset,
+                "current_in_fit": current[0] is distribution,
+                "ddp_group_is_the_mesh_group": ddp_group is not None and (
+                    ddp_group.process_group
+                    is distribution.device_mesh.backend_mesh.get_group(
+                        "batch"))}}
 
 
 def mixed_precision(policy):

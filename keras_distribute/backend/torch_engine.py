@@ -115,10 +115,17 @@ class TorchEngine:
         # The processes a replica-level collective spans (None: all). One
         # replica per process here; a sharding engine narrows it.
         self.replica_group = None
-        self.device_mesh = DeviceMesh(
-            shape=(self.world_size,), axis_names=["batch"],
-            devices=[f"{device.type}:{r}" for r in range(self.world_size)])
-        self.distribution = None  # keras.distribution has no torch support
+        # Keras 3.16 distributes torch: its `DataParallel` over its device
+        # list, current in the scope, makes the one DDP on the mesh's group
+        # (the default group: a 1-D mesh over the job). Keras 3.15 has no
+        # torch distribution: the engine wraps DDP itself.
+        self.distribution = context.service("keras_torch_data_parallel")(
+            self.world_size) if self.in_group else None
+        self.device_mesh = self.distribution.device_mesh if (
+            self.distribution is not None) else DeviceMesh(
+                shape=(self.world_size,), axis_names=["batch"],
+                devices=[f"{device.type}:{r}"
+                         for r in range(self.world_size)])
         self._created = []  # variables created in scope, not yet broadcast
         # Variables aggregated by "sum" / "mean" (metric states, moving
         # statistics): combined over processes after each `run`.
@@ -487,9 +494,17 @@ class _EngineScope:
 
     def __enter__(self):
         _EngineScope._active.append(self._engine)
+        distribution = self._engine.distribution
+        self._distribution_scope = None
+        if distribution is not None:
+            # Keras 3.16's torch trainer reads the current distribution.
+            self._distribution_scope = distribution.scope()
+            self._distribution_scope.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._distribution_scope is not None:
+            self._distribution_scope.__exit__(*exc)
         _EngineScope._active.pop()
         if self._engine.in_group and not any(exc) and (
             context.get_replica_context() is None

@@ -94,6 +94,10 @@ class ShardedTorchEngine(TorchEngine):
         mesh = layout_map.device_mesh
         self.layout_map = layout_map
         self.device_mesh = mesh
+        # DTensors inside the sharded layers only (module docstring), not
+        # Keras 3.16's ModelParallel, whose dispatch mode makes every tensor
+        # of the step a DTensor (docs/keras_versions.md).
+        self.distribution = None
         names = list(mesh.axis_names)
         if len(names) == 1:  # all model: a batch axis of size 1 in front
             shape, names = (1, mesh.shape[0]), ["kd_replica"] + names

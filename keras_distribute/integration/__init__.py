@@ -71,4 +71,30 @@ def _chief_only_writes(*args, **kwargs):
 
 context.register_service("chief_only_writes", _chief_only_writes)
 
+
+def _keras_torch_data_parallel(world_size):
+    # Keras 3.16 distributes torch itself (its torch `distribution_lib`: DDP
+    # on the mesh's process group, metrics reduced over it): a data-parallel
+    # torch engine drives a `keras.distribution.DataParallel` over Keras'
+    # own device list there, and none before (3.15's torch backend ignores
+    # distributions).
+    from keras_distribute.integration import registry
+
+    registry.check("torch", ["TorchTrainer._initialize_ddp"])
+    if registry.resolve("TorchTrainer._initialize_ddp") is None:
+        return None
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(
+        shape=(world_size,), axis_names=["batch"],
+        devices=keras.distribution.list_devices())
+    # kd hands each process its slice of every batch: Keras' own sharding
+    # of the input would split it a second time.
+    return keras.distribution.DataParallel(device_mesh=mesh,
+                                           auto_shard_dataset=False)
+
+
+context.register_service("keras_torch_data_parallel",
+                         _keras_torch_data_parallel)
+
 __all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]
