@@ -454,6 +454,37 @@ def test_async_save_returns_after_the_copy_and_reraises_failures(
         experimental_enable_async_checkpoint=True).enable_async
 
 
+def test_async_saves_reuse_their_host_buffers(tmp_path):
+    # #15: the copy an asynchronous save makes goes into host memory kept
+    # from the save before (no fresh allocation once warm), and each
+    # checkpoint still holds the values of its own moment.
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
+    options = ckpt.CheckpointOptions(enable_async=True)
+
+    def buffer_addresses():
+        return {key: buffer.ctypes.data for key, buffer
+                in checkpoint._host_buffers._buffers.items()}
+
+    paths, states = [], []
+    for _ in range(2):
+        paths.append(checkpoint.save(str(tmp_path / "c"), options=options))
+        states.append(state(model))
+        if len(paths) == 1:
+            first_buffers = buffer_addresses()
+        model.fit(*data(), epochs=1, verbose=0)  # changes weights meanwhile
+    checkpoint.sync()
+    assert first_buffers and buffer_addresses() == first_buffers
+    for path, expected in zip(paths, states):
+        fresh = make_plain_model()
+        fresh.optimizer.build(fresh.trainable_variables)
+        ckpt.ShardedCheckpoint(model=fresh, optimizer=fresh.optimizer).read(
+            path).assert_consumed()
+        for a, b in zip(expected, state(fresh)):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(states[0][0], states[1][0])
+
+
 def test_manager_forgets_a_background_save_that_failed(tmp_path,
                                                       monkeypatch):
     from keras_distribute.checkpoint import format as ckpt_format

@@ -159,13 +159,50 @@ def balanced_writers(sizes: Dict[str, int], process_count: int
     return writers
 
 
+class HostBuffers:
+    """Host memory an asynchronous save copies the values into, kept from
+    one save to the next.
+
+    Each piece goes into the buffer the same piece had last time (same
+    variable, shape and dtype): once warm, a save allocates nothing and
+    touches no fresh pages (on a VM the first touch of new memory costs
+    more than the copy). A buffer is reused only by the next save, which
+    waits for the one before it (`ShardedCheckpoint.sync`); pieces no
+    longer saved are let go.
+    """
+
+    def __init__(self):
+        self._buffers: Dict[tuple, np.ndarray] = {}
+        self._used: Dict[tuple, np.ndarray] = {}
+
+    def begin(self) -> None:
+        """Starts a save: buffers not used by it are dropped at `end`."""
+        self._used = {}
+
+    def copy(self, key: str, number: int, array: Any) -> np.ndarray:
+        """`array` copied into the buffer of piece `number` of `key`."""
+        array = np.asarray(array)
+        buffer = self._buffers.get((key, number))
+        if buffer is None or buffer.shape != array.shape or (
+                buffer.dtype != array.dtype):
+            buffer = np.empty_like(array)
+        np.copyto(buffer, array)
+        self._used[(key, number)] = buffer
+        return buffer
+
+    def end(self) -> None:
+        """Ends a save: keeps only the buffers it used."""
+        self._buffers, self._used = self._used, {}
+
+
 def variable_entries(variables: Dict[str, Any], backend: Any,
                      process_id: int, process_count: int,
-                     copy: bool) -> Dict[str, tuple]:
+                     buffers: "HostBuffers | None") -> Dict[str, tuple]:
     """The checkpoint entries of Keras variables: each process's unique
     pieces (the backend's `checkpoint_pieces`; else a replicated variable
-    whole, written by the process `balanced_writers` names). `copy`: own
-    copies of the values (an asynchronous save, while training goes on)."""
+    whole, written by the process `balanced_writers` names). `buffers`:
+    where an asynchronous save copies the values (training goes on while
+    it writes); `None` writes the values themselves."""
     pieces_of = getattr(backend, "checkpoint_pieces", None)
     writers = balanced_writers({
         key: int(np.prod(variable.shape, dtype=np.int64)) * numpy_dtype(
@@ -180,9 +217,9 @@ def variable_entries(variables: Dict[str, Any], backend: Any,
             # read is a collective every worker must join)
             pieces = whole_value(variable, backend)
             pieces = pieces if process_id == writers[key] else []
-        if copy:
-            pieces = [(region, np.array(array, copy=True))
-                      for region, array in pieces]
+        if buffers is not None:
+            pieces = [(region, buffers.copy(key, number, array))
+                      for number, (region, array) in enumerate(pieces)]
         entries[key] = (tuple(variable.shape), dtype_name(variable),
                         layout_of(variable), pieces, variable.path)
     return entries

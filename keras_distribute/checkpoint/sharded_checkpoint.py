@@ -107,6 +107,8 @@ class ShardedCheckpoint:
         self._deferred: Dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._bytes_read = 0  # by the current read (its progress line)
+        # Asynchronous saves copy into these, reused from save to save.
+        self._host_buffers = saved_objects.HostBuffers()
 
     # -------------------------------------------- objects as attributes
     def __getattr__(self, name: str) -> Any:
@@ -240,9 +242,14 @@ class ShardedCheckpoint:
         engine.barrier("keras_distribute.checkpoint.prepare")
 
         backend = get_backend()
+        buffers = None
+        if options.enable_async:  # training goes on while it writes
+            buffers = self._host_buffers
+            buffers.begin()
         entries = saved_objects.variable_entries(
-            self._variables(), backend, process_id, process_count,
-            copy=options.enable_async)  # async: training goes on meanwhile
+            self._variables(), backend, process_id, process_count, buffers)
+        if buffers is not None:
+            buffers.end()
         entries.update(saved_objects.host_array_entries(
             self._host_array_holders(), process_id))
         entries.update(iterator_state.entries(self._iterators(), process_id))
