@@ -451,6 +451,21 @@ class Strategy:
             self, dataset_fn_once, input_context, options
         )
 
+    def experimental_distribute_datasets_from_function(
+            self, dataset_fn: Callable,
+            options: Optional[input_lib.InputOptions] = None) -> Any:
+        """The former name of `distribute_datasets_from_function` (TF 2.3),
+        which tf.distribute still accepts; the same call.
+
+        Example:
+
+        ```python
+        dist = strategy.experimental_distribute_datasets_from_function(
+            dataset_fn)
+        ```
+        """
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
     def experimental_distribute_values_from_function(self, value_fn: Callable
                                                      ) -> Any:
         """Builds a `PerReplica` from `value_fn(kd.ValueContext)` per replica.

@@ -232,9 +232,14 @@ def test_distribute_datasets_from_function():
     dist = strategy.distribute_datasets_from_function(dataset_fn)
     steps = [local(strategy, x) for x in dist]
     assert steps == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    (ctx,) = contexts
-    assert (ctx.num_input_pipelines, ctx.input_pipeline_id,
-            ctx.num_replicas_in_sync) == (1, 0, 2)
+    # The former name, which tf.distribute programs of TF 2.3 still use.
+    former = strategy.experimental_distribute_datasets_from_function(
+        dataset_fn)
+    assert [local(strategy, x) for x in former] == steps
+    assert len(contexts) == 2  # once per pipeline, per call
+    for ctx in contexts:
+        assert (ctx.num_input_pipelines, ctx.input_pipeline_id,
+                ctx.num_replicas_in_sync) == (1, 0, 2)
 
 
 def test_distribute_datasets_from_function_with_arrays_and_lists():
