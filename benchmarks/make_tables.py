@@ -117,6 +117,12 @@ def checkpoint_table():
         f"the same arrays in the same run "
         f"({_median(a['device_to_host_copy_s'], unit=' s')}); the whole "
         f"save {_median(a['total_s'], unit=' s')} in the background.")
+    if "blocked_warm_s" in a:
+        rows[-1] += (
+            f" The next asynchronous save, into the host buffers the first "
+            f"one kept: blocked {_median(a['blocked_warm_s'], unit=' s')}, "
+            f"{_median(a['blocked_warm_vs_copy'])} × the copy; whole save "
+            f"{_median(a['total_warm_s'], unit=' s')}.")
     return "\n".join(rows)
 
 
