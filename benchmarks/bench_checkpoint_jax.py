@@ -79,7 +79,7 @@ def save_all(model, directory: str) -> dict:
     # second copies into the same ones (kept between saves).
     copies = []
     copy = timed(lambda: copies.extend(
-        np.array(shard.data, copy=True) for a in arrays
+        np.asarray(shard.data).copy() for a in arrays  # a view, one copy
         for shard in a.addressable_shards if shard.replica_id == 0))
     del copies[:]
     options = kd.checkpoint.CheckpointOptions(enable_async=True)
