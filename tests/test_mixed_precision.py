@@ -46,10 +46,19 @@ def _model():
     return model
 
 
+def _strategy(compression):
+    return kd.MirroredStrategy(communication_options=kd.CommunicationOptions(
+        compression=compression))
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"],
                          indirect=True)
-def test_fit_equals_one_device_and_variables_stay_float32(strategy, policy,
+def test_fit_equals_one_device_and_variables_stay_float32(policy, compression,
                                                           tmp_path):
+    # Also with the gradients all-reduced in fp16 (the loss scale's
+    # gradients, in mixed_float16).
+    strategy = _strategy(compression)
     x, y = _data()
     with strategy.scope():
         model = _model()
@@ -75,9 +84,11 @@ def test_fit_equals_one_device_and_variables_stay_float32(strategy, policy,
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("compression", [None, "fp16"])
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
 def test_a_non_finite_gradient_on_one_replica_skips_the_step_everywhere(
-        strategy, policy):
+        policy, compression):
+    strategy = _strategy(compression)
     x, y = _data(rows=32)
     with strategy.scope():
         model = _model()
