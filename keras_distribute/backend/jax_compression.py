@@ -124,30 +124,9 @@ def _compressed_step(model, original, engine, dtype, trainable_variables,
         return original(*arguments, training=training,
                         optimizer_variables=optimizer_variables)
     axis = engine.batch_axis
-
-    batch_statistics = []
-
-    def per_replica(trainable, non_trainable, metrics, x, y, sample_weight,
-                    optimizer_variables):
-        trainable = [_compressed_gradient(v, axis, dtype) for v in trainable]
-        loss, (unscaled, y_pred, new_non_trainable, new_metrics) = original(
-            trainable, non_trainable, metrics, x, y, sample_weight,
-            training=True, optimizer_variables=optimizer_variables)
-        batch_statistics.extend(
-            v.path for v, new in zip(model.non_trainable_variables,
-                                     new_non_trainable)
-            if axis in _varying_axes(new))
-        combine = functools.partial(_combined, axis)
-        return jax.lax.pmean(loss, axis), (
-            jax.lax.pmean(unscaled, axis),
-            y_pred,
-            [combine(v, old, new) for v, old, new in zip(
-                model.non_trainable_variables, non_trainable,
-                new_non_trainable)],
-            [combine(v, old, new) for v, old, new in zip(
-                model.metrics_variables, metrics, new_metrics)],
-        )
-
+    batch_statistics = []  # paths of state updated from each replica's data
+    per_replica = functools.partial(_per_replica_step, model, original, axis,
+                                    dtype, batch_statistics)
     split = PartitionSpec(axis)
     whole = PartitionSpec()
 
@@ -176,6 +155,31 @@ def _compressed_step(model, original, engine, dtype, trainable_variables,
         (jnp.dtype(dtype).name, int(v.size) * jnp.dtype(dtype).itemsize)
         for v in trainable_variables]
     return result
+
+
+def _per_replica_step(model, original, axis, dtype, batch_statistics,
+                      trainable, non_trainable, metrics, x, y, sample_weight,
+                      optimizer_variables):
+    """Keras' loss and updates on one replica's slice, inside `shard_map`:
+    the trainable variables enter through `_compressed_gradient`, the loss
+    leaves as the replicas' mean, other state combined (`_combined`)."""
+    trainable = [_compressed_gradient(v, axis, dtype) for v in trainable]
+    loss, (unscaled, y_pred, new_non_trainable, new_metrics) = original(
+        trainable, non_trainable, metrics, x, y, sample_weight,
+        training=True, optimizer_variables=optimizer_variables)
+    batch_statistics.extend(
+        v.path for v, new in zip(model.non_trainable_variables,
+                                 new_non_trainable)
+        if axis in _varying_axes(new))
+    combine = functools.partial(_combined, axis)
+    return jax.lax.pmean(loss, axis), (
+        jax.lax.pmean(unscaled, axis),
+        y_pred,
+        [combine(v, old, new) for v, old, new in zip(
+            model.non_trainable_variables, non_trainable, new_non_trainable)],
+        [combine(v, old, new) for v, old, new in zip(
+            model.metrics_variables, metrics, new_metrics)],
+    )
 
 
 def _combined(axis: str, variable: Any, old: Any, new: Any) -> Any:
