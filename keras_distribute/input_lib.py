@@ -336,3 +336,51 @@ class DistributedDatasetsFromFunction:
             yield self._strategy._engine.put_per_replica(
                 group, on_device=self._options.fetch_to_device
             )
+
+
+def as_trainer_input(strategy: Any, data: Any, argument: str) -> Any:
+    """What `fit` / `evaluate` / `predict` take for a distributed dataset
+    of `strategy` (tf.distribute's Keras accepts one): the global batches it
+    was made from. Other data is returned as it is.
+
+    Args:
+        strategy: The strategy of the model being trained.
+        data: The `x` (or `validation_data`) given.
+        argument: Its name, for errors.
+
+    Returns:
+        The dataset of global batches, or `data` itself.
+
+    Raises:
+        ValueError: for a distributed dataset of another strategy, or one
+            from `distribute_datasets_from_function` that has several
+            input pipelines or is not a `tf.data.Dataset`.
+    """
+    if not isinstance(data, (DistributedDataset,
+                             DistributedDatasetsFromFunction)):
+        return data
+    if data._strategy is not strategy:
+        raise ValueError(
+            f"`{argument}` is a distributed dataset of another strategy "
+            f"({data._strategy!r}) than the model's ({strategy!r}). "
+            "Distribute it with the strategy the model was created under, "
+            "or pass the dataset itself.")
+    if isinstance(data, DistributedDataset):
+        return data._dataset  # global batches, split by the strategy
+    engine = strategy._engine
+    num_replicas = len(engine.local_replica_ids)
+    if engine.num_input_pipelines > 1 or not hasattr(data._dataset,
+                                                     "rebatch"):
+        raise ValueError(
+            f"`{argument}` comes from `distribute_datasets_from_function`, "
+            "whose batches are per replica; `fit`, `evaluate` and `predict` "
+            "take global batches and split them themselves. Received one "
+            f"with {engine.num_input_pipelines} input pipeline(s) over a "
+            f"{type(data._dataset).__name__}. Pass the dataset batched with "
+            "the global batch size (each process's `fit` reads it whole and "
+            "takes its slice), or iterate the distributed dataset in a "
+            "`strategy.run` loop.")
+    per_replica = batch_size_of(next(iter(data._dataset.take(1))))
+    # Consecutive per-replica batches make one step's global batch.
+    return data._dataset.rebatch(per_replica * num_replicas)
+

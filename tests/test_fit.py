@@ -324,3 +324,49 @@ def test_train_on_batch_with_a_tf_data_batch_equals_numpy(strategy):
         losses.append(model.train_on_batch(*batch))
         losses.append(model.train_on_batch(*batch))
     assert losses[:2] == losses[2:]
+
+
+def test_fit_takes_a_distributed_dataset_as_tf_distribute_does(strategy):
+    # tf.distribute's Keras trains on `strategy.experimental_distribute_
+    # dataset(ds)` as on `ds`; so does every kd strategy, and on the
+    # global batches of a single-pipeline `distribute_datasets_from_function`.
+    import tensorflow as tf
+
+    x, y = make_data(n=100)  # a short last batch
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with strategy.scope():
+        reference = make_model()
+    expected = reference.fit(train, validation_data=train, epochs=2,
+                             verbose=0).history
+
+    def per_replica(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+            ctx.get_per_replica_batch_size(BATCH))
+
+    for distributed in (strategy.experimental_distribute_dataset(train),
+                        strategy.distribute_datasets_from_function(
+                            per_replica)):
+        with strategy.scope():
+            model = make_model()
+        history = model.fit(distributed, validation_data=distributed,
+                            epochs=2, verbose=0).history
+        for key in expected:
+            np.testing.assert_allclose(history[key], expected[key],
+                                       rtol=1e-5)
+        assert_same_weights(reference, model)
+        np.testing.assert_allclose(
+            model.predict(distributed, verbose=0),
+            reference.predict(train, verbose=0), atol=1e-5)
+    # Per-replica batches that are not a tf.data.Dataset (here a list):
+    # fit cannot rebatch them; the error says what to pass instead.
+    lists = strategy.distribute_datasets_from_function(
+        lambda ctx: [(x[i:i + 4], y[i:i + 4]) for i in range(0, 96, 4)])
+    with pytest.raises(ValueError, match="batches are per replica.*Pass the "
+                       "dataset batched with the global batch size"):
+        model.fit(lists, verbose=0)
+    other = kd.MirroredStrategy(cpu_names(2))
+    if BACKEND != "tensorflow":  # TF's own distributed datasets go to Keras
+        with pytest.raises(ValueError, match="distributed dataset of another "
+                           "strategy"):
+            model.evaluate(other.experimental_distribute_dataset(train),
+                           verbose=0)

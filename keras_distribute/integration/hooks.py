@@ -125,6 +125,23 @@ def _check_batch_size(name: str, args: tuple, kwargs: dict) -> None:
         "None for the default of 32).")
 
 
+def _global_batches(strategy, name: str, args: tuple, kwargs: dict):
+    """`fit(strategy.experimental_distribute_dataset(ds))` & co. train on
+    `ds` (as with tf.distribute's Keras): the distributed datasets among
+    the arguments replaced by their global batches."""
+    from keras_distribute.input_lib import as_trainer_input
+
+    if name not in _BATCH_SIZE_POSITION:
+        return args, kwargs
+    if args:
+        args = (as_trainer_input(strategy, args[0], "x"),) + args[1:]
+    for key in ("x", "validation_data"):
+        if key in kwargs:
+            kwargs = {**kwargs, key: as_trainer_input(strategy, kwargs[key],
+                                                      key)}
+    return args, kwargs
+
+
 def _wrap_trainer_method(name: str, original):
     @functools.wraps(original)
     def method(self, *args, **kwargs):
@@ -132,6 +149,7 @@ def _wrap_trainer_method(name: str, original):
         if strategy is None:
             return original(self, *args, **kwargs)
         _check_batch_size(name, args, kwargs)
+        args, kwargs = _global_batches(strategy, name, args, kwargs)
         with strategy.scope():
             _adopt_strays(self, strategy)
             return strategy._engine.call_trainer(original, self, args, kwargs)
