@@ -45,29 +45,6 @@ def test_jax_refuses_compression_with_a_layout_map():
 
 
 @JAX_ONLY
-def test_jax_all_reduces_half_the_bytes_and_keeps_accuracy():
-    from worker_training import digits_fit
-
-    results = {}
-    for compression in (None, "fp16", "bf16"):
-        strategy = kd.MirroredStrategy(
-            communication_options=kd.CommunicationOptions(
-                compression=compression))
-        accuracy, model, params = digits_fit(strategy, epochs=4)
-        results[compression] = (accuracy, model.get_weights(), list(
-            strategy._engine.traced_gradient_reductions))
-    assert results[None][2] == []  # XLA's own all-reduce, untouched
-    for compression, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
-        accuracy, weights, reduced = results[compression]
-        # What one step hands to the all-reduce: every gradient, 2 bytes
-        # per parameter (4 uncompressed).
-        assert {name for name, _ in reduced} == {dtype}
-        assert sum(size for _, size in reduced) == 2 * params
-        assert abs(accuracy - results[None][0]) <= 0.005
-        assert all(np.all(np.isfinite(w)) for w in weights)
-
-
-@JAX_ONLY
 def test_jax_compressed_step_compiles_to_a_16_bit_all_reduce():
     # The bytes on the wire: the all-reduces XLA compiled for one step.
     # fp16 stays 16-bit on CPU; XLA's CPU compiler widens a bf16 all-reduce
@@ -209,15 +186,24 @@ def test_jax_compression_leaves_a_custom_train_step_alone(rng):
     with pytest.warns(UserWarning, match="overrides `train_step`"):
         model.fit(rng.normal(size=(16, 4)), rng.normal(size=(16, 2)),
                   batch_size=8, verbose=0)
-    assert strategy._engine.traced_gradient_reductions == []
+    assert _traced_reductions(strategy) is None
+
+
+def _traced_reductions(strategy):
+    """`[(dtype, bytes)]` the last traced step handed to the gradient
+    all-reduce, or None where the engine's own all-reduce ran."""
+    if BACKEND == "tensorflow":
+        from keras_distribute.backend import tf_fit
+
+        return tf_fit.traced_gradient_reductions.get(
+            strategy._engine.tf_strategy)
+    return list(strategy._engine.traced_gradient_reductions) or None
 
 
 @pytest.mark.needs_strategy
-@pytest.mark.skipif(BACKEND != "tensorflow",
-                    reason="TensorFlow's all-reduce (JAX: above; torch: "
-                    "across processes)")
-def test_tf_all_reduces_half_the_bytes_and_keeps_accuracy():
-    from keras_distribute.backend import tf_fit
+def test_all_reduces_half_the_bytes_and_keeps_accuracy():
+    # JAX (8 replicas) and TensorFlow (4): the digits demo's MLP, whose
+    # steps hand every gradient to the all-reduce in 16 bits.
     from worker_training import digits_fit
 
     results = {}
@@ -227,14 +213,12 @@ def test_tf_all_reduces_half_the_bytes_and_keeps_accuracy():
                 compression=compression))
         assert strategy.communication_options.compression == compression
         accuracy, model, params = digits_fit(strategy, epochs=4)
-        reduced = tf_fit.traced_gradient_reductions.get(
-            strategy._engine.tf_strategy)
-        results[compression] = accuracy, model.get_weights(), reduced
-    assert results[None][2] is None  # Keras' own all-reduce, untouched
+        results[compression] = (accuracy, model.get_weights(),
+                                _traced_reductions(strategy))
+    assert results[None][2] is None  # the engine's own all-reduce
     for compression, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
         accuracy, weights, reduced = results[compression]
-        # What one step hands to the all-reduce: every gradient, 2 bytes
-        # per parameter (4 uncompressed).
+        # 2 bytes per parameter (4 uncompressed).
         assert {name for name, _ in reduced} == {dtype}
         assert sum(size for _, size in reduced) == 2 * params
         assert abs(accuracy - results[None][0]) <= 0.005
