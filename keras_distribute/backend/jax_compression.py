@@ -24,7 +24,7 @@ is not a mean over the batch, trains uncompressed, with a warning.
 import contextlib
 import functools
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
