@@ -8,6 +8,7 @@ are all-reduced before they are read; each process trains on its slice of
 every global batch. In a plain single process there is one replica.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -494,17 +495,15 @@ class _EngineScope:
 
     def __enter__(self):
         _EngineScope._active.append(self._engine)
+        # Keras 3.16's torch trainer reads the current distribution.
         distribution = self._engine.distribution
-        self._distribution_scope = None
-        if distribution is not None:
-            # Keras 3.16's torch trainer reads the current distribution.
-            self._distribution_scope = distribution.scope()
-            self._distribution_scope.__enter__()
+        self._distribution_scope = contextlib.nullcontext() if (
+            distribution is None) else distribution.scope()
+        self._distribution_scope.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self._distribution_scope is not None:
-            self._distribution_scope.__exit__(*exc)
+        self._distribution_scope.__exit__(*exc)
         _EngineScope._active.pop()
         if self._engine.in_group and not any(exc) and (
             context.get_replica_context() is None
