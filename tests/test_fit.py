@@ -157,6 +157,48 @@ def test_optimizer_created_outside_scope_is_an_error_on_tf(strategy):
         model.fit(x, np.eye(3)[y], batch_size=BATCH, verbose=0)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's input iterators")
+@pytest.mark.parametrize("build", [True, False], ids=["built", "unbuilt"])
+def test_the_symbolic_build_reads_no_batch_and_the_numbers_hold(
+        strategy, monkeypatch, build):
+    """Keras' TF trainer peeks at a batch to build the model, once per
+    `fit` and per evaluation, and drops that iterator at once, while
+    TensorFlow's MultiDeviceIterator still prefetches: under load that
+    crashed the process (a segfault in CI, in `EpochIterator.reset`). Under
+    a kd strategy the build reads shapes from the dataset's spec: no
+    iterator is made for it, and the numbers stay those of one device."""
+    import traceback
+
+    from tensorflow.python.distribute import input_lib
+
+    made_by = []
+    original = input_lib.DistributedDataset.__iter__
+
+    def recording(self):
+        made_by.append([frame.name for frame in traceback.extract_stack()])
+        return original(self)
+
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", recording)
+    x, y = make_data(n=200)
+    with strategy.scope():
+        model = make_model(build=build)
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0,
+                        validation_data=(x[:70], y[:70]))
+    result = model.evaluate(x[:70], y[:70], batch_size=BATCH, verbose=0)
+    assert made_by, "fit made no distributed iterator: the check saw nothing"
+    assert not [names for names in made_by
+                if "_maybe_symbolic_build" in names]
+    plain = make_model(build=build)
+    plain_history = plain.fit(x, y, batch_size=BATCH, epochs=3, verbose=0,
+                              validation_data=(x[:70], y[:70]))
+    assert_same_weights(model, plain)
+    np.testing.assert_allclose(history.history["val_loss"],
+                               plain_history.history["val_loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        result, plain.evaluate(x[:70], y[:70], batch_size=BATCH, verbose=0),
+        rtol=1e-5)
+
+
 def test_fit_failure_leaves_model_usable(strategy):
     x, y = make_data(n=64)
     with strategy.scope():

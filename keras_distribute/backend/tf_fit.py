@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from tensorflow.python.distribute import values as tf_values
 
 # kd's tf.distribute strategies, and those inside a `fit` whose every
 # training batch splits evenly (their replicas skip the all-reduce).
@@ -99,6 +100,52 @@ def batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
     num_samples, batch_size = sizes
     return (batch_size % num_replicas == 0
             and (num_samples % batch_size) % num_replicas == 0)
+
+
+def replica_batch_spec(distributed_dataset: Any) -> Any:
+    """One replica's batch of a distributed dataset, as `keras.KerasTensor`s.
+
+    Read from the dataset's `element_spec`: no iterator is made. Keras' TF
+    trainer peeks at the first batch to build the model symbolically, then
+    drops that iterator while its prefetch threads still run, and
+    TensorFlow's `MultiDeviceIterator` can then crash the process (its
+    background thread reads through the context of the per-device iterator
+    being destroyed: a segmentation fault, a few times in a thousand fits
+    on a loaded machine). The symbolic build needs only shapes and dtypes.
+
+    Args:
+        distributed_dataset: a `tf.distribute.DistributedDataset`.
+
+    Returns:
+        The batch's structure with a `keras.KerasTensor` per tensor, or
+        `None` where the spec does not give every shape and dtype (an
+        unknown rank, a leaf that is not a tensor's spec).
+
+    Example:
+
+    >>> spec = replica_batch_spec(strategy.experimental_distribute_dataset(
+    ...     tf.data.Dataset.from_tensor_slices((x, y)).batch(8)))
+    >>> spec[0].shape
+    (None, 64)
+    """
+    spec = getattr(distributed_dataset, "element_spec", None)
+    if spec is None:
+        return None
+    tensor_specs = (tf.TensorSpec, tf.SparseTensorSpec, tf.RaggedTensorSpec)
+    unknown = []
+
+    def to_keras_tensor(leaf):
+        if isinstance(leaf, tf_values.PerReplicaSpec):
+            leaf = leaf._component_specs[0]  # every replica's has the rank
+        if not isinstance(leaf, tensor_specs) or leaf.shape.rank is None:
+            unknown.append(leaf)
+            return None
+        return keras.KerasTensor(tuple(leaf.shape.as_list()),
+                                 dtype=keras.backend.standardize_dtype(
+                                     leaf.dtype))
+
+    batch = keras.tree.map_structure(to_keras_tensor, spec)
+    return None if unknown else batch
 
 
 def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:

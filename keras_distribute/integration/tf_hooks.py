@@ -137,10 +137,15 @@ def _install_tf_multi_worker_fixes() -> None:
         # Keras averages the replicas' first batches to get their shapes:
         # that fails when a short batch splits unevenly ([2, 4] vs [0, 4]),
         # on one worker too. Every kd strategy takes one replica's slice.
+        # It also reads shapes from the dataset's spec instead of peeking at
+        # a batch: an iterator dropped right after one batch can crash
+        # TensorFlow (`tf_fit.replica_batch_spec`).
         strategy = self._distribute_strategy
         if iterator is None or strategy not in tf_fit.our_tf_strategies:
             return original_build(self, iterator, data_batch)
-        for _, _, batches in iterator:
+        data_batch = tf_fit.replica_batch_spec(
+            getattr(iterator, "_distributed_dataset", None))
+        for _, _, batches in ([] if data_batch is not None else iterator):
             batch = next(batches)
             # Any one local replica's slice has the shapes and dtypes needed.
             data_batch = keras.tree.map_structure(
