@@ -18,9 +18,13 @@ def test_a_long_fit_with_checkpoints_leaks_nothing(tmp_path):
                         args=(200, 40, str(tmp_path / "ckpt")))
     for result in results:
         assert result["saves"] == 5, result
-        # From the third save on: no thread or descriptor more, no leftover
-        # in the checkpoint directory or the temporary directory.
-        assert result["max_threads"] <= result["threads_warm"], result
+        # From the third save on: no descriptor more, no leftover in the
+        # checkpoint directory or the temporary directory, and at most one
+        # thread more: in 200 steps TensorFlow's pools sometimes reach their
+        # steady size one worker after the third save (137 vs 136 in CI;
+        # 1,500 steps of benchmarks/soak.py: warm, last and most all equal).
+        # A leak of one thread per save still fails: +2 over the two saves.
+        assert result["max_threads"] <= result["threads_warm"] + 1, result
         assert result["max_fds"] <= result["fds_warm"], result
         assert result["leftovers"] == [] and result["new_temporaries"] == []
         assert result["rss_growth"] < 0.05, result
