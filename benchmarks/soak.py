@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOAL = "RSS growth < 5 %, no thread or descriptor growth, no leftovers"
@@ -30,8 +31,6 @@ def _proc_status(reads: int = 5, pause_s: float = 0.02) -> dict:
     input pipelines start and end workers on demand (TensorFlow's grow by
     one for a moment, now and then), while a leaked thread or descriptor
     stays in every read."""
-    import time
-
     threads, fds = [], []
     for read in range(reads):
         if read:

@@ -145,14 +145,14 @@ def _install_tf_multi_worker_fixes() -> None:
             return original_build(self, iterator, data_batch)
         data_batch = tf_fit.replica_batch_spec(
             getattr(iterator, "_distributed_dataset", None))
-        for _, _, batches in ([] if data_batch is not None else iterator):
-            batch = next(batches)
-            # Any one local replica's slice has the shapes and dtypes needed.
-            data_batch = keras.tree.map_structure(
-                lambda v: strategy.experimental_local_results(v)[0]
-                if isinstance(v, tf.distribute.DistributedValues) else v,
-                batch)
-            break
+        if data_batch is None:  # the spec does not say: peek, as Keras does
+            for _, _, batches in iterator:
+                # Any one local replica's slice has the shapes and dtypes.
+                data_batch = keras.tree.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues) else v,
+                    next(batches))
+                break
         with strategy.scope():
             self._symbolic_build(data_batch=data_batch)
 
