@@ -383,6 +383,24 @@ def assert_like_single_process(results, model, history, x, y, atol):
             np.testing.assert_array_equal(a, b)
 
 
+def assert_mesh_is_keras(report, ranks, model_ranks):
+    """The engine's torch mesh puts the mesh's devices' ranks where the
+    mesh does; where Keras distributes torch (3.16) it is Keras' own mesh
+    and every sharded variable has the placements Keras gives its layout."""
+    import keras
+
+    assert report["ranks"] == ranks
+    assert report["model_ranks"] == model_ranks
+    if keras.version() < "3.16":
+        assert report["keras_layouts"] is False
+        return
+    assert report["keras_layouts"] is True
+    assert report["is_keras_backend_mesh"] is True
+    assert report["placements"] and all(
+        ours == keras_own for ours, keras_own in report["placements"])
+    assert any("Shard" in ours for ours, _ in report["placements"])
+
+
 def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
     results, _ = sharded_results
     model, initial, history, x, y = single_process_sharded_reference()
@@ -403,6 +421,8 @@ def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
     assert "size 5, which does not divide" in first["errors"]["indivisible"]
     assert "matches none of the variables" in first["errors"]["unmatched"]
     assert "variables were created outs" in first["errors"]["outside"]
+    for result, rank in zip(results, (0, 1)):
+        assert_mesh_is_keras(result["mesh"], [[0, 1]], [0, 1])
     assert "(None, 'model')" in first["layout"]
     assert "up/kernel" in first["layout"] and "1.2 KiB" in first["layout"]
 
@@ -461,6 +481,34 @@ def test_sharded_layout_errors_in_one_process():
     fsdp[".*kernel"] = ("batch", "model")
     with pytest.raises(NotImplementedError, match="FSDP-style.*JAX"):
         kd.MirroredStrategy(layout_map=fsdp)
+    twice = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
+                                 ["cpu:0", "cpu:1"]))
+    twice[".*kernel"] = ("model", "model")
+    with pytest.raises(ValueError, match="two dimensions over mesh axis "
+                       "'model'.*Received: layout axes=\\('model', 'model'"):
+        kd.MirroredStrategy(layout_map=twice)
+    import torch
+
+    from keras_distribute.backend import torch_sharding
+
+    cpu = torch.device("cpu")
+    ranks = torch_sharding.mesh_ranks(
+        DeviceMesh((2, 2), ["batch", "model"],
+                   ["cpu:0", "cpu:2", "cpu:1", "cpu:3"]), cpu, 4)
+    assert ranks.tolist() == [[0, 2], [1, 3]]
+    for devices, message in (
+            (["gpu:0", "gpu:1"], "device type \\('cpu'\\).*'gpu:0'"),
+            (["cpu", "cpu:1"], "Received: device 'cpu'"),
+            (["cpu:1", "cpu:1"], "each rank of the job \\(0..1\\) once.*"
+             "ranks \\[1, 1\\]"),
+            (["cpu:0", "cpu:2"], "ranks \\[0, 2\\]"),
+            # torch's groups order processes by rank: a shard would land on
+            # the wrong process (seen: halves of a kernel's update swapped).
+            (["cpu:1", "cpu:0"], "ranks must increase.*\\[\\[1, 0\\]\\] "
+             "along axis 'model'")):
+        with pytest.raises(ValueError, match=message):
+            torch_sharding.mesh_ranks(
+                DeviceMesh((1, 2), ["batch", "model"], devices), cpu, 2)
     replicated = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
                                       ["cpu:0", "cpu:1"]))
     replicated[".*kernel"] = (None, None)  # nothing sharded: plain engine
@@ -492,9 +540,11 @@ def test_data_times_model_parallel_over_four_processes(tmp_path):
     results = kd.launch(workers.sharded_data_parallel_fit, num_processes=4,
                         args=(str(tmp_path),), timeout=TIMEOUT)
     model, _, history, x, y = single_process_sharded_reference(dropout=False)
-    for result in results:
+    for rank, result in enumerate(results):
         assert result["replicas"] == 2
         assert result["local_shapes"][:4] == [(12, 4), (40, 8), (8,), (8, 3)]
+        assert_mesh_is_keras(result["mesh"], [[0, 2], [1, 3]],
+                             [[0, 2], [1, 3]][rank % 2])
     assert_like_single_process(results, model, history, x, y, atol=1e-5)
     for result in results:  # interrupted mid-epoch, resumed: the same run
         for a, b in zip(result["resumed"], result["weights"]):
@@ -502,13 +552,14 @@ def test_data_times_model_parallel_over_four_processes(tmp_path):
         for key in ("loss", "mae"):
             np.testing.assert_allclose(result["resumed_history"][key],
                                        result["history"][key][1:], rtol=1e-6)
-    # Replica 0's two processes wrote one half each; replica 1 nothing.
+    # Replica 0's two processes (ranks 0 and 2) wrote one half each;
+    # replica 1 nothing.
     with open(os.path.join(results[0]["path"], "index.json")) as f:
         index = json.load(f)
     kernel = next(entry for entry in index["variables"].values()
                   if entry["path"].endswith("up/kernel"))
     assert sorted(p["file"] for p in kernel["pieces"]) == [
-        "shards-00000.h5", "shards-00001.h5"]
+        "shards-00000.h5", "shards-00002.h5"]
     plain, _, _, _ = workers.make_sharded_parts(seed=5, dropout=False)
     kd.checkpoint.ShardedCheckpoint(model=plain).read(
         results[0]["path"]).expect_partial()
@@ -527,6 +578,8 @@ def test_sharded_transformer_block_matches_one_process():
     reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     for result in results:
         assert result["query_local"] == (16, 1, 8)  # 2 heads over 2
+        assert result["replicas"] == 1
+        assert_mesh_is_keras(result["mesh"], [[0, 1]], [0, 1])
         for a, b in zip(result["weights"], reference.get_weights()):
             np.testing.assert_allclose(a, b, atol=1e-5)
 

@@ -553,6 +553,7 @@ def sharded_fit(directory):
     except ValueError as error:
         errors["outside"] = str(error)
     return {
+        "mesh": mesh_report(strategy, model, layout_map),
         "reset": reset,
         "errors": errors,
         "replicas": strategy.num_replicas_in_sync,
@@ -603,6 +604,35 @@ def resume_mid_epoch(directory):
             "resumed": resumed.get_weights()}
 
 
+def mesh_report(strategy, model, layout_map):
+    """The torch mesh the sharded engine uses and, for each sharded
+    variable, its placements next to those Keras' torch backend gives its
+    layout (Keras 3.16; None on Keras without a torch distribution)."""
+    import keras
+    from torch.distributed.tensor import DTensor
+
+    engine = strategy._engine
+    mesh = layout_map.device_mesh
+    report = {"ranks": engine.torch_mesh.mesh.tolist(),
+              "model_ranks": engine.model_mesh.mesh.tolist(),
+              "names": list(engine.torch_mesh.mesh_dim_names),
+              "keras_layouts": engine.keras_layouts}
+    if keras.version() >= "3.16":
+        keras_mesh = mesh if len(mesh.shape) > 1 else engine.keras_mesh
+        report["is_keras_backend_mesh"] = (
+            engine.torch_mesh is keras_mesh.backend_mesh)
+        def keras_placements(variable):
+            layout = layout_map[variable.path]  # None: replicated
+            axes = layout.axes if layout else [None] * len(variable.shape)
+            return keras.distribution.TensorLayout(
+                axes, keras_mesh).backend_layout.placements[1:]
+
+        report["placements"] = [
+            (str(v.value.placements), str(keras_placements(v)))
+            for v in model.weights if isinstance(v.value, DTensor)]
+    return report
+
+
 def sharded_data_parallel_fit(directory):
     """2 replicas x 2 model shards (4 processes): fit, predict, checkpoint."""
     _setup()
@@ -610,8 +640,10 @@ def sharded_data_parallel_fit(directory):
 
     import keras_distribute as kd
 
-    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
-                                         [f"cpu:{i}" for i in range(4)])
+    # Listed out of rank order: the names place the processes (ranks 0
+    # and 2 hold replica 0 between them, 1 and 3 replica 1).
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ["batch", "model"], ["cpu:0", "cpu:2", "cpu:1", "cpu:3"])
     layout_map = keras.distribution.LayoutMap(mesh)
     _, x, y, layouts = make_sharded_parts(dropout=False)
     for key, axes in layouts:
@@ -645,6 +677,7 @@ def sharded_data_parallel_fit(directory):
     resumed, resumed_history = fit([kd.callbacks.BackupAndRestore(
         backup, save_freq=4)])
     return {
+        "mesh": mesh_report(strategy, model, layout_map),
         "resumed": resumed.get_weights(),
         "resumed_history": resumed_history,
         "replicas": strategy.num_replicas_in_sync,
@@ -669,17 +702,20 @@ def sharded_transformer_block():
     from worker_common import transformer_block
     from worker_common import transformer_data
 
-    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
-                                         ["cpu:0", "cpu:1"])
+    # A 1-D mesh: all model axis, one replica over both processes.
+    mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in TRANSFORMER_LAYOUTS:
         layout_map[key] = axes
-    with kd.MirroredStrategy(layout_map=layout_map).scope():
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    with strategy.scope():
         model = transformer_block()
     x, y = transformer_data()
     model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     query = model.get_layer("attention")._query_dense.kernel.value
     return {"weights": model.get_weights(),
+            "replicas": strategy.num_replicas_in_sync,
+            "mesh": mesh_report(strategy, model, layout_map),
             "query_local": tuple(query.to_local().shape)}
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
@@ -35,6 +35,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 import keras
+from keras.distribution import DeviceMesh
 from keras.distribution import TensorLayout
 
 from keras_distribute import context
@@ -65,6 +66,15 @@ def check_mesh(layout_map: Any, world_size: int) -> None:
                     f"axes={tuple(layout.axes)}, mesh shape "
                     f"{tuple(mesh.shape)}. Use None for the batch axis, a "
                     "batch axis of size 1, or the JAX backend.")
+    for key, layout in layout_map.items():
+        named = [name for axis in layout.axes for name in axis_names(axis)]
+        twice = sorted({name for name in named if named.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"The layout for {key!r} shards two dimensions over mesh "
+                f"axis {twice[0]!r}; a mesh axis can cut one dimension of a "
+                f"variable. Received: layout axes={tuple(layout.axes)}. Name "
+                "each mesh axis at most once per layout.")
     if size != world_size:
         raise ValueError(
             f"On the torch backend each process is one device of the mesh, "
@@ -72,6 +82,73 @@ def check_mesh(layout_map: Any, world_size: int) -> None:
             f"{size} processes. Received: {world_size} process(es). Launch "
             f"{size} processes (kd.launch(fn, num_processes={size}), "
             "torchrun), or build the mesh for the processes you have.")
+
+
+_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+
+def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
+    """The rank of the process at each position of `device_mesh`.
+
+    A torch mesh names its processes as Keras' torch backend does: the index
+    of a device name is the rank of its process (`"cpu:3"`, `"gpu:3"`: rank
+    3), each rank once, of this process's device type, the ranks
+    increasing along every mesh axis (torch's groups are ordered by rank).
+
+    Args:
+        device_mesh: A `keras.distribution.DeviceMesh`.
+        device: This process's `torch.device`.
+        world_size: The number of processes of the job.
+
+    Returns:
+        The ranks as an array of the mesh's shape.
+
+    Raises:
+        ValueError: A device name without an index, a rank outside the job
+            or named twice, another device type than this process's, or
+            ranks that decrease along a mesh axis.
+
+    Example:
+
+    >>> mesh = keras.distribution.DeviceMesh(
+    ...     (2, 2), ["batch", "model"], ["cpu:0", "cpu:2", "cpu:1", "cpu:3"])
+    >>> mesh_ranks(mesh, torch.device("cpu"), 4).tolist()
+    [[0, 2], [1, 3]]
+    """
+    names = [str(d) for d in np.asarray(device_mesh.devices).flat]
+    expected = device.type
+    ranks = []
+    for name in names:
+        kind, _, index = name.lower().rpartition(":")
+        if _DEVICE_TYPES.get(kind) != expected or not index.isdigit():
+            raise ValueError(
+                f"On the torch backend each device of the mesh is one "
+                f"process, named by its device type ({expected!r}) and rank, "
+                f"e.g. '{'gpu' if expected == 'cuda' else expected}:0'. "
+                f"Received: device {name!r} in devices {names}. Build the "
+                "mesh with devices=keras.distribution.list_devices() or "
+                f"[f'{'gpu' if expected == 'cuda' else expected}:{{r}}' for "
+                f"r in range({world_size})].")
+        ranks.append(int(index))
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(
+            f"The mesh's devices must name each rank of the job "
+            f"(0..{world_size - 1}) once. Received: ranks {ranks} (devices "
+            f"{names}). Build the mesh with "
+            "devices=keras.distribution.list_devices(), or list each "
+            "process once.")
+    grid = np.asarray(ranks).reshape(tuple(device_mesh.shape))
+    for dim, axis in enumerate(device_mesh.axis_names):
+        if not np.all(np.diff(grid, axis=dim) > 0):
+            raise ValueError(
+                f"Along each mesh axis the ranks must increase: torch orders "
+                f"the processes of a group by rank (`new_group` sorts them) "
+                f"and DTensor's collectives follow that order, so a shard "
+                f"would land on another process than its position says. "
+                f"Received: ranks {grid.tolist()} along axis {axis!r} "
+                f"(devices {names}). List the devices so that each axis "
+                "counts up, e.g. keras.distribution.list_devices() in order.")
+    return grid
 
 
 class ShardedTorchEngine(TorchEngine):
@@ -98,14 +175,24 @@ class ShardedTorchEngine(TorchEngine):
         # Keras 3.16's ModelParallel, whose dispatch mode makes every tensor
         # of the step a DTensor (docs/keras_versions.md).
         self.distribution = None
-        names = list(mesh.axis_names)
-        if len(names) == 1:  # all model: a batch axis of size 1 in front
-            shape, names = (1, mesh.shape[0]), ["kd_replica"] + names
+        if len(mesh.shape) == 1:  # all model: a batch axis of size 1 first
+            shape = (1, mesh.shape[0])
+            self.keras_mesh = DeviceMesh(
+                shape, ["kd_replica"] + list(mesh.axis_names),
+                devices=np.reshape(mesh.devices, shape))
         else:
-            shape = tuple(mesh.shape)
+            shape, self.keras_mesh = tuple(mesh.shape), mesh
+        names = list(self.keras_mesh.axis_names)
         self.model_axes = names[1:]
-        self.torch_mesh = init_device_mesh(device.type, shape,
-                                           mesh_dim_names=tuple(names))
+        ranks = mesh_ranks(self.keras_mesh, device, self.world_size)
+        # Keras 3.16 makes the torch mesh of a keras.distribution mesh, and
+        # the placements of its layouts, itself: the engine uses Keras' own
+        # (`placements`). Keras 3.15's torch backend has no distribution.
+        self.torch_mesh = context.service("keras_torch_mesh")(self.keras_mesh)
+        self.keras_layouts = self.torch_mesh is not None
+        if self.torch_mesh is None:
+            self.torch_mesh = TorchDeviceMesh(device.type, ranks,
+                                              mesh_dim_names=tuple(names))
         self.model_mesh = self.torch_mesh[tuple(self.model_axes)] if len(
             self.model_axes) > 1 else self.torch_mesh[self.model_axes[0]]
         replica = self.torch_mesh.get_coordinate()[0]
@@ -120,6 +207,11 @@ class ShardedTorchEngine(TorchEngine):
     def placements(self, layout: Optional[Any]) -> list:
         """The torch placement on each model-mesh dimension of a layout."""
         axes = list(layout.axes) if layout is not None else []
+        if self.keras_layouts:
+            # Keras' placements over the whole mesh; the first (batch) axis
+            # is always replicated here (`check_mesh`).
+            whole = TensorLayout(axes, self.keras_mesh).backend_layout
+            return list(whole.placements)[1:]
         placements = []
         for name in self.model_axes:
             dims = [d for d, axis in enumerate(axes)

@@ -97,4 +97,23 @@ def _keras_torch_data_parallel(world_size):
 context.register_service("keras_torch_data_parallel",
                          _keras_torch_data_parallel)
 
+
+def _keras_torch_mesh(device_mesh):
+    # Keras 3.16's torch `distribution_lib` turns a `keras.distribution`
+    # mesh into a `torch.distributed.DeviceMesh` (its devices' indices are
+    # the ranks) and a `TensorLayout` into DTensor placements on it: a
+    # sharded torch engine takes both from Keras there (public
+    # `DeviceMesh.backend_mesh`, `TensorLayout.backend_layout`), so a layout
+    # map means on kd what it means to Keras' own `ModelParallel`. None on
+    # Keras versions whose torch backend has no distribution.
+    from keras_distribute.integration import registry
+
+    registry.check("torch", ["TorchTrainer._initialize_ddp"])
+    if registry.resolve("TorchTrainer._initialize_ddp") is None:
+        return None
+    return device_mesh.backend_mesh
+
+
+context.register_service("keras_torch_mesh", _keras_torch_mesh)
+
 __all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]

@@ -190,7 +190,9 @@ ROWS: Tuple[Row, ...] = (
     Row("TorchTrainer._initialize_ddp", (),
         "torch: Keras 3.16 wraps a model in its own DDP; the engine uses "
         "that one (one DDP, not two), and a sharded engine, whose DTensor "
-        "collectives replace DDP, keeps Keras from making it",
+        "collectives replace DDP, keeps Keras from making it; its presence "
+        "says Keras distributes torch (the engines then take Keras' "
+        "DataParallel, torch mesh and layouts)",
         "3.16 (absent before)", parameters=("self",), backends=("torch",),
         optional=True),
     Row("TorchTrainer.get_metrics_result", (),
