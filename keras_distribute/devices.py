@@ -99,6 +99,27 @@ def parse_device_name(name: str) -> DeviceSpec:
     return DeviceSpec(*_parse_type_and_index(name, device_part), task=task)
 
 
+def not_a_device(device: Any, native: str) -> ValueError:
+    """The error for a device that is neither a name nor `native`.
+
+    Args:
+        device: What was received.
+        native: The backend's own device type, e.g. "`jax.Device`".
+
+    Returns:
+        The `ValueError` to raise.
+
+    Example:
+
+    >>> raise not_a_device(3, "`jax.Device`")
+    Traceback (most recent call last):
+    ValueError: Expected a device name (e.g. 'GPU:0', 'cpu:1') or a ...
+    """
+    return ValueError(
+        f"Expected a device name (e.g. 'GPU:0', 'cpu:1') or a {native}. "
+        f"Received: device={device!r} of type {type(device).__name__}.")
+
+
 def choose_local(spec: DeviceSpec, candidates: Sequence[Any], *,
                  local_task: int, available: List[str],
                  how_to_add: str) -> Any:

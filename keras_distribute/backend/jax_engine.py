@@ -32,6 +32,7 @@ from keras_distribute.backend.jax_layouts import check_layout_map
 from keras_distribute.backend.jax_predict import process_local_predictions
 from keras_distribute.backend.jax_spmd_run import SpmdRun
 from keras_distribute.devices import DeviceSpec
+from keras_distribute.devices import not_a_device
 from keras_distribute.devices import choose_local
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
@@ -69,11 +70,7 @@ def resolve_device(device: "DeviceSpec | Any") -> Any:
             )
         return device
     if not isinstance(device, DeviceSpec):
-        raise ValueError(
-            "Expected a device name (e.g. 'GPU:0', 'cpu:1') or a "
-            f"`jax.Device`. Received: device={device!r} of type "
-            f"{type(device).__name__}."
-        )
+        raise not_a_device(device, "`jax.Device`")
     platform = _PLATFORMS.get(device.device_type)
     try:
         candidates = jax.local_devices(backend=platform) if platform else []

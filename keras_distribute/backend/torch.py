@@ -1,7 +1,8 @@
 """The PyTorch backend module (see `interface.BackendModule`).
 
 What the neutral layer calls on torch, gathered from the modules that
-implement it: the engine of one process per device (`torch_engine`), its
+implement it: the engine of one process per device (`torch_engine`) and
+that device (`torch_devices`), its
 sharded variant over a device mesh (`torch_sharding`), `run`'s training
 helpers (`torch_training`) and the checkpoint's view of a variable, plain
 tensor or DTensor (`torch_variables`).
@@ -12,15 +13,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from keras_distribute.backend.torch_devices import default_devices
+from keras_distribute.backend.torch_devices import device_name  # noqa: F401
+from keras_distribute.backend.torch_devices import host_rng_state  # noqa: F401
+from keras_distribute.backend.torch_devices import resolve_device  # noqa: F401
+from keras_distribute.backend.torch_devices import set_host_rng_state  # noqa: F401
 from keras_distribute.backend.torch_engine import TorchEngine
-from keras_distribute.backend.torch_engine import default_devices
-from keras_distribute.backend.torch_engine import device_name  # noqa: F401
-from keras_distribute.backend.torch_groups import ensure_process_group
-from keras_distribute.backend.torch_engine import host_rng_state  # noqa: F401
-from keras_distribute.backend.torch_groups import join_process_group
 from keras_distribute.backend.torch_engine import on_variable_created  # noqa: F401
-from keras_distribute.backend.torch_engine import resolve_device  # noqa: F401
-from keras_distribute.backend.torch_engine import set_host_rng_state  # noqa: F401
+from keras_distribute.backend.torch_groups import ensure_process_group
+from keras_distribute.backend.torch_groups import join_process_group
 from keras_distribute.backend.torch_sharding import ShardedTorchEngine
 from keras_distribute.backend.torch_training import apply_gradients  # noqa: F401
 from keras_distribute.backend.torch_training import value_and_gradients  # noqa: F401
