@@ -16,13 +16,8 @@ them, on first use (the first strategy created, never at import), and
    whose variables the strategy does not own, or mixing two strategies.
 3. TensorFlow only: see `tf_hooks` (uneven last batch, scalar variables,
    multi-worker fit, optimizer slots, updates inside `ops.cond`).
-4. PyTorch only (in a process group): new variables are recorded for the
-   rank-0 broadcast; `TorchTrainer.train_step` forwards through a held
-   `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
-   nothing); `Trainer.get_metrics_result` reads all-process metric states
-   with one flat all-reduce. On Keras 3.16, whose torch Trainer makes its
-   own DDP and reduces metrics itself, the engine holds Keras' DDP (a
-   sharded engine prevents it) and its reduction replaces Keras'.
+4. PyTorch only: see `torch_hooks` (the rank-0 broadcast of new
+   variables, the held DDP, metric states read once over all processes).
 5. JAX only: Keras' trainer computes the data layout from the first batch
    of an epoch and reuses it; a short last batch then fails with
    `IndivisibleError`. The hook asks the strategy's distribution for every
@@ -32,7 +27,7 @@ them, on first use (the first strategy created, never at import), and
    `fit` & co. start and before an optimizer's first slot is made, restores
    waiting for those variables are applied.
 7. PyTorch sharded layouts (installed by the first sharding engine only):
-   see `install_torch_sharding_hooks`.
+   see `torch_hooks.install_sharding`.
 """
 
 import functools
@@ -46,6 +41,7 @@ from keras_distribute.integration import registry
 from keras_distribute.integration import patching
 from keras_distribute.integration import saving
 from keras_distribute.integration import tf_hooks
+from keras_distribute.integration import torch_hooks
 from keras_distribute.context import model_strategy
 
 _TRAINER_METHODS = (
@@ -214,178 +210,9 @@ def _install_jax_data_hook() -> None:
     _patch(jax_trainer, "_distribute_data", _distribute_data)
 
 
-def _torch_engine(model):
-    strategy = model_strategy(model)
-    engine = getattr(strategy, "_engine", None)
-    return engine if getattr(engine, "in_group", False) else None
-
-
-def _install_torch_hooks() -> None:
-    torch_variable = registry.resolve("torch_Variable")
-    torch_trainer = registry.resolve("TorchTrainer")
-    base_trainer = registry.resolve("BaseTrainer")
-
-    from keras_distribute.backend import torch as torch_backend
-
-    original_initialize = torch_variable._initialize
-
-    @functools.wraps(original_initialize)
-    def _initialize(self, value):
-        original_initialize(self, value)
-        torch_backend.on_variable_created(self)
-
-    original_train_step = torch_trainer.train_step
-
-    @functools.wraps(original_train_step)
-    def train_step(self, data):
-        engine = _torch_engine(self)
-        if engine is None:
-            return original_train_step(self, data)
-        return engine.train_step(self, data)
-
-    # Keras 3.16's torch Trainer all-reduces metric variables itself; for a
-    # model a strategy owns, the engine's one flat reduction replaces it.
-    base_results = base_trainer.get_metrics_result  # reduces nothing
-    owner = torch_trainer if "get_metrics_result" in vars(
-        torch_trainer) else base_trainer
-    original_results = owner.get_metrics_result
-
-    @functools.wraps(original_results)
-    def get_metrics_result(self):
-        engine = _torch_engine(self)
-        if engine is None:
-            return original_results(self)
-        with engine.global_metric_states(self.metrics_variables):
-            results = base_results(self)
-            # A result can be a view of a metric variable (TruePositives'
-            # `accumulator[0]`), and the local values return on exit.
-            return keras.tree.map_structure(
-                lambda v: v.clone() if hasattr(v, "clone") else v, results)
-
-    _patch(torch_variable, "_initialize", _initialize)
-    _patch(torch_trainer, "train_step", train_step)
-    _patch(owner, "get_metrics_result", get_metrics_result)
-
-    initialize_ddp = registry.resolve("TorchTrainer._initialize_ddp")
-    if initialize_ddp is not None:  # Keras 3.16 makes its own DDP
-        @functools.wraps(initialize_ddp)
-        def _initialize_ddp(self):
-            engine = _torch_engine(self)
-            if engine is None:
-                return initialize_ddp(self)
-            if not engine.uses_keras_ddp:
-                return None  # DTensor collectives replace DDP's
-            engine.broadcast_new_variables()
-            result = initialize_ddp(self)
-            engine.hold_ddp(self, self.ddp_model)  # one DDP: Keras' own
-            return result
-
-        _patch(torch_trainer, "_initialize_ddp", _initialize_ddp)
-
-
-_torch_sharding_hooks_installed = False
-
-
 def install_torch_sharding_hooks() -> None:
-    """7. Sharded layouts on torch (`backend/torch_sharding.py`; installed
-    when the first sharding engine is made, so plain torch runs pay
-    nothing): a built layer's variables become DTensors, an optimizer slot
-    takes its variable's placement, a sharded layer is called with
-    replicated inputs and returns whole outputs, reading or assigning a
-    sharded variable whole works (`get_weights`, `set_weights`), and Keras'
-    torch optimizers update DTensors and tensors in separate `_foreach`
-    groups. `uninstall()` removes them."""
-    global _torch_sharding_hooks_installed
-    with _lock:
-        if _torch_sharding_hooks_installed:
-            return
-        _torch_sharding_hooks_installed = True
-        _install_torch_sharding_hooks()
-
-
-def _install_torch_sharding_hooks() -> None:
-    registry.check("torch_sharding", [
-        row.key for row in registry.ROWS
-        if "torch_sharding" in row.backends])
-    keras_backend = registry.resolve("keras_backend")
-    torch_package = registry.resolve("torch_package")
-    in_stateless_scope = registry.resolve(
-        "stateless_scope").in_stateless_scope
-    torch_core = registry.resolve("torch_core")
-    layer_class = registry.resolve("Layer")
-    optimizer_class = registry.resolve("BaseOptimizer")
-    torch_variable = registry.resolve("torch_Variable")
-
-    from keras_distribute.backend import torch_variables
-
-    original_post_build = layer_class._post_build
-
-    @functools.wraps(original_post_build)
-    def _post_build(self):
-        original_post_build(self)
-        if not in_stateless_scope():
-            torch_variables.on_layer_built(self)
-
-    original_forward = registry.resolve("TorchLayer").forward
-
-    def forward(self, *args, **kwargs):
-        engine = self.__dict__.get("_kd_sharded_engine")
-        if engine is None:
-            return original_forward(self, *args, **kwargs)
-        return engine.sharded_forward(original_forward, self, args, kwargs)
-
-    original_slot = optimizer_class.add_variable_from_reference
-
-    @functools.wraps(original_slot)
-    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        variable = original_slot(self, reference_variable, *args, **kwargs)
-        torch_variables.on_slot_created(variable, reference_variable)
-        return variable
-
-    original_numpy = torch_core.convert_to_numpy
-
-    @functools.wraps(original_numpy)
-    def convert_to_numpy(x):
-        return original_numpy(torch_variables.whole_value(x))
-
-    original_assign = torch_variable._direct_assign
-
-    @functools.wraps(original_assign)
-    def _direct_assign(self, value):
-        if not torch_variables.assign_sharded(self, value):
-            original_assign(self, value)
-
-    parallel = registry.resolve("TorchParallelOptimizer")
-    original_update = parallel._backend_update_step
-    original_increment = parallel._backend_increment_gradient_accumulators
-
-    def _backend_update_step(self, grads, trainable_variables,
-                             learning_rate):
-        for variables, group in torch_variables.split_sharded(
-                trainable_variables, grads):
-            original_update(self, group, variables, learning_rate)
-
-    def _backend_reset_gradient_accumulators(self):
-        torch_variables.zero_variables(
-            [v for v in self._accumulated_gradients if v is not None])
-
-    def _backend_increment_gradient_accumulators(self, grads, acc_grads):
-        for accumulators, group in torch_variables.split_sharded(acc_grads,
-                                                               grads):
-            original_increment(self, group, accumulators)
-
-    _patch(parallel, "_backend_update_step", _backend_update_step)
-    _patch(parallel, "_backend_reset_gradient_accumulators",
-           _backend_reset_gradient_accumulators)
-    _patch(parallel, "_backend_increment_gradient_accumulators",
-           _backend_increment_gradient_accumulators)
-    _patch(layer_class, "_post_build", _post_build)
-    _patch(registry.resolve("TorchLayer"), "forward", forward)
-    _patch(optimizer_class, "add_variable_from_reference",
-           add_variable_from_reference)
-    for module in (torch_core, torch_package, keras_backend):
-        _patch(module, "convert_to_numpy", convert_to_numpy)
-    _patch(torch_variable, "_direct_assign", _direct_assign)
+    """7. Sharded layouts on torch: see `torch_hooks.install_sharding`."""
+    torch_hooks.install_sharding()
 
 
 _checkpoint_hooks_installed = False
@@ -471,15 +298,14 @@ def install() -> None:
         elif keras.backend.backend() == "tensorflow":
             tf_hooks.install()
         elif keras.backend.backend() == "torch":
-            _install_torch_hooks()
+            torch_hooks.install()
 
 
 def uninstall() -> None:
     """Removes every hook, restoring Keras exactly as it was."""
-    global _checkpoint_hooks_installed, _torch_sharding_hooks_installed
-    global _jax_process_hooks_installed
+    global _checkpoint_hooks_installed, _jax_process_hooks_installed
     with _lock:
         _checkpoint_hooks_installed = False
         _jax_process_hooks_installed = False
-        _torch_sharding_hooks_installed = False
+        torch_hooks.forget()
         patching.restore_all()

@@ -1,0 +1,206 @@
+"""The PyTorch backend's hooks into Keras (installed by `hooks.install`).
+
+4. In a process group: new variables are recorded for the rank-0
+   broadcast; `TorchTrainer.train_step` forwards through a held
+   `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
+   nothing); `Trainer.get_metrics_result` reads all-process metric states
+   with one flat all-reduce. On Keras 3.16, whose torch Trainer makes its
+   own DDP and reduces metrics itself, the engine holds Keras' DDP (a
+   sharded engine prevents it) and its reduction replaces Keras'.
+7. Sharded layouts (`install_sharding`, by the first sharding engine only).
+
+Every Keras-private name comes from `registry`.
+"""
+
+import functools
+import threading
+
+import keras
+
+from keras_distribute.context import model_strategy
+from keras_distribute.integration import patching
+from keras_distribute.integration import registry
+
+_lock = threading.Lock()
+_patch = patching.patch
+_sharding_installed = False
+
+
+def _torch_engine(model):
+    strategy = model_strategy(model)
+    engine = getattr(strategy, "_engine", None)
+    return engine if getattr(engine, "in_group", False) else None
+
+
+def install() -> None:
+    """4. The torch hooks every torch strategy needs (see `hooks`)."""
+    torch_variable = registry.resolve("torch_Variable")
+    torch_trainer = registry.resolve("TorchTrainer")
+    base_trainer = registry.resolve("BaseTrainer")
+
+    from keras_distribute.backend import torch as torch_backend
+
+    original_initialize = torch_variable._initialize
+
+    @functools.wraps(original_initialize)
+    def _initialize(self, value):
+        original_initialize(self, value)
+        torch_backend.on_variable_created(self)
+
+    original_train_step = torch_trainer.train_step
+
+    @functools.wraps(original_train_step)
+    def train_step(self, data):
+        engine = _torch_engine(self)
+        if engine is None:
+            return original_train_step(self, data)
+        return engine.train_step(self, data)
+
+    # Keras 3.16's torch Trainer all-reduces metric variables itself; for a
+    # model a strategy owns, the engine's one flat reduction replaces it.
+    base_results = base_trainer.get_metrics_result  # reduces nothing
+    owner = torch_trainer if "get_metrics_result" in vars(
+        torch_trainer) else base_trainer
+    original_results = owner.get_metrics_result
+
+    @functools.wraps(original_results)
+    def get_metrics_result(self):
+        engine = _torch_engine(self)
+        if engine is None:
+            return original_results(self)
+        with engine.global_metric_states(self.metrics_variables):
+            results = base_results(self)
+            # A result can be a view of a metric variable (TruePositives'
+            # `accumulator[0]`), and the local values return on exit.
+            return keras.tree.map_structure(
+                lambda v: v.clone() if hasattr(v, "clone") else v, results)
+
+    _patch(torch_variable, "_initialize", _initialize)
+    _patch(torch_trainer, "train_step", train_step)
+    _patch(owner, "get_metrics_result", get_metrics_result)
+
+    initialize_ddp = registry.resolve("TorchTrainer._initialize_ddp")
+    if initialize_ddp is not None:  # Keras 3.16 makes its own DDP
+        @functools.wraps(initialize_ddp)
+        def _initialize_ddp(self):
+            engine = _torch_engine(self)
+            if engine is None:
+                return initialize_ddp(self)
+            if not engine.uses_keras_ddp:
+                return None  # DTensor collectives replace DDP's
+            engine.broadcast_new_variables()
+            result = initialize_ddp(self)
+            engine.hold_ddp(self, self.ddp_model)  # one DDP: Keras' own
+            return result
+
+        _patch(torch_trainer, "_initialize_ddp", _initialize_ddp)
+
+
+def install_sharding() -> None:
+    """7. Sharded layouts on torch (`backend/torch_sharding.py`; installed
+    when the first sharding engine is made, so plain torch runs pay
+    nothing): a built layer's variables become DTensors, an optimizer slot
+    takes its variable's placement, a sharded layer is called with
+    replicated inputs and returns whole outputs, reading or assigning a
+    sharded variable whole works (`get_weights`, `set_weights`), and Keras'
+    torch optimizers update DTensors and tensors in separate `_foreach`
+    groups. `uninstall()` removes them."""
+    global _sharding_installed
+    with _lock:
+        if _sharding_installed:
+            return
+        _sharding_installed = True
+        _install_sharding()
+
+
+def forget() -> None:
+    """Called by `hooks.uninstall` (which restores what was patched): the
+    sharding hooks install again on the next sharding engine."""
+    global _sharding_installed
+    with _lock:
+        _sharding_installed = False
+
+
+def _install_sharding() -> None:
+    registry.check("torch_sharding", [
+        row.key for row in registry.ROWS
+        if "torch_sharding" in row.backends])
+    keras_backend = registry.resolve("keras_backend")
+    torch_package = registry.resolve("torch_package")
+    in_stateless_scope = registry.resolve(
+        "stateless_scope").in_stateless_scope
+    torch_core = registry.resolve("torch_core")
+    layer_class = registry.resolve("Layer")
+    optimizer_class = registry.resolve("BaseOptimizer")
+    torch_variable = registry.resolve("torch_Variable")
+
+    from keras_distribute.backend import torch_variables
+
+    original_post_build = layer_class._post_build
+
+    @functools.wraps(original_post_build)
+    def _post_build(self):
+        original_post_build(self)
+        if not in_stateless_scope():
+            torch_variables.on_layer_built(self)
+
+    original_forward = registry.resolve("TorchLayer").forward
+
+    def forward(self, *args, **kwargs):
+        engine = self.__dict__.get("_kd_sharded_engine")
+        if engine is None:
+            return original_forward(self, *args, **kwargs)
+        return engine.sharded_forward(original_forward, self, args, kwargs)
+
+    original_slot = optimizer_class.add_variable_from_reference
+
+    @functools.wraps(original_slot)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        variable = original_slot(self, reference_variable, *args, **kwargs)
+        torch_variables.on_slot_created(variable, reference_variable)
+        return variable
+
+    original_numpy = torch_core.convert_to_numpy
+
+    @functools.wraps(original_numpy)
+    def convert_to_numpy(x):
+        return original_numpy(torch_variables.whole_value(x))
+
+    original_assign = torch_variable._direct_assign
+
+    @functools.wraps(original_assign)
+    def _direct_assign(self, value):
+        if not torch_variables.assign_sharded(self, value):
+            original_assign(self, value)
+
+    parallel = registry.resolve("TorchParallelOptimizer")
+    original_update = parallel._backend_update_step
+    original_increment = parallel._backend_increment_gradient_accumulators
+
+    def _backend_update_step(self, grads, trainable_variables,
+                             learning_rate):
+        for variables, group in torch_variables.split_sharded(
+                trainable_variables, grads):
+            original_update(self, group, variables, learning_rate)
+
+    def _backend_reset_gradient_accumulators(self):
+        torch_variables.zero_variables(
+            [v for v in self._accumulated_gradients if v is not None])
+
+    def _backend_increment_gradient_accumulators(self, grads, acc_grads):
+        for accumulators, group in torch_variables.split_sharded(acc_grads,
+                                                               grads):
+            original_increment(self, group, accumulators)
+
+    _patch(parallel, "_backend_update_step", _backend_update_step)
+    _patch(parallel, "_backend_reset_gradient_accumulators",
+           _backend_reset_gradient_accumulators)
+    _patch(parallel, "_backend_increment_gradient_accumulators",
+           _backend_increment_gradient_accumulators)
+    _patch(layer_class, "_post_build", _post_build)
+    _patch(registry.resolve("TorchLayer"), "forward", forward)
+    _patch(optimizer_class, "add_variable_from_reference",
+           add_variable_from_reference)
+    for module in (torch_core, torch_package, keras_backend):
+        _patch(module, "convert_to_numpy", convert_to_numpy)
+    _patch(torch_variable, "_direct_assign", _direct_assign)
