@@ -20,6 +20,6 @@ from keras_distribute.horovod_callbacks import LearningRateWarmup  # noqa: F401
 from keras_distribute.horovod_callbacks import MetricAverage  # noqa: F401
 from keras_distribute.launch import PREEMPTION_EXIT_CODE  # noqa: F401
 from keras_distribute.preemption import PreemptionCheckpoint  # noqa: F401
-from keras_distribute.state_callbacks import BackupAndRestore  # noqa: F401
-from keras_distribute.state_callbacks import ShardedCheckpoint  # noqa: F401
+from keras_distribute.backup_callback import BackupAndRestore  # noqa: F401
+from keras_distribute.checkpoint_callback import ShardedCheckpoint  # noqa: F401
 from keras_distribute.ray_callbacks import RayReport  # noqa: F401

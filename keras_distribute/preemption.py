@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any, Optional, Sequence
 
-from keras_distribute.state_callbacks import BackupAndRestore
+from keras_distribute.backup_callback import BackupAndRestore
 from keras_distribute.launch import PREEMPTION_EXIT_CODE
 from keras_distribute.preemption_handler import PreemptionSignals
 

@@ -23,7 +23,7 @@ from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.scheduler_resolvers import ray_train_context
-from keras_distribute.state_callbacks import BackupAndRestore
+from keras_distribute.backup_callback import BackupAndRestore
 
 
 def _ray_context(owner: str) -> Any:
