@@ -117,6 +117,7 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
     """
     names = [str(d) for d in np.asarray(device_mesh.devices).flat]
     expected = device.type
+    prefix = "gpu" if expected == "cuda" else expected  # Keras' spelling
     ranks = []
     for name in names:
         kind, _, index = name.lower().rpartition(":")
@@ -124,11 +125,10 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
             raise ValueError(
                 f"On the torch backend each device of the mesh is one "
                 f"process, named by its device type ({expected!r}) and rank, "
-                f"e.g. '{'gpu' if expected == 'cuda' else expected}:0'. "
-                f"Received: device {name!r} in devices {names}. Build the "
-                "mesh with devices=keras.distribution.list_devices() or "
-                f"[f'{'gpu' if expected == 'cuda' else expected}:{{r}}' for "
-                f"r in range({world_size})].")
+                f"e.g. '{prefix}:0'. Received: device {name!r} in devices "
+                f"{names}. Build the mesh with "
+                "devices=keras.distribution.list_devices() or "
+                f"[f'{prefix}:{{r}}' for r in range({world_size})].")
         ranks.append(int(index))
     if sorted(ranks) != list(range(world_size)):
         raise ValueError(
@@ -175,13 +175,12 @@ class ShardedTorchEngine(TorchEngine):
         # Keras 3.16's ModelParallel, whose dispatch mode makes every tensor
         # of the step a DTensor (docs/keras_versions.md).
         self.distribution = None
+        self.keras_mesh = mesh
         if len(mesh.shape) == 1:  # all model: a batch axis of size 1 first
-            shape = (1, mesh.shape[0])
             self.keras_mesh = DeviceMesh(
-                shape, ["kd_replica"] + list(mesh.axis_names),
-                devices=np.reshape(mesh.devices, shape))
-        else:
-            shape, self.keras_mesh = tuple(mesh.shape), mesh
+                (1, mesh.shape[0]), ["kd_replica"] + list(mesh.axis_names),
+                devices=np.reshape(mesh.devices, (1, mesh.shape[0])))
+        shape = tuple(self.keras_mesh.shape)
         names = list(self.keras_mesh.axis_names)
         self.model_axes = names[1:]
         ranks = mesh_ranks(self.keras_mesh, device, self.world_size)

@@ -72,16 +72,22 @@ def _chief_only_writes(*args, **kwargs):
 context.register_service("chief_only_writes", _chief_only_writes)
 
 
+def _keras_distributes_torch() -> bool:
+    # Keras 3.16's torch Trainer makes its own DDP (`_initialize_ddp`); its
+    # torch backend then has a `distribution_lib`. Absent on 3.15.
+    from keras_distribute.integration import registry
+
+    registry.check("torch", ["TorchTrainer._initialize_ddp"])
+    return registry.resolve("TorchTrainer._initialize_ddp") is not None
+
+
 def _keras_torch_data_parallel(world_size):
     # Keras 3.16 distributes torch itself (its torch `distribution_lib`: DDP
     # on the mesh's process group, metrics reduced over it): a data-parallel
     # torch engine drives a `keras.distribution.DataParallel` over Keras'
     # own device list there, and none before (3.15's torch backend ignores
     # distributions).
-    from keras_distribute.integration import registry
-
-    registry.check("torch", ["TorchTrainer._initialize_ddp"])
-    if registry.resolve("TorchTrainer._initialize_ddp") is None:
+    if not _keras_distributes_torch():
         return None
     import keras
 
@@ -106,12 +112,7 @@ def _keras_torch_mesh(device_mesh):
     # `DeviceMesh.backend_mesh`, `TensorLayout.backend_layout`), so a layout
     # map means on kd what it means to Keras' own `ModelParallel`. None on
     # Keras versions whose torch backend has no distribution.
-    from keras_distribute.integration import registry
-
-    registry.check("torch", ["TorchTrainer._initialize_ddp"])
-    if registry.resolve("TorchTrainer._initialize_ddp") is None:
-        return None
-    return device_mesh.backend_mesh
+    return device_mesh.backend_mesh if _keras_distributes_torch() else None
 
 
 context.register_service("keras_torch_mesh", _keras_torch_mesh)
