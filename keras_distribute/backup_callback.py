@@ -8,14 +8,23 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
 from keras_distribute.integration import training as integration_training
 from keras_distribute.state_callbacks import TrainingStateCallback
 from keras_distribute.training_state import restore_rng
+
+
+# The writer named in every backup's index (see `checkpoint.ownership`):
+# the clean-up deletes only checkpoints that name it.
+BACKUP_OWNER = "keras_distribute.callbacks.BackupAndRestore"
+BACKUP_STEM = "backup"
+_CORRUPT = ".corrupt"  # the suffix of a backup found unreadable
 
 
 class BackupAndRestore(TrainingStateCallback):
@@ -30,8 +39,17 @@ class BackupAndRestore(TrainingStateCallback):
     `restore_best_weights=True`). When `fit` starts again with the same
     callback, it restores the latest backup and skips the epochs and the
     batches already done, so the resumed run ends with the same weights as
-    one never interrupted. The backup is deleted when `fit` completes,
-    unless `delete_checkpoint=False`.
+    one never interrupted. When `fit` completes, the backups this callback
+    wrote are deleted (unless `delete_checkpoint=False`): only `backup-<n>`
+    checkpoints directly in `directory` whose index names this callback as
+    their writer, and `directory` itself only if this callback created it
+    and nothing else is in it. Anything else there (a model you saved,
+    another callback's checkpoints, your files) stays.
+
+    A backup that cannot be read (corrupt, truncated) is moved aside as
+    `<name>.corrupt` and the next older one is used. A model that differs
+    from the backups (another architecture) is not corruption: `fit` stops
+    with a `CheckpointMismatchError` and the backups stay as they are.
 
     Args:
         directory: Where the backups go (one per run).
@@ -44,6 +62,8 @@ class BackupAndRestore(TrainingStateCallback):
     Raises:
         ValueError: for a bad `save_freq` or `directory`; at the start of
             `fit`, for a model that is not built.
+        CheckpointMismatchError: at the start of `fit`, for a model that
+            differs from the one the backups hold.
 
     Example:
 
@@ -71,9 +91,11 @@ class BackupAndRestore(TrainingStateCallback):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._completed = False
+        if self._checkpoint._engine().process_id == 0:
+            ownership.make_directory(self.directory, BACKUP_OWNER)
         self._manager = CheckpointManager(
             self._checkpoint, self.directory, max_to_keep=self.max_to_keep,
-            checkpoint_name="backup")
+            checkpoint_name=BACKUP_STEM, owner=BACKUP_OWNER)
         self._resume = None
         latest = self._restore_newest_readable()
         if latest is None:
@@ -88,9 +110,13 @@ class BackupAndRestore(TrainingStateCallback):
         older ones; returns its path (`None`: no backup, a fresh start).
 
         A corrupt backup is moved aside by the chief (`<name>.corrupt`),
-        never deleted, so that the next backup can take its number.
+        never deleted, so that the next backup can take its number. A
+        model that does not fit a backup stops the search: every backup
+        would fail the same way, and none is corrupt.
 
         Raises:
+            CheckpointMismatchError: if the model differs from the backup's
+                (nothing is restored, renamed or deleted).
             CheckpointError: if backups exist but none is readable.
         """
         # Model and optimizer now; the metric state only when resuming
@@ -104,14 +130,20 @@ class BackupAndRestore(TrainingStateCallback):
             try:
                 # Every variable is assigned again from an older backup, so
                 # a partial read of a corrupt one leaves nothing behind.
-                _Checkpoint(**objects).read(path
-                                            ).assert_existing_objects_matched()
+                _Checkpoint(**objects)._read(path, require_existing=True)
                 self._resume = read_metadata(path)
+            except CheckpointMismatchError as error:
+                raise CheckpointMismatchError(
+                    f"BackupAndRestore cannot resume from {path!r}: {error} "
+                    f"The backups in {self.directory!r} are intact and were "
+                    "left as they are. To resume, build the model as it was "
+                    "when they were written; to train this model afresh, "
+                    "pass another directory.") from None
             except CheckpointError as error:
                 failures.append(f"{path}: {error}")
                 self._manager.forget(path)
                 if self._checkpoint._engine().process_id == 0:
-                    ckpt_format.move_aside(path, ".corrupt")
+                    ckpt_format.move_aside(path, _CORRUPT)
                 continue
             if failures:
                 warnings.warn(
@@ -197,9 +229,18 @@ class BackupAndRestore(TrainingStateCallback):
             return
         try:
             if engine.process_id == 0:
-                # Only our checkpoints: a user's file in the directory stays.
-                ckpt_format.remove_all_in(self.directory)
+                self._remove_own_backups()
         finally:
             # When fit returns anywhere, the backup is gone everywhere (a
             # process that looked at once still saw it on the chief's disk).
             engine.barrier("keras_distribute.BackupAndRestore.deleted")
+
+    def _remove_own_backups(self) -> None:
+        """Chief only: deletes the backups this callback wrote (its owner
+        in their index), then `directory` if it created it and it is empty.
+        Never walks below `directory`, never touches another writer's."""
+        for path in ownership.owned_checkpoints(
+                self.directory, BACKUP_STEM, BACKUP_OWNER,
+                moved_aside=_CORRUPT):
+            ckpt_format.remove(path)
+        ownership.remove_directory(self.directory, BACKUP_OWNER)

@@ -18,11 +18,13 @@ import os
 import tempfile
 from typing import Any, Optional
 
-from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.scheduler_resolvers import ray_train_context
+from keras_distribute.backup_callback import BACKUP_OWNER
+from keras_distribute.backup_callback import BACKUP_STEM
 from keras_distribute.backup_callback import BackupAndRestore
 
 
@@ -107,11 +109,12 @@ class RayReport(BackupAndRestore):
         # Ray's checkpoint is the one to resume from: what an earlier attempt
         # left here was either reported (Ray has it) or never committed.
         if engine.process_id == 0:
-            ckpt_format.remove_all_in(self.directory)
+            self._remove_own_backups()
+            ownership.make_directory(self.directory, BACKUP_OWNER)
         engine.barrier("keras_distribute.RayReport.staging")
         self._manager = CheckpointManager(
             checkpoint, self.directory, max_to_keep=self.max_to_keep,
-            checkpoint_name="backup")
+            checkpoint_name=BACKUP_STEM, owner=BACKUP_OWNER)
         import ray.train
 
         reported = ray.train.get_checkpoint()
@@ -134,6 +137,8 @@ class RayReport(BackupAndRestore):
             return reported.path
         path = os.path.join(self.directory, "from-ray")
         if engine.process_id == 0:
+            # An earlier attempt's download (a backup of ours) is replaced.
+            ownership.remove_owned(path, BACKUP_OWNER)
             reported.to_directory(path)
         engine.barrier("keras_distribute.RayReport.download")
         return path

@@ -546,7 +546,8 @@ def test_backup_falls_back_to_the_older_backup_when_the_newest_is_corrupt(
         resumed = fit(model, [kd.callbacks.BackupAndRestore(backup_dir),
                               keras.callbacks.LambdaCallback(
                                   on_epoch_begin=lambda *_: moved.append(
-                                      sorted(os.listdir(backup_dir))))])
+                                      sorted(n for n in os.listdir(
+                                          backup_dir) if n[0] != ".")))])
     assert moved[0] == ["backup-1", os.path.basename(newest) + ".corrupt"]
     assert len(resumed.history["loss"]) == 2  # epochs 1 and 2 again
     np.testing.assert_allclose(resumed.history["loss"],

@@ -141,3 +141,15 @@ def assign_whole(variable: Any, read_regions: Callable) -> None:
     (`read_regions([region]) -> [array]`)."""
     (value,) = read_regions([whole_region(variable.shape)])
     variable.assign(value)
+
+
+def snapshot_whole(variable: Any) -> Callable[[], None]:
+    """A way back to a variable's current value: returns `put_back()`,
+    which assigns it again (a host copy is held until then). A restore
+    takes one per variable before assigning it, so that a failed restore
+    leaves every variable as it was."""
+    import keras
+    import numpy as np
+
+    value = np.array(keras.ops.convert_to_numpy(variable.value), copy=True)
+    return lambda: variable.assign(value)

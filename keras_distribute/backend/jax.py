@@ -9,6 +9,7 @@ helpers (`jax_run`) and the checkpoint's view of a variable
 
 from keras_distribute.backend.jax_checkpoint import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.jax_checkpoint import checkpoint_pieces  # noqa: F401
+from keras_distribute.backend.jax_checkpoint import checkpoint_snapshot  # noqa: F401
 from keras_distribute.backend.jax_devices import default_devices  # noqa: F401
 from keras_distribute.backend.jax_devices import device_name  # noqa: F401
 from keras_distribute.backend.jax_devices import resolve_device  # noqa: F401

@@ -34,6 +34,30 @@ def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
     return pieces
 
 
+def _held_as(array: np.ndarray, dtype: Any, path: str) -> np.ndarray:
+    """`array` as the dtype JAX holds the variable in. Without x64, JAX
+    holds int64 as int32 (and float64 as float32: rounded, the documented
+    rule); an integer that does not fit is refused, never wrapped."""
+    held = np.asarray(array, dtype)
+    if (held.dtype != array.dtype and held.dtype.kind in "iu"
+            and not np.array_equal(held.astype(array.dtype), array)):
+        raise ValueError(
+            f"The saved values of {path!r} ({array.dtype}) do not fit the "
+            f"{held.dtype} JAX holds this variable in (64-bit types are "
+            "narrowed unless jax_enable_x64 is on). Received values from "
+            f"{array.min()} to {array.max()}. Enable x64 "
+            "(jax.config.update('jax_enable_x64', True)) before creating "
+            "the model to restore them.")
+    return held
+
+
+def checkpoint_snapshot(variable: Any) -> Callable[[], None]:
+    """`put_back()` for a variable's current value: a JAX array is never
+    changed in place, so holding it costs nothing."""
+    value = variable.value
+    return lambda: variable.assign(value)
+
+
 def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
     """Restores a variable by reading only each local device's slice."""
     value = variable.value
@@ -44,7 +68,9 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
                for device, index in devices.items()}
     unique = sorted(set(regions.values()))
     arrays = dict(zip(unique, read_regions(unique)))
-    pieces = [jax.device_put(np.asarray(arrays[regions[device]], value.dtype),
-                             device) for device in devices]
+    held = {region: _held_as(array, value.dtype, variable.path)
+            for region, array in arrays.items()}
+    pieces = [jax.device_put(held[regions[device]], device)
+              for device in devices]
     variable.assign(jax.make_array_from_single_device_arrays(
         shape, sharding, pieces))

@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_distribute.backend import tf_cluster
 from keras_distribute.backend import tf_fit
 from keras_distribute.backend.tf_checkpoint import checkpoint_assign  # noqa: F401
+from keras_distribute.backend.tf_checkpoint import checkpoint_snapshot  # noqa: F401
 from keras_distribute.backend.tf_checkpoint import checkpoint_value  # noqa: F401
 from keras_distribute.backend.tf_cluster import bounded_multi_worker_strategy
 from keras_distribute.backend.tf_devices import default_devices  # noqa: F401

@@ -27,6 +27,31 @@ def checkpoint_value(variable: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def checkpoint_snapshot(variable: Any):
+    """`put_back()` for a variable's current value. Each replica's component
+    is held as it is (a sync-on-read metric variable's parts differ), as a
+    tensor: TensorFlow copies a buffer before an assignment would write
+    into one that is still read (copy-on-write), so this copies nothing
+    unless the restore assigns."""
+    value = getattr(variable, "_value", None)
+    with tf.init_scope():
+        if isinstance(value, tf_values.DistributedValues):
+            components = list(value.values)
+            held = [tf.identity(component) for component in components]
+
+            def put_back():
+                with tf.init_scope():
+                    for component, old in zip(components, held):
+                        component.assign(old)
+            return put_back
+        old = tf.identity(variable.value)
+
+    def put_back_whole():
+        with tf.init_scope():
+            variable.assign(old)
+    return put_back_whole
+
+
 def checkpoint_assign(variable: Any, read_regions) -> None:
     """Assigns a variable's restored value, now.
 

@@ -27,6 +27,7 @@ from keras_distribute.backend.torch_training import apply_gradients  # noqa: F40
 from keras_distribute.backend.torch_training import value_and_gradients  # noqa: F401
 from keras_distribute.backend.torch_variables import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.torch_variables import checkpoint_pieces  # noqa: F401
+from keras_distribute.backend.torch_variables import checkpoint_snapshot  # noqa: F401
 from keras_distribute.layouts import sharded_axes
 
 name = "torch"

@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import keras
 
 from keras_distribute.backend.interface import assign_whole
+from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.backend.interface import whole_region
 
 
@@ -71,6 +72,24 @@ def host_view(tensor: Any) -> np.ndarray:
 
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return tensor.numpy()
+
+
+def checkpoint_snapshot(variable: Any) -> Callable[[], None]:
+    """`put_back()` for a variable's current value (this process's part of
+    a sharded one): a copy, since a restore reads straight into a plain
+    CPU variable's memory."""
+    value = variable._value if isinstance(variable, keras.Variable) else None
+    if _is_dtensor(value):
+        local = value.to_local().detach().clone()
+        return lambda: assign_piece(variable, local)
+    if isinstance(value, torch.Tensor):
+        old = value.detach().clone()
+
+        def put_back():
+            with torch.no_grad():
+                variable._value.copy_(old)
+        return put_back
+    return snapshot_whole(variable)
 
 
 def checkpoint_assign(variable: Any, read_regions: Callable) -> None:

@@ -4,9 +4,11 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.committed import checkpoints_in
+from keras_distribute.checkpoint.format import check_metadata
 
 
 class CheckpointManager:
@@ -18,6 +20,13 @@ class CheckpointManager:
     that with `keep_every_n_steps` one checkpoint every that many steps is
     kept for good. A failed save deletes nothing. Saves left unfinished by
     an earlier, interrupted run are removed when the manager is created.
+
+    Ownership: every checkpoint it writes records `owner` in its index, and
+    it deletes only checkpoints recorded with its `owner` (another
+    writer's, e.g. `ShardedCheckpoint.save`'s or another manager's in the
+    same directory, stay). A new checkpoint is numbered after the highest
+    `<checkpoint_name>-<number>` already in the directory, so a manager
+    that did not restore first never replaces an earlier run's checkpoint.
 
     Args:
         checkpoint: The `ShardedCheckpoint` to save and restore.
@@ -33,6 +42,9 @@ class CheckpointManager:
             `None` otherwise), as `tf.train.CheckpointManager`.
         init_fn: Called by `restore_or_initialize` when there is no
             checkpoint to restore.
+        owner: The name recorded in each checkpoint it writes; it deletes
+            only checkpoints recorded with this owner. Defaults to
+            `"CheckpointManager/<checkpoint_name>"`.
 
     Raises:
         ValueError: for a non-positive `max_to_keep`, `keep_every_n_steps`
@@ -60,7 +72,8 @@ class CheckpointManager:
                  checkpoint_name: str = "ckpt",
                  step_counter: Any = None,
                  checkpoint_interval: Optional[int] = None,
-                 init_fn: Optional[Callable[[], Any]] = None):
+                 init_fn: Optional[Callable[[], Any]] = None,
+                 owner: Optional[str] = None):
         if not isinstance(checkpoint, ShardedCheckpoint):
             raise ValueError(
                 "Expected a kd.checkpoint.ShardedCheckpoint. Received: "
@@ -77,6 +90,10 @@ class CheckpointManager:
             raise ValueError(
                 "checkpoint_name must be a plain, non-empty name. Received: "
                 f"checkpoint_name={checkpoint_name!r}.")
+        if owner is not None and (not isinstance(owner, str) or not owner):
+            raise ValueError(
+                "owner must be a non-empty string (a name recorded in each "
+                f"checkpoint). Received: owner={owner!r}.")
         if checkpoint_interval is not None and step_counter is None:
             raise ValueError(
                 "checkpoint_interval counts steps of step_counter: pass "
@@ -94,6 +111,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.checkpoint_name = checkpoint_name
+        self.owner = owner or f"CheckpointManager/{checkpoint_name}"
         self._is_chief = checkpoint._engine().process_id == 0
         if self._is_chief:
             os.makedirs(self.directory, exist_ok=True)
@@ -158,7 +176,9 @@ class CheckpointManager:
             skipped it.
 
         Raises:
-            ValueError: if `checkpoint_number` is not after the latest one.
+            ValueError: if `checkpoint_number` is not after the latest one
+                (or after a `<checkpoint_name>-<n>` already in the
+                directory), or `metadata` is not JSON-able.
         """
         if checkpoint_number is not None:
             checkpoint_number = int(checkpoint_number)
@@ -169,30 +189,36 @@ class CheckpointManager:
                     step < self._last_saved_step + self.checkpoint_interval):
                 return None
         self._settle()
-        latest = self.latest_checkpoint
-        if checkpoint_number is not None and latest is not None and (
-                checkpoint_number <= _number(latest)):
-            raise ValueError(
-                f"checkpoint_number must grow: the latest checkpoint is "
-                f"{latest!r}. Received: checkpoint_number={checkpoint_number}.")
+        check_metadata(metadata)
         self.checkpoint.sync()  # re-raises a failed background save
-        number = (self.checkpoint.save_counter + 1 if checkpoint_number is None
-                  else checkpoint_number)
+        free = self.checkpoint._next_number(self.directory,
+                                            self.checkpoint_name)
+        if checkpoint_number is not None and checkpoint_number < free:
+            raise ValueError(
+                f"checkpoint_number must grow: it must be after the latest "
+                f"checkpoint ({self.latest_checkpoint!r}) and every "
+                f"'{self.checkpoint_name}-<n>' already in {self.directory!r} "
+                f"(the next free number is {free}); a save never replaces "
+                f"one. Received: checkpoint_number={checkpoint_number}.")
+        number = free if checkpoint_number is None else checkpoint_number
         path = os.path.join(self.directory, f"{self.checkpoint_name}-{number}")
         kept_before = (list(self._checkpoints), self._last_kept_for_good)
+        counter = self.checkpoint.save_counter
         to_delete = self._track(path)
-        self.checkpoint.save_counter += 1
+        self.checkpoint.save_counter = (
+            number if checkpoint_number is None else counter + 1)
         try:
             # Old checkpoints go only once the new one is committed (in the
             # background with an asynchronous save); never after a failure.
             written = self.checkpoint._write(
-                path, options, metadata, on_commit=self._deleter(to_delete))
+                path, options, metadata, on_commit=self._deleter(to_delete),
+                owner=self.owner)
             self._last_saved_step = step
             if self.checkpoint._pending is not None:  # in the background
                 self._in_flight = (path, kept_before, self.checkpoint._pending)
             return written
         except BaseException:
-            self.checkpoint.save_counter -= 1
+            self.checkpoint.save_counter = counter
             self._checkpoints, self._last_kept_for_good = kept_before
             raise
 
@@ -217,8 +243,8 @@ class CheckpointManager:
     def _deleter(self, paths: List[str]):
         def delete():
             if self._is_chief:
-                for path in paths:
-                    ckpt_format.remove(path)
+                for path in paths:  # only what this manager's owner wrote
+                    ownership.remove_owned(path, self.owner)
         return delete
 
     def sync(self) -> None:

@@ -53,6 +53,54 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unfinished, corrupt or does not fit."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint that does not fit the objects restored into it
+    (another architecture: a variable's shape differs). Not corruption:
+    nothing is renamed or deleted because of it."""
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_metadata(metadata: Any) -> None:
+    """Raises `ValueError` unless `metadata` is a dict of JSON values with
+    string keys (what the index can hold and give back unchanged); checked
+    before anything is written.
+
+    Raises:
+        ValueError: naming the first entry that is not JSON-able.
+    """
+    def check(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ValueError(
+                        f"metadata keys must be strings. Received: a "
+                        f"{type(key).__name__} key {key!r} in {where}. Use "
+                        "str(key).")
+                check(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for number, item in enumerate(value):
+                check(item, f"{where}[{number}]")
+        elif not isinstance(value, _JSON_SCALARS):
+            hint = (" (a numpy scalar: use .item())"
+                    if hasattr(value, "item") and hasattr(value, "dtype")
+                    else "")
+            raise ValueError(
+                "metadata must hold JSON values (dicts with string keys, "
+                "lists, strings, numbers, booleans, None). Received: "
+                f"{where}={value!r} of type {type(value).__name__}{hint}. "
+                "Nothing was written.")
+
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise ValueError(
+            "metadata must be a dict of JSON values. Received: "
+            f"metadata={type(metadata).__name__}.")
+    check(metadata, "metadata")
+
+
 def new_digest(field: str) -> Any:
     """A streaming hash (`update`, `hexdigest`) for a piece's checksum
     `field` ("xxh3_128" or "sha256")."""
@@ -439,22 +487,6 @@ def move_aside(path: str, suffix: str) -> str:
         target = f"{path}{suffix}-{number}"
     os.replace(path, target)
     return target
-
-
-def remove_all_in(directory: str) -> None:
-    """Deletes the checkpoints and temporaries in `directory` (and its
-    sub-directories), then each directory left empty; anything else (a
-    user's file) stays, with the directories that hold it."""
-    if os.path.islink(directory) or not os.path.isdir(directory):
-        return
-    for name in os.listdir(directory):
-        full = os.path.join(directory, name)
-        if _is_ours(full):
-            shutil.rmtree(full, ignore_errors=True)
-        elif os.path.isdir(full):
-            remove_all_in(full)
-    if not os.listdir(directory):
-        os.rmdir(directory)
 
 
 def clean_unfinished(directory: str) -> List[str]:

@@ -61,6 +61,13 @@ def load(iterator: Any, state: np.ndarray, name: str) -> None:
         raise CheckpointError(str(error)) from error
 
 
+def snapshot(iterator: Any):
+    """`put_back()`: puts `iterator` where it is now (a restore that fails
+    after restoring it leaves it as it was)."""
+    state = save(iterator)
+    return lambda: load(iterator, state, "(its own state)")
+
+
 def state_key(name: str, process_id: int) -> str:
     """The checkpoint key of process `process_id`'s iterator `name`."""
     return _PROCESS_KEY.format(name=name, process_id=process_id)

@@ -120,6 +120,13 @@ def host_array_entries(holders: Dict[str, Any],
     return entries
 
 
+def snapshot_host_arrays(holder: Any):
+    """`put_back()`: gives a host-array holder its current arrays again."""
+    arrays = {key: np.array(array, copy=True)
+              for key, array in holder._host_arrays().items()}
+    return lambda: holder._restore_host_arrays(arrays)
+
+
 def restore_host_arrays(path: str, saved: Dict[str, Any],
                         holders: Dict[str, Any]) -> Set[str]:
     """Gives each holder its saved arrays; returns the keys consumed."""
@@ -217,6 +224,13 @@ def variable_entries(variables: Dict[str, Any], backend: Any,
             # read is a collective every worker must join)
             pieces = whole_value(variable, backend)
             pieces = pieces if process_id == writers[key] else []
+        declared = numpy_dtype(dtype_name(variable))
+        if any(np.asarray(array).dtype != declared for _, array in pieces):
+            # A backend that holds the variable narrower (JAX without x64:
+            # int64 as int32, float64 as float32) or wider: the file holds
+            # the declared dtype, so every backend reads what it declares.
+            pieces = [(region, np.asarray(array).astype(declared))
+                      for region, array in pieces]
         if buffers is not None:
             pieces = [(region, buffers.copy(key, number, array))
                       for number, (region, array) in enumerate(pieces)]

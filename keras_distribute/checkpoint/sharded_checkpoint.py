@@ -10,12 +10,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 
 from keras_distribute.backend.interface import assign_whole
+from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
+from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import progress
 from keras_distribute.checkpoint import saved_objects
 from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
 from keras_distribute.checkpoint.options import CheckpointOptions
@@ -225,12 +228,16 @@ class ShardedCheckpoint:
 
     def _write(self, path: str, options: Optional[CheckpointOptions],
                metadata: Optional[Dict[str, Any]],
-               on_commit: Optional[Callable[[], None]] = None) -> str:
-        """`write`; the chief calls `on_commit()` once `path` is committed."""
+               on_commit: Optional[Callable[[], None]] = None,
+               owner: Optional[str] = None) -> str:
+        """`write`; the chief calls `on_commit()` once `path` is committed.
+        `owner`: recorded in the index (see `ownership`): who may delete
+        the checkpoint later."""
         from keras_distribute.backend import get_backend
 
         started = time.perf_counter()
         options = options or CheckpointOptions()
+        ckpt_format.check_metadata(metadata)
         self.sync()  # one save at a time; re-raises a failed background one
         path = os.path.abspath(path)
         engine = self._engine()
@@ -260,6 +267,8 @@ class ShardedCheckpoint:
             "mesh_shape": list(mesh.shape) if mesh is not None else None,
             "metadata": dict(metadata or {}),
         }
+        if owner is not None:
+            index_metadata["owner"] = owner
         finish = functools.partial(
             _finish_save, path, entries, process_id, process_count,
             index_metadata, options, on_commit, started)
@@ -278,6 +287,10 @@ class ShardedCheckpoint:
              metadata: Optional[Dict[str, Any]] = None) -> str:
         """Writes `<file_prefix>-<n>`, numbered by `save_counter`.
 
+        The number is one more than `save_counter` and than every
+        `<file_prefix>-<n>` already there: a save never replaces an earlier
+        run's checkpoint (`save_counter` takes the number written).
+
         Args:
             file_prefix: Directory and name stem, e.g. `"/tmp/ckpt/run"`.
             options: A `CheckpointOptions` (e.g. asynchronous writing).
@@ -291,13 +304,25 @@ class ShardedCheckpoint:
     def _save(self, file_prefix: str, options, metadata,
               on_commit: Optional[Callable[[], None]] = None) -> str:
         self.sync()
-        self.save_counter += 1
+        directory, stem = os.path.split(os.path.abspath(file_prefix))
+        counter = self.save_counter
+        self.save_counter = self._next_number(directory, stem)
         try:
             return self._write(f"{file_prefix}-{self.save_counter}", options,
                                metadata, on_commit)
         except BaseException:
-            self.save_counter -= 1
+            self.save_counter = counter
             raise
+
+    def _next_number(self, directory: str, stem: str) -> int:
+        """The number of the next `<stem>-<number>` save in `directory`:
+        after `save_counter` and after every such name already there, as
+        the chief sees it (the same in every process)."""
+        number = ownership.next_number(directory, stem, self.save_counter)
+        engine = self._engine()
+        if engine.process_count > 1:
+            number = int(engine.broadcast_text(str(number)))
+        return number
 
     def _then(self, fn: Callable[[], None]) -> None:
         """Runs `fn` once the pending save succeeded (now if none is)."""
@@ -329,7 +354,10 @@ class ShardedCheckpoint:
         """Restores every variable the checkpoint at `path` holds.
 
         Objects whose variables do not exist yet are restored when they are
-        created (see `LoadStatus.assert_consumed`).
+        created (see `LoadStatus.assert_consumed`). A restore is all or
+        nothing: if any piece fails (a checksum, a truncated file, a shape
+        that differs), every variable, iterator and array restored so far is
+        put back, so the objects are exactly as before the call.
 
         Args:
             path: A committed checkpoint directory, or `None` (nothing is
@@ -342,9 +370,19 @@ class ShardedCheckpoint:
             for `None` an `InitializationOnlyStatus`.
 
         Raises:
-            CheckpointError: if `path` is not a committed checkpoint, a file
-                is corrupt, or a variable's shape differs from the saved one.
+            CheckpointMismatchError: if a variable's shape differs from the
+                saved one (the model differs; nothing is restored).
+            CheckpointError: if `path` is not a committed checkpoint or a
+                file is corrupt (nothing is restored).
         """
+        return self._read(path, options)
+
+    def _read(self, path: str, options: Optional[CheckpointOptions] = None,
+              require_existing: bool = False) -> LoadStatus:
+        """`read`; with `require_existing`, a variable of the objects that
+        the checkpoint lacks is a `CheckpointMismatchError` raised before
+        anything is assigned (`assert_existing_objects_matched`, checked
+        first)."""
         started = time.perf_counter()
         self.sync()
         if path is None:
@@ -354,24 +392,50 @@ class ShardedCheckpoint:
         self._bytes_read = 0
         by_object = self._variables_by_object()
         leaves = self._leaf_objects()
+        ready, deferred = {}, []
         for name, variables in by_object.items():
-            wanted = saved_objects.saved_keys_of(saved, name)
-            obj = leaves[name]
-            if not _ready(obj, variables, wanted):
-                self._deferred[name] = (path, saved)  # not created yet
-                _waiting.add(self)
-                _install_deferred_hooks()
-                continue
-            self._deferred.pop(name, None)
-            self._restore(path, saved, variables)
-        restored = {key for name, variables in by_object.items()
-                    if name not in self._deferred for key in variables}
+            if _ready(leaves[name], variables,
+                      saved_objects.saved_keys_of(saved, name)):
+                ready.update(variables)
+            else:
+                deferred.append(name)  # not created yet
+        missing = sorted(key for key in ready if key not in saved)
+        if require_existing and missing:
+            raise CheckpointMismatchError(
+                f"The checkpoint {path!r} holds no value for {missing[:10]}: "
+                "the objects differ from the ones saved. Nothing was "
+                "restored.")
         engine = self._engine()
-        restored |= iterator_state.restore_all(
-            path, saved, self._iterators(), engine.process_id,
-            engine.process_count)
-        restored |= saved_objects.restore_host_arrays(
-            path, saved, self._host_array_holders())
+        restored = set(ready)
+        iterators = self._iterators()
+        holders = self._host_array_holders()
+
+        def restore_the_rest():
+            # Inside the all-or-nothing restore: a failure here puts the
+            # variables back too (and the iterators and arrays restored).
+            undo = [iterator_state.snapshot(iterator)
+                    for iterator in iterators.values()]
+            undo += [saved_objects.snapshot_host_arrays(holder)
+                     for holder in holders.values()]
+            try:
+                restored.update(iterator_state.restore_all(
+                    path, saved, iterators, engine.process_id,
+                    engine.process_count))
+                restored.update(saved_objects.restore_host_arrays(
+                    path, saved, holders))
+            except BaseException:
+                for put_back in reversed(undo):
+                    put_back()
+                raise
+
+        self._restore(path, saved, ready, then=restore_the_rest)
+        for name in by_object:
+            self._deferred.pop(name, None)
+        for name in deferred:
+            self._deferred[name] = (path, saved)
+        if deferred:
+            _waiting.add(self)
+            _install_deferred_hooks()
         deferred_keys = {key for name in self._deferred
                          for key in saved_objects.saved_keys_of(saved, name)}
         progress.report((options or CheckpointOptions()).verbose, "restored",
@@ -381,24 +445,57 @@ class ShardedCheckpoint:
             sorted(set(saved) - restored - deferred_keys),
             sorted(restored - set(saved)), checkpoint=self)
 
-    def _restore(self, path: str, saved: dict, variables: Dict[str, Any]):
+    def _restore(self, path: str, saved: dict, variables: Dict[str, Any],
+                 then: Optional[Callable[[], None]] = None) -> None:
+        """Assigns `variables` their saved values, all or nothing.
+
+        Every shape is checked before anything is assigned; each variable's
+        value is held (the backend's `checkpoint_snapshot`) before it is
+        assigned, and on any failure — a corrupt piece, a truncated file,
+        an error of `then()` (run last, inside the same all-or-nothing) —
+        every variable assigned so far is put back, so the objects are
+        exactly as before and the error says so.
+
+        Raises:
+            CheckpointMismatchError: if a variable's shape differs from the
+                saved one (nothing is assigned).
+            CheckpointError: if a piece cannot be read or verified.
+        """
         from keras_distribute.backend import get_backend
 
-        assign = getattr(get_backend(), "checkpoint_assign",
-                         assign_whole)
+        planned = []
         for key, variable in variables.items():
             record = saved.get(key)
             if record is None:
                 continue
             if tuple(record["shape"]) != tuple(variable.shape):
-                raise CheckpointError(
+                raise CheckpointMismatchError(
                     f"The checkpoint's {key!r} ({record.get('path')}) has "
                     f"shape {tuple(record['shape'])} but the variable "
-                    f"{variable.path!r} has {tuple(variable.shape)}. Build the "
-                    "model as it was when saved.")
-            assign(variable, lambda regions, into=None, record=record: (
-                self._count_read(reading.read_regions(path, record, regions,
-                                                      into))))
+                    f"{variable.path!r} has {tuple(variable.shape)}: the "
+                    "model differs from the one saved. Nothing was "
+                    "restored. Build the model as it was when saved.")
+            planned.append((variable, record))
+        backend = get_backend()
+        assign = getattr(backend, "checkpoint_assign", assign_whole)
+        snapshot = getattr(backend, "checkpoint_snapshot", snapshot_whole)
+        undo = []
+        try:
+            for variable, record in planned:
+                undo.append(snapshot(variable))
+                assign(variable, lambda regions, into=None, record=record: (
+                    self._count_read(reading.read_regions(path, record,
+                                                          regions, into))))
+            if then is not None:
+                then()
+        except BaseException as error:
+            for put_back in reversed(undo):
+                put_back()
+            if isinstance(error, CheckpointError):
+                raise type(error)(
+                    f"{error} Nothing was restored from {path!r}: every "
+                    "object holds the values it had before.") from None
+            raise
 
     def _count_read(self, arrays: List[Any]) -> List[Any]:
         self._bytes_read += sum(array.nbytes for array in arrays)

@@ -74,8 +74,9 @@ def validate_index(index: Any, index_path: str) -> None:
     if mesh is not None and not (isinstance(mesh, list) and all(
             _is_int(n) and n >= 0 for n in mesh)):
         _fail(index_path, "mesh_shape", "a list of integers or null", mesh)
-    if not isinstance(index.get("backend"), (str, type(None))):
-        _fail(index_path, "backend", "a string", index["backend"])
+    for field in ("backend", "owner"):
+        if not isinstance(index.get(field), (str, type(None))):
+            _fail(index_path, field, "a string", index[field])
     for key, record in index["variables"].items():
         validate_record(record, index_path, f"variables/{key}")
 
