@@ -314,7 +314,7 @@ def test_an_index_that_is_not_an_object_is_refused(written):
         read_all(path)
     with open(os.path.join(path, "index.json"), "w") as f:
         f.write("[" * 100000)
-    with pytest.raises(CheckpointError, match="corrupt"):
+    with pytest.raises(CheckpointError, match="dense with empty objects"):
         read_all(path)
 
 
@@ -331,6 +331,90 @@ def test_overlapping_pieces_are_refused(written):
 
     edit_index(path, edit)
     with pytest.raises(CheckpointError, match="disjoint pieces"):
+        read_all(path)
+
+
+def test_duplicate_grid_pieces_are_refused(written):
+    path, _, _ = written
+
+    def edit(index):  # rows 0:3 twice for a 6-row variable
+        pieces = index["variables"]["w"]["pieces"]
+        pieces[0]["slice"] = [[0, 3], [0, 4]]
+        pieces[1]["slice"] = [[0, 3], [0, 4]]
+
+    edit_index(path, edit)
+    with pytest.raises(CheckpointError, match="disjoint pieces"):
+        read_all(path)
+
+
+def _many_pieces(index, count, grid=True):
+    """`w` cut into `count` pieces along axis 1 (a grid), or into pieces
+    of two widths staggered over two rows (not a grid)."""
+    record = index["variables"]["w"]
+    template = record["pieces"][0]
+    if grid:
+        record["shape"] = [1, count]
+        slices = [[[0, 1], [i, i + 1]] for i in range(count)]
+    else:  # row 0 in pieces of 2, row 1 offset by one: no common grid
+        record["shape"] = [2, count]
+        slices = ([[[0, 1], [i, i + 2]] for i in range(0, count, 2)]
+                  + [[[1, 2], [0, 1]]]
+                  + [[[1, 2], [i, i + 2]] for i in range(1, count - 1, 2)]
+                  + [[[1, 2], [count - 1, count]]])
+    record["pieces"] = [dict(template, slice=s) for s in slices]
+
+
+@pytest.mark.timeout(120)  # the former pairwise check took ~90 minutes
+def test_the_tiling_check_of_65536_pieces_is_linear(written):
+    path, _, _ = written
+    edit_index(path, lambda index: _many_pieces(index, 1 << 16))
+    assert dict(ckpt.list_variables(path))["w"] == (1, 1 << 16)
+
+
+def test_many_pieces_off_a_grid_are_refused(written):
+    path, _, _ = written
+    edit_index(path, lambda index: _many_pieces(index, 600, grid=False))
+    with pytest.raises(CheckpointError, match="pieces on a grid"):
+        ckpt.list_variables(path)
+    edit_index(path, lambda index: _many_pieces(index, 40, grid=False))
+    assert dict(ckpt.list_variables(path))["w"] == (2, 40)
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: {"format": fmt.FORMAT, "variables": {
+        f"k{i}": {} for i in range(n)}},
+    lambda n: {"format": fmt.FORMAT, "variables": {}, "x": [{}] * n},
+    lambda n: {"format": fmt.FORMAT, "variables": {}, "x": [[]] * n},
+], ids=["empty-objects", "list-of-objects", "list-of-lists"])
+def test_an_index_dense_with_tiny_values_is_refused_within_bounded_memory(
+        written, make):
+    import tracemalloc
+
+    path, _, _ = written
+    raw = json.dumps(make(1_000_000), separators=(",", ":")).encode()
+    with open(os.path.join(path, "index.json"), "wb") as f:
+        f.write(raw)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="dense with empty objects"):
+            ckpt.list_variables(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(raw)  # the raw bytes and little more
+
+
+def test_a_shape_numpy_cannot_address_is_refused_with_its_entry(written):
+    path, _, _ = written
+
+    def edit(index):
+        index["variables"]["empty"]["shape"] = [0, 2 ** 62]
+        index["variables"]["empty"]["pieces"][0]["slice"] = [[0, 0],
+                                                             [0, 2 ** 62]]
+
+    edit_index(path, edit)
+    with pytest.raises(CheckpointError,
+                       match="malformed at 'variables/empty/shape'"):
         read_all(path)
 
 
@@ -390,7 +474,8 @@ def test_backup_cleanup_keeps_a_users_files(tmp_path):
 _POOL = [None, -1, 0, 1, 3, 2**63, 10**12, 1.5, True, "", "../x", "/etc/passwd",
          "shards-00001.h5", "shards-99999.h5", "v0/p1", "v9/p9", "object",
          "float64", "int32", "bfloat16", "|O", "V8", [], {}, [0], [[0, 10**9]],
-         [[0, 2], [0, 4]], "0" * 64]
+         [[0, 2], [0, 4]], "0" * 64, [0, 2 ** 62], [2 ** 40, 2 ** 40],
+         [[0, 0], [0, 2 ** 62]]]
 
 
 def _paths(node, prefix=()):

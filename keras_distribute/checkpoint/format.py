@@ -43,8 +43,22 @@ INDEX = "index.json"
 # Written into every save's temporary directory: only a directory holding it
 # (or a committed index) is ever deleted by a save or a clean-up.
 TEMPORARY_MARKER = ".keras_distribute-temporary"
-# A larger index.json is not read (a real one holds ~200 bytes per piece).
-_MAX_INDEX_BYTES = 1 << 30
+# A larger index.json is not read (a real one holds ~230 bytes per piece:
+# this is over a million pieces).
+_MAX_INDEX_BYTES = 1 << 28
+# Parsing may take at most this many times the index's bytes, plus a little
+# (`parsing_cost`); kd's own indexes take about 6 (12 written compactly).
+_MAX_PARSE_FACTOR = 16
+_PARSE_ALLOWANCE = 1 << 22
+
+
+def parsing_cost(raw: bytes) -> int:
+    """An upper bound of the bytes Python's `json.loads(raw)` allocates
+    (measured: 1.2 to 5.6 times the real peak, for kd's indexes and for
+    indexes of many empty objects, lists, strings or numbers): 120 per
+    object or list, 64 per value separator, plus the text itself."""
+    return (120 * (raw.count(b"{") + raw.count(b"["))
+            + 64 * (raw.count(b",") + raw.count(b":")) + len(raw))
 
 Slice = Tuple[Tuple[int, int], ...]
 
@@ -212,13 +226,49 @@ def is_checkpoint(path: str) -> bool:
             index) or not os.path.isfile(index):
         return False
     try:
-        if os.path.getsize(index) > _MAX_INDEX_BYTES:
-            return False
-        with open(index, "rb") as f:
-            content = json.loads(f.read())
-    except (OSError, ValueError, RecursionError):
+        content = load_index_json(index)
+    except CheckpointError:
         return False
     return isinstance(content, dict) and content.get("format") == FORMAT
+
+
+def load_index_json(index_path: str) -> Any:
+    """The parsed JSON of an index file, read only within bounds: at most
+    `_MAX_INDEX_BYTES`, and only if parsing it takes at most
+    `_MAX_PARSE_FACTOR` times its size (`parsing_cost`).
+
+    Raises:
+        CheckpointError: for an index that is unreadable, too large, too
+            dense to parse within those bounds, or not JSON.
+    """
+    try:
+        with open(index_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            # (read(n) allocates n bytes up front: the size, not the limit)
+            raw = f.read(min(size, _MAX_INDEX_BYTES) + 1)
+    except OSError as error:
+        raise CheckpointError(
+            f"The index {index_path!r} cannot be read ({error.strerror}). "
+            "Restore an earlier checkpoint.") from None
+    if len(raw) > _MAX_INDEX_BYTES:
+        raise CheckpointError(
+            f"The index {index_path!r} is more than the {_MAX_INDEX_BYTES} "
+            "bytes this reader accepts: it is not an index keras_distribute "
+            "wrote.")
+    cost = parsing_cost(raw)
+    if cost > _MAX_PARSE_FACTOR * len(raw) + _PARSE_ALLOWANCE:
+        raise CheckpointError(
+            f"The index {index_path!r} ({len(raw)} bytes) would take about "
+            f"{cost} bytes of memory to parse, more than {_MAX_PARSE_FACTOR} "
+            "times its size: it is dense with empty objects, lists or tiny "
+            "values, not an index keras_distribute wrote. Restore an "
+            "earlier checkpoint.")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(
+            f"The index {index_path!r} is corrupt ({type(error).__name__}: "
+            f"{str(error)[:200]}). Restore an earlier checkpoint.") from None
 
 
 def _is_ours(path: str) -> bool:

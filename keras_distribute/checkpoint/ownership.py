@@ -16,7 +16,6 @@ is numbered after the highest `<stem>-<number>` already in the directory,
 whoever wrote it (`next_number`).
 """
 
-import json
 import os
 import re
 from typing import List, Optional
@@ -35,10 +34,11 @@ def owner_of(path: str) -> Optional[str]:
     if not ckpt_format.is_checkpoint(path):
         return None
     try:
-        with open(os.path.join(path, ckpt_format.INDEX), "rb") as f:
-            owner = json.loads(f.read()).get("owner")
-    except (OSError, ValueError, RecursionError):
+        index = ckpt_format.load_index_json(
+            os.path.join(path, ckpt_format.INDEX))
+    except ckpt_format.CheckpointError:
         return None
+    owner = index.get("owner") if isinstance(index, dict) else None
     return owner if isinstance(owner, str) else None
 
 

@@ -13,7 +13,6 @@ read touches a file outside the directory, runs code, or allocates more
 than the files justify. Every refusal is a `CheckpointError`.
 """
 
-import json
 import os
 import stat
 from typing import Any, Dict, Iterable, List, Optional
@@ -27,7 +26,7 @@ from keras_distribute.checkpoint.format import CHECKSUM_FIELDS
 from keras_distribute.checkpoint.format import INDEX
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import Slice
-from keras_distribute.checkpoint.format import _MAX_INDEX_BYTES
+from keras_distribute.checkpoint.format import load_index_json
 from keras_distribute.checkpoint.format import new_digest
 from keras_distribute.checkpoint.format import numpy_dtype
 from keras_distribute.checkpoint.format import recover
@@ -51,18 +50,7 @@ def read_index(path: str) -> dict:
             "kd.checkpoint.latest_checkpoint(directory) to find the last "
             "complete one.")
     _check_regular_file(path, INDEX, INDEX)
-    if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
-        raise CheckpointError(
-            f"The index {index_path!r} is {os.path.getsize(index_path)} "
-            f"bytes, more than the {_MAX_INDEX_BYTES} this reader accepts: "
-            "it is not an index keras_distribute wrote.")
-    try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read())
-    except (OSError, ValueError, RecursionError) as error:
-        raise CheckpointError(
-            f"The index {index_path!r} is corrupt ({type(error).__name__}: "
-            f"{str(error)[:200]}). Restore an earlier checkpoint.") from None
+    index = load_index_json(index_path)
     validation.validate_index(index, index_path)
     return index
 

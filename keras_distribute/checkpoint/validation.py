@@ -26,6 +26,8 @@ CHECKSUMS = {field: re.compile(f"[0-9a-f]{{{length}}}")
              for field, length in CHECKSUM_FIELDS.items()}
 _MAX_RANK = 64
 _MAX_PIECES = 1 << 16
+# No array of more elements can be allocated (numpy refuses 2**63 bytes).
+_MAX_ELEMENTS = 1 << 56
 
 
 def _is_int(value: Any) -> bool:
@@ -90,6 +92,13 @@ def validate_record(record: Any, index_path: str, entry: str) -> None:
             _is_int(n) and n >= 0 for n in shape):
         _fail(index_path, f"{entry}/shape",
               "a list of non-negative integers", shape)
+    extent = 1  # what numpy must address, zero-sized dimensions aside
+    for n in shape:
+        extent *= max(n, 1)
+    if extent > _MAX_ELEMENTS:
+        _fail(index_path, f"{entry}/shape",
+              f"at most {_MAX_ELEMENTS} elements (zero-sized dimensions "
+              "aside)", shape)
     try:
         numpy_dtype(record.get("dtype"))
     except CheckpointError as error:
@@ -144,9 +153,19 @@ def _volume(region) -> int:
     return total
 
 
+# At most this many pieces are checked pairwise when they do not form a
+# grid (kd writes grids: the pieces of a layout are a product of per-axis
+# intervals); more is refused rather than checked in quadratic time.
+_MAX_PAIRWISE = 256
+
+
 def _check_tiling(slices, shape, index_path: str, entry: str) -> None:
-    """The pieces cover the shape exactly once: disjoint, and their volumes
-    add up to the whole (a sweep over the first axis finds overlaps)."""
+    """The pieces cover the shape exactly once, in time linear in the
+    pieces (n log n for the sort): their volumes add up to the whole, and
+    each non-empty piece is one distinct cell of the grid their own
+    boundaries make on every axis (disjoint cells whose volumes add up to
+    the whole tile it). A few pieces that do not form such a grid are
+    checked pairwise; many are refused."""
     total = 1
     for n in shape:
         total *= n
@@ -161,13 +180,26 @@ def _check_tiling(slices, shape, index_path: str, entry: str) -> None:
             _fail(index_path, f"{entry}/pieces", "one piece of a scalar",
                   f"{len(slices)} pieces")
         return
-    active = []
-    for region in sorted((s for s in slices if _volume(s)),
-                         key=lambda s: s[0]):
-        active = [a for a in active if a[0][1] > region[0][0]]
-        for other in active:
+    pieces = [s for s in slices if _volume(s)]
+    next_boundary = []  # per axis: boundary -> the next one
+    for axis in range(len(shape)):
+        bounds = sorted({b for s in pieces for b in s[axis]})
+        next_boundary.append(dict(zip(bounds, bounds[1:])))
+    is_grid = all(next_boundary[axis].get(lo) == hi
+                  for s in pieces for axis, (lo, hi) in enumerate(s))
+    if is_grid:
+        corners = {tuple(lo for lo, _ in s) for s in pieces}
+        if len(corners) != len(pieces):
+            _fail(index_path, f"{entry}/pieces", "disjoint pieces",
+                  "two pieces covering the same part of the variable")
+        return
+    if len(pieces) > _MAX_PAIRWISE:
+        _fail(index_path, f"{entry}/pieces",
+              f"pieces on a grid (or at most {_MAX_PAIRWISE} pieces)",
+              f"{len(pieces)} pieces that do not form a grid")
+    for number, region in enumerate(pieces):
+        for other in pieces[:number]:
             if all(max(a0, b0) < min(a1, b1)
                    for (a0, a1), (b0, b1) in zip(region, other)):
                 _fail(index_path, f"{entry}/pieces", "disjoint pieces",
                       f"{list(region)} overlaps {list(other)}")
-        active.append(region)
