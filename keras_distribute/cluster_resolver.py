@@ -144,12 +144,13 @@ class TFConfigClusterResolver(ClusterResolver):
                 f"cluster {sorted(cluster)}. Add the job to 'cluster', or fix "
                 "'task.type' (e.g. 'chief' needs a 'chief' job).")
         index = task.get("index", 0)
-        if not isinstance(index, int) or not 0 <= index < len(
-                cluster[task_type]):
+        count = len(cluster[task_type])
+        if isinstance(index, bool) or not isinstance(index, int) or not (
+                0 <= index < count):
             raise ValueError(
-                f"TF_CONFIG's task index {index!r} is out of range for the "
-                f"{len(cluster[task_type])} '{task_type}' task(s). Use an "
-                f"index in [0, {len(cluster[task_type])}).")
+                f"TF_CONFIG's task index {index!r} is not an integer or is out "
+                f"of range for the {count} '{task_type}' task(s). Use an "
+                f"integer index in [0, {count}).")
         addresses = [
             check_address(a, f"TF_CONFIG cluster '{job}'")
             for job in self._TRAINING_JOBS for a in cluster.get(job, [])]

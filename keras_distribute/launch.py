@@ -9,8 +9,10 @@ and the failure is raised with that rank's traceback.
     python -m keras_distribute.launch --nproc 2 train.py --epochs 3
 """
 
+import math
 import multiprocessing
 import os
+import pickle
 import queue as queue_module
 import shutil
 import signal
@@ -163,6 +165,15 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
 
         fn, args = cloudpickle.loads(payload)
         value = fn(*args)
+        try:  # (the queue pickles in a thread of its own, where it is lost)
+            pickle.dumps(value)
+        except Exception as error:
+            raise TypeError(
+                f"The value process {rank}'s function returned cannot be "
+                f"pickled, so it cannot be sent back: {type(value).__name__}"
+                f" ({type(error).__name__}: {error}). Return plain values "
+                "(numbers, strings, numpy arrays, lists, dicts); convert "
+                "tensors with keras.ops.convert_to_numpy.") from error
         results.put((rank, True, value))
     except BaseException:  # reported to the launcher with the traceback
         results.put((rank, False, traceback.format_exc()))
@@ -191,6 +202,60 @@ def _end(processes) -> None:
             process.join(_GRACE_S)
 
 
+# More local processes than this many per CPU core is refused unless
+# KERAS_DISTRIBUTE_MAX_PROCESSES allows it (each process imports a framework:
+# thousands would exhaust the machine before the first one runs).
+_PROCESSES_PER_CORE = 4
+_MIN_PROCESS_LIMIT = 16
+
+
+def max_local_processes() -> int:
+    """How many local processes a launch may start: 4 per CPU core (at
+    least 16), or `KERAS_DISTRIBUTE_MAX_PROCESSES` when set."""
+    override = os.environ.get("KERAS_DISTRIBUTE_MAX_PROCESSES")
+    if override is not None:
+        try:
+            return int(override)
+        except ValueError:
+            raise ValueError(
+                "KERAS_DISTRIBUTE_MAX_PROCESSES must be an integer. "
+                f"Received: {override!r}.") from None
+    return max(_MIN_PROCESS_LIMIT,
+               _PROCESSES_PER_CORE * (os.cpu_count() or 1))
+
+
+def check_num_processes(num_processes: Any,
+                        name: str = "num_processes") -> None:
+    """Raises `ValueError` unless `num_processes` is a positive int this
+    machine can start (`max_local_processes`); `name`: the argument's name
+    in the message."""
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
+            or num_processes < 1:
+        raise ValueError(
+            f"Expected `{name}` to be a positive int. Received: "
+            f"{name}={num_processes!r}."
+        )
+    limit = max_local_processes()
+    if num_processes > limit:
+        raise ValueError(
+            f"Expected at most {limit} local processes on this machine "
+            f"({os.cpu_count()} CPU cores). Received: "
+            f"{name}={num_processes}. Use one process per device; to "
+            "start more anyway, set KERAS_DISTRIBUTE_MAX_PROCESSES="
+            f"{num_processes}.")
+
+
+def check_timeout(timeout: Any, name: str = "timeout") -> None:
+    """Raises `ValueError` unless `timeout` is a finite, positive number of
+    seconds (a launch never waits forever); `name`: the argument's name in
+    the message."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(
+            f"Expected `{name}` to be a finite, positive number of seconds. "
+            f"Received: {name}={timeout!r}. Pass e.g. {name}=3600.")
+
+
 def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
            timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
     """Runs `fn(*args)` in `num_processes` local processes forming a group.
@@ -209,8 +274,9 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
         `fn`'s return values, in rank order.
 
     Raises:
-        ValueError: if `num_processes` is not a positive int or `fn` is not
-            callable.
+        ValueError: if `num_processes` is not a positive int (or more than
+            `max_local_processes()`), `timeout` is not a finite positive
+            number, or `fn` is not callable.
         LaunchError: if a process raised (its traceback is in the message),
             died, or the launch ran past `timeout`; the other processes are
             ended first.
@@ -228,12 +294,8 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
     """
     import cloudpickle
 
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
-            or num_processes < 1:
-        raise ValueError(
-            "Expected `num_processes` to be a positive int. Received: "
-            f"num_processes={num_processes!r}."
-        )
+    check_num_processes(num_processes)
+    check_timeout(timeout)
     if not callable(fn):
         raise ValueError(f"Expected `fn` to be callable. Received: fn={fn!r}.")
     _check_main_guard()

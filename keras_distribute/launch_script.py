@@ -24,6 +24,8 @@ from keras_distribute.launch import _GRACE_S
 from keras_distribute.launch import _SignalForwarder
 from keras_distribute.launch import _first_frozen
 from keras_distribute.launch import blamed_peer
+from keras_distribute.launch import check_num_processes
+from keras_distribute.launch import check_timeout
 from keras_distribute.launch import _free_port
 from keras_distribute.launch import _free_ports
 from keras_distribute.launch import _frozen_message
@@ -201,8 +203,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.nproc < 1:
-        parser.error(f"--nproc must be >= 1; received {args.nproc}")
+    try:
+        check_num_processes(args.nproc, name="--nproc")
+        check_timeout(args.timeout, name="--timeout")
+    except ValueError as error:
+        parser.error(str(error))
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0; received "
                      f"{args.max_restarts}")

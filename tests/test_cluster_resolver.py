@@ -43,7 +43,12 @@ def test_tf_config_without_chief_worker_zero_leads():
 @pytest.mark.parametrize("env, match", [
     ({"TF_CONFIG": "{not json"}, "not valid JSON"),
     ({"TF_CONFIG": json.dumps({"task": {}})}, "'cluster' object"),
-    (tf_config({"worker": ["a:1"]}, "worker", 3), "index 3 is out of range"),
+    (tf_config({"worker": ["a:1"]}, "worker", 3), "index 3 is not an integer "
+     "or is out of range"),
+    (tf_config({"worker": ["a:1", "b:1"]}, "worker", True),
+     "index True is not an integer"),
+    (tf_config({"worker": ["a:1", "b:1"]}, "worker", "1"),
+     "index '1' is not an integer"),
     (tf_config({"worker": ["a:1"]}, "chief", 0), "'chief' needs a 'chief' job"),
     (tf_config({"worker": ["a:port"]}), "port of 'a:port'"),
     (tf_config({"worker": ["a"]}), "Expected an address 'host:port'"),

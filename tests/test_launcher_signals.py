@@ -154,3 +154,65 @@ def test_a_process_a_runtime_aborts_is_reported_with_its_last_note(tmp_path):
             "waiting for the runtime to answer; ending the others"
             ) in result.stderr
     assert not os.path.exists((tmp_path / "notes-dir").read_text())
+
+
+# --------------------------------------------- what a launch is given (#29)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_processes=10000), r"at most \d+ local processes .* "
+     "Received: num_processes=10000.*KERAS_DISTRIBUTE_MAX_PROCESSES"),
+    (dict(num_processes=2, timeout="60"), "finite, positive number of "
+     "seconds. Received: timeout='60'"),
+    (dict(num_processes=2, timeout=float("nan")), "Received: timeout=nan"),
+    (dict(num_processes=2, timeout=float("inf")), "Received: timeout=inf"),
+    (dict(num_processes=2, timeout=0), "Received: timeout=0"),
+])
+def test_launch_refuses_bad_sizes_and_timeouts_before_starting(kwargs,
+                                                               match):
+    import multiprocessing
+
+    import keras_distribute as kd
+
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=match):
+        kd.launch(print, **kwargs)
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_the_process_limit_can_be_raised_on_purpose(monkeypatch):
+    import importlib
+
+    launch = importlib.import_module("keras_distribute.launch")
+    monkeypatch.setenv("KERAS_DISTRIBUTE_MAX_PROCESSES", "20000")
+    launch.check_num_processes(10000)
+    monkeypatch.setenv("KERAS_DISTRIBUTE_MAX_PROCESSES", "many")
+    with pytest.raises(ValueError, match="must be an integer"):
+        launch.check_num_processes(2)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--nproc", "10000", "x.py"], r"at most \d+ local processes .*--nproc"),
+    (["--timeout", "nan", "x.py"], r"`--timeout` to be a finite.*"
+     "Received: --timeout=nan"),
+    (["--nproc", "0", "x.py"], r"`--nproc` to be a positive int"),
+])
+def test_launch_command_refuses_bad_sizes_and_timeouts(argv, match, capsys):
+    from keras_distribute.launch_script import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def _returns_a_lock():
+    import threading
+
+    return threading.Lock()
+
+
+def test_a_return_value_that_cannot_be_pickled_is_named():
+    import keras_distribute as kd
+
+    with pytest.raises(kd.LaunchError, match="returned cannot be pickled.*"
+                       "lock"):
+        kd.launch(_returns_a_lock, num_processes=1, timeout=120)
