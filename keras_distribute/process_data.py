@@ -52,11 +52,36 @@ def _pack(x, y, sample_weight):
     return (x,) if y is None else (x, y)
 
 
+def check_cardinality(x: Any, y: Any = None, sample_weight: Any = None,
+                      what: str = "") -> None:
+    """Raises Keras' `ValueError` unless every array of `x`, `y` and
+    `sample_weight` has the same number of rows.
+
+    Keras checks this in `fit`; kd hands Keras each process's rows instead,
+    so it checks first, in every process alike (every process sees the
+    whole input): a mismatch otherwise failed in one process only, and the
+    others aborted in their next collective.
+    """
+    sizes = {}
+    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        leaves = [leaf for leaf in keras.tree.flatten(part)
+                  if leaf is not None] if part is not None else []
+        if leaves:
+            sizes[name] = [int(np.shape(leaf)[0]) for leaf in leaves]
+    if len({n for found in sizes.values() for n in found}) > 1:
+        listed = "\n".join(f"'{name}' sizes: {', '.join(map(str, found))}"
+                           for name, found in sizes.items())
+        raise ValueError(
+            f"Data cardinality is ambiguous{what}. Make sure all arrays "
+            f"contain the same number of samples.\n{listed}")
+
+
 class ArrayShards(keras.utils.PyDataset):
     """This process's slice of each global batch of in-memory arrays."""
 
     def __init__(self, engine, x, y, sample_weight, batch_size: int,
                  shuffle: bool):
+        check_cardinality(x, y, sample_weight)
         super().__init__()
         self._engine = engine
         self._data = (x, y, sample_weight)
@@ -182,6 +207,9 @@ def call_sharded(engine, method, model, args, kwargs) -> Any:
 
 def _fit(engine, method, model, params: dict) -> Any:
     x, y, sample_weight = (params.get(k) for k in ("x", "y", "sample_weight"))
+    validation = params.get("validation_data")
+    if isinstance(validation, (tuple, list)) and _is_arrays(validation):
+        check_cardinality(*validation[:3], what=" in `validation_data`")
     split = params.get("validation_split") or 0.0
     if split and params.get("validation_data") is None and _is_arrays(x):
         (x, y, sample_weight), params["validation_data"] = (
@@ -250,6 +278,7 @@ def _batch_logs_are_read(params: dict) -> bool:
 
 def _on_batch(engine, method, model, params: dict) -> Any:
     x = params["x"]
+    check_cardinality(x, params.get("y"), params.get("sample_weight"))
     batch = keras.tree.flatten(x)[0].shape[0]
     start, stop = engine.split_rows(batch)
     for key in ("x", "y", "sample_weight"):

@@ -699,3 +699,20 @@ def test_run_combines_the_metric_variables_every_process_holds():
     results = kd.launch(workers.run_with_different_metric_variables,
                         num_processes=2, timeout=TIMEOUT)
     assert results == [[3.5, 3.5], [3.5, 3.5]]
+
+
+def test_arrays_of_different_lengths_fail_alike_in_every_rank():
+    """#29: a wrong-length `y`, `sample_weight` or validation array was a
+    SIGABRT (gloo's collective mismatch) in rank 1; now every rank raises
+    Keras' own error before any collective, and the job goes on."""
+    results = kd.launch(workers.wrong_lengths, num_processes=2,
+                        timeout=TIMEOUT)
+    (errors0, loss0, weights0), (errors1, loss1, weights1) = results
+    assert errors0 == errors1
+    for name, message in errors0.items():
+        assert message is not None and message.startswith(
+            "Data cardinality is ambiguous"), name
+    assert "in `validation_data`" in errors0["fit validation_data"]
+    assert "'x' sizes: 203\n'y' sizes: 200" in errors0["fit y"]
+    assert loss0 == loss1
+    np.testing.assert_array_equal(weights0, weights1)

@@ -879,3 +879,39 @@ def run_with_different_metric_variables():
         strategy.run(mean.update_state, args=(values,))
         results.append(float(mean.result()))
     return results
+
+
+def wrong_lengths():
+    """Every mistake of array lengths, in every rank: the error each raised
+    (none may reach a collective, where gloo would abort the other)."""
+    import keras
+
+    import keras_distribute as kd
+
+    _setup()
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model(initial_weights())
+    x, y = make_data()
+    calls = {
+        "fit y": lambda: model.fit(x, y[:-3], batch_size=BATCH, verbose=0),
+        "fit sample_weight": lambda: model.fit(
+            x, y, sample_weight=np.ones(len(x) - 1), batch_size=BATCH,
+            verbose=0),
+        "fit validation_data": lambda: model.fit(
+            x, y, validation_data=(x[:10], y[:9]), batch_size=BATCH,
+            verbose=0),
+        "evaluate": lambda: model.evaluate(x[:-1], y, verbose=0),
+        "train_on_batch": lambda: model.train_on_batch(x[:8], y[:7]),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as error:
+            errors[name] = str(error)
+    # The job still works afterwards: the same numbers in every rank.
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return errors, history.history["loss"], keras.ops.convert_to_numpy(
+        model.weights[0].value)
