@@ -6,7 +6,10 @@ process whose peers never joined or stopped answering. Before entering such
 a section, kd writes a one-line note in the directory the launcher gave
 (`KERAS_DISTRIBUTE_NOTES_DIR`); when the process dies by a signal, the
 launcher (`kd.launch`, `python -m keras_distribute.launch`) adds the note to
-its error. No launcher, no directory: nothing is written.
+its error. A process started without kd's launcher (by hand with
+`TF_CONFIG`, by `srun`, by Kubernetes) calls `watch_until_exit` where it
+joins a job: a tiny watcher process then prints the last note on stderr if
+this process ends without exiting (a signal, an abort in native code).
 
 Framework-free: the launcher imports it.
 """
@@ -29,9 +32,74 @@ def _own_rank() -> Optional[int]:
     return None
 
 
+# Without a launcher: the directory and rank `watch_until_exit` set up, and
+# the pipe to its watcher (closed after "exit" when this process exits).
+_own = {"directory": None, "rank": None, "watcher": None}
+
+_WATCHER = """
+import os, shutil, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # the terminal's Ctrl-C and a
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group's SIGTERM: watch on
+rank, directory = sys.argv[1], sys.argv[2]
+said = sys.stdin.buffer.read()  # until this process's end closes the pipe
+if said != b"exit":
+    try:
+        with open(os.path.join(directory, "process-" + rank + ".txt")) as f:
+            note = f.read(2000).strip()
+    except OSError:
+        note = ""
+    if note:
+        sys.stderr.write("keras_distribute: process " + rank + " ended "
+                         "without exiting (killed by a signal, or aborted in "
+                         "native code: exit code 128 + the signal, e.g. 134 "
+                         "for SIGABRT) while " + note + ".\\n")
+        sys.stderr.flush()
+shutil.rmtree(directory, ignore_errors=True)
+"""
+
+
+def watch_until_exit(rank: int) -> None:
+    """Makes sure this process's last note reaches its stderr if it ends
+    without exiting normally, when no launcher of kd reads the notes.
+
+    Starts (once) a watcher process that waits for this process to end; if
+    it did not exit through Python (`atexit`), the watcher prints the last
+    note. With kd's launcher (`KERAS_DISTRIBUTE_NOTES_DIR` set) it does
+    nothing: the launcher reports the note.
+
+    Args:
+        rank: This process's rank in its job (named in the message).
+    """
+    import atexit
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.environ.get(NOTES_VARIABLE) or _own["watcher"] is not None:
+        return
+    directory = tempfile.mkdtemp(prefix="keras_distribute-notes-")
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _WATCHER, str(int(rank)), directory],
+        stdin=subprocess.PIPE)
+    _own.update(directory=directory, rank=int(rank), watcher=watcher)
+
+    def exiting() -> None:
+        try:
+            watcher.stdin.write(b"exit")
+            watcher.stdin.close()
+        except OSError:
+            pass  # the watcher is gone: nothing to tell it
+        watcher.wait()
+
+    atexit.register(exiting)
+
+
 def write(text: str) -> None:
     """Records what this process does now (replacing the last note)."""
-    directory, rank = os.environ.get(NOTES_VARIABLE), _own_rank()
+    directory = os.environ.get(NOTES_VARIABLE) or _own["directory"]
+    rank = _own_rank()
+    if rank is None:
+        rank = _own["rank"]
     if not directory or rank is None or not os.path.isdir(directory):
         return
     path = _path(directory, rank)

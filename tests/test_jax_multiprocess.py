@@ -89,6 +89,44 @@ def test_a_worker_that_never_joins_fails_within_the_timeout():
     assert time.monotonic() - start < 60
 
 
+LONELY_WORKER = """
+import json, os, socket
+ports = []
+for _ in range(2):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        ports.append(probe.getsockname()[1])
+os.environ["TF_CONFIG"] = json.dumps({
+    "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+    "task": {"type": "worker", "index": 0}})
+import keras_distribute as kd
+kd.MultiWorkerMirroredStrategy(
+    communication_options=kd.CommunicationOptions(timeout_seconds=5))
+"""
+
+
+def test_a_worker_started_by_hand_says_why_jax_aborted_it(tmp_path):
+    """#29: started as the TF tutorials do (TF_CONFIG, no kd launcher),
+    a worker whose peer never joins was aborted with JAX's native log
+    only. kd's note now reaches its own stderr, with the exit code."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(LONELY_WORKER)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KERAS_DISTRIBUTE_NOTES_DIR", "RANK",
+                        "KERAS_DISTRIBUTION_PROCESS_ID")}
+    done = subprocess.run([sys.executable, str(script)], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == -6  # SIGABRT, from JAX's native code
+    assert ("keras_distribute: process 0 ended without exiting (killed by a "
+            "signal, or aborted in native code: exit code 128 + the signal, "
+            "e.g. 134 for SIGABRT) while joining jax.distributed at "
+            "127.0.0.1:") in done.stderr
+    assert "not every process joined within 5 s" in done.stderr
+
+
 def test_checkpoint_callbacks_across_processes(tmp_path):
     from worker_common import assert_checkpoints_hold
 

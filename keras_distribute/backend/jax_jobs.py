@@ -29,6 +29,9 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             coordinator = f"{host}:{int(port) + 1}"
         from keras_distribute import process_notes
 
+        # JAX aborts from native code: the note reaches stderr even when
+        # no launcher of kd reads it.
+        process_notes.watch_until_exit(resolver.process_id)
         process_notes.write(
             f"joining jax.distributed at {coordinator} as process "
             f"{resolver.process_id} of {resolver.num_processes}: JAX aborts "
