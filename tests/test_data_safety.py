@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import HealthCheck
+from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -286,8 +287,18 @@ def _sample(dtype, shape, seed):
     return (rng.normal(size=shape) * 100).astype("float32")
 
 
-@settings(max_examples=25, deadline=None,
+def _with_a_scalar_of_each_dtype(test):
+    """Also run `test` on a scalar of every dtype (a bfloat16 scalar could
+    not be saved on TensorFlow: found by this test)."""
+    for dtype in DTYPES:
+        test = example(dtype=dtype, shape=[], seed=0)(test)
+    return test
+
+
+# derandomize: the same examples in every CI run (a failure reproduces).
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
+@_with_a_scalar_of_each_dtype
 @given(dtype=st.sampled_from(DTYPES),
        shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
        seed=st.integers(0, 2**16))
@@ -338,3 +349,71 @@ def test_every_dtype_restores_value_exactly_from_another_backend(tmp_path,
         np.testing.assert_array_equal(
             held.astype("float64"), expected.astype(held.dtype).astype(
                 "float64"), err_msg=dtype)
+
+
+# ------------------------------------------------- iterator state (#29 6)
+def _rewrite_piece(path, key, change):
+    """Replaces the stored bytes of `key` by `change(bytes)` and records a
+    matching checksum: a crafted file whose checksums all hold."""
+    import h5py
+
+    from keras_distribute.checkpoint import format as fmt
+
+    index_path = os.path.join(path, "index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    piece = index["variables"][key]["pieces"][0]
+    with h5py.File(os.path.join(path, piece["file"]), "r+") as h5:
+        data = np.array(h5[piece["dataset"]])
+        new = change(data.copy())
+        h5[piece["dataset"]][...] = new
+    piece["xxh3_128"] = fmt.checksum(new)
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+
+
+def test_iterator_state_is_restored_only_when_kd_signed_it(tmp_path,
+                                                           monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    from keras_distribute.checkpoint import signing
+
+    monkeypatch.delenv(signing.KEY_VARIABLE, raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras-home"))
+    iterator = iter(tf.data.Dataset.range(10))
+    next(iterator), next(iterator)
+    path = ckpt.ShardedCheckpoint(it=iterator).write(str(tmp_path / "c"))
+    assert oct(os.stat(signing.key_path()).st_mode & 0o777) == "0o600"
+
+    def resumed(**kwargs):
+        fresh = iter(tf.data.Dataset.range(10))
+        ckpt.ShardedCheckpoint(it=fresh).read(path, **kwargs)
+        return int(next(fresh))
+
+    assert resumed() == 2  # signed here: restored
+    # Another host's key (or a crafted signature): refused, nothing read
+    # into tf.data; the caller may vouch for the checkpoint.
+    monkeypatch.setenv(signing.KEY_VARIABLE, "ab" * 32)
+    with pytest.raises(ckpt.CheckpointError,
+                       match="not signed with this key.*trusted=True"):
+        resumed()
+    trusted = ckpt.CheckpointOptions(trusted=True)
+    assert resumed(options=trusted) == 2
+    monkeypatch.setenv(signing.KEY_VARIABLE, "xyz")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        resumed()
+    monkeypatch.delenv(signing.KEY_VARIABLE)
+    # Crafted state bytes whose checksum holds: refused before TensorFlow
+    # sees them (they crashed its deserializer).
+    _rewrite_piece(path, "it/process-00000",
+                   lambda data: np.concatenate([data[:40], data[40:] ^ 0x5A]))
+    with pytest.raises(ckpt.CheckpointError, match="not signed with this key"):
+        resumed()
+    # A state with no signature (an older kd, or one stripped of it).
+    index_path = os.path.join(path, "index.json")
+    index = json.load(open(index_path))
+    del index["variables"]["it/signature-00000"]
+    json.dump(index, open(index_path, "w"))
+    fresh = iter(tf.data.Dataset.range(10))
+    with pytest.raises(ckpt.CheckpointError, match="state is unsigned"):
+        ckpt.ShardedCheckpoint(it=fresh).read(path)
+    assert int(next(fresh)) == 0  # untouched

@@ -24,6 +24,10 @@ def checkpoint_value(variable: Any) -> np.ndarray:
         value = tf.convert_to_tensor(variable.value)
     # A read-only view of the tensor's memory on the host (`.numpy()` and
     # Keras' `convert_to_numpy` copy it); an asynchronous save copies it.
+    if value.shape.rank == 0:
+        # (a bfloat16 scalar's __array__ gives an ml_dtypes scalar, which
+        # np.asarray refuses: "__array__ method not producing an array")
+        return np.array(value.numpy())
     return np.asarray(value)
 
 
