@@ -363,7 +363,7 @@ def test_training_checkpoints_guide_loop_resumes_the_iterator(tmp_path):
         "ckpt-1", "ckpt-2", "ckpt-3"]
     assert sorted(k for k, _ in ckpt.list_variables(
         manager.latest_checkpoint) if k.startswith("iterator")) == [
-        "iterator/process-00000"]
+        "iterator/process-00000", "iterator/signature-00000"]
 
 
 def test_int_and_float_of_scalar_variables_made_in_scope():

@@ -16,9 +16,13 @@ import numpy as np
 
 from keras_distribute.backend.interface import whole_region
 from keras_distribute.checkpoint import reading
+from keras_distribute.checkpoint import signing
 from keras_distribute.checkpoint.format import CheckpointError
 
 _PROCESS_KEY = "{name}/process-{process_id:05d}"
+# Each state's signature (`signing`): kd restores only states it can prove
+# it wrote, since tf.data's deserializer does not withstand crafted bytes.
+_SIGNATURE_KEY = "{name}/signature-{process_id:05d}"
 
 # tf.data's ExternalStatePolicy values (WARN, IGNORE, FAIL).
 _POLICY_VALUES = {"WARN": 0, "IGNORE": 1, "FAIL": 2}
@@ -123,25 +127,65 @@ def saved_processes(saved: Dict[str, Any], name: str) -> int:
 
 def entries(iterators: Dict[str, Any], process_id: int) -> Dict[str, tuple]:
     """The checkpoint entries of this process's input iterators (its own
-    key each: every process reads its own input)."""
+    key each: every process reads its own input), each with its
+    signature."""
     found = {}
     for name, iterator in iterators.items():
         state = save(iterator)  # a fresh copy
-        found[state_key(name, process_id)] = (
-            state.shape, "uint8", [None],
-            [(whole_region(state.shape), state)],
-            f"{name} (input iterator)")
+        signature = np.frombuffer(signing.sign(state.tobytes()), np.uint8)
+        for key, array, what in (
+                (state_key(name, process_id), state, "input iterator"),
+                (_SIGNATURE_KEY.format(name=name, process_id=process_id),
+                 signature.copy(), "its signature")):
+            found[key] = (array.shape, "uint8", [None],
+                          [(whole_region(array.shape), array)],
+                          f"{name} ({what})")
     return found
 
 
+def _verified_state(path: str, saved: Dict[str, Any], name: str,
+                    process_id: int, trusted: bool) -> np.ndarray:
+    """This process's saved state of iterator `name`, once its signature
+    proved kd wrote it with this key (or the caller trusts the checkpoint).
+
+    Raises:
+        CheckpointError: for a state without a valid signature.
+    """
+    state = reading.read_whole(path, saved[state_key(name, process_id)])
+    if trusted:
+        return state
+    signature_key = _SIGNATURE_KEY.format(name=name, process_id=process_id)
+    signature = (reading.read_whole(path, saved[signature_key]).tobytes()
+                 if signature_key in saved else None)
+    if not signing.verify(np.asarray(state, np.uint8).tobytes(), signature):
+        raise CheckpointError(
+            f"Not restoring the input iterator {name!r} from {path!r}: its "
+            f"state is {'unsigned' if signature is None else 'not signed with this key'}. "
+            "tf.data's deserializer does not withstand crafted bytes (they "
+            "can crash the process), so keras_distribute restores an "
+            "iterator's state only from checkpoints it wrote with this "
+            f"host's key ({signing.key_path()}, or "
+            f"${signing.KEY_VARIABLE}). If you trust this checkpoint, read "
+            "it with options=kd.checkpoint.CheckpointOptions(trusted=True); "
+            f"for hosts that share checkpoints, set ${signing.KEY_VARIABLE} "
+            "to the same key on each.")
+    return state
+
+
 def restore_all(path: str, saved: Dict[str, Any], iterators: Dict[str, Any],
-                process_id: int, process_count: int) -> set:
+                process_id: int, process_count: int,
+                trusted: bool = False) -> set:
     """Restores this process's iterators; returns the keys consumed (a
     process takes its own state; the others' are theirs).
 
+    Args:
+        trusted: Restore a state even without a valid signature (the
+            caller trusts the checkpoint's source).
+
     Raises:
         CheckpointError: if the checkpoint was saved by another number of
-            processes, or a state does not fit its iterator.
+            processes, a state is not signed with this key (and not
+            `trusted`), or a state does not fit its iterator.
     """
     consumed = set()
     for name, iterator in iterators.items():
@@ -158,6 +202,8 @@ def restore_all(path: str, saved: Dict[str, Any], iterators: Dict[str, Any],
                 "Restore with the same number of processes, or leave "
                 "the iterator out of the ShardedCheckpoint and call "
                 "expect_partial().")
-        load(iterator, reading.read_whole(path, saved[key]), name)
-        consumed |= {k for k in saved if k.startswith(name + "/process-")}
+        load(iterator, _verified_state(path, saved, name, process_id,
+                                       trusted), name)
+        consumed |= {k for k in saved if k.startswith(
+            (name + "/process-", name + "/signature-"))}
     return consumed

@@ -21,6 +21,11 @@ class CheckpointOptions:
         verbose: A line per save or restore with its bytes, seconds and
             MB/s in each process: `"auto"` (default) when a process moves
             at least 1 GiB, `1` always, `0` never.
+        trusted: On restore: the checkpoint comes from a source you trust,
+            so an input iterator's state is restored even when it is not
+            signed with this host's key (see docs/checkpointing.md: kd
+            cannot check tf.data's serialised state, whose deserializer
+            does not withstand crafted bytes). Defaults to `False`.
 
     Example:
 
@@ -35,6 +40,7 @@ class CheckpointOptions:
     experimental_enable_async_checkpoint: Optional[bool] = None
     timeout_seconds: float = 600.0
     verbose: Union[int, str] = "auto"
+    trusted: bool = False
 
     def __post_init__(self):
         if self.experimental_enable_async_checkpoint is not None:

@@ -384,6 +384,7 @@ class ShardedCheckpoint:
         anything is assigned (`assert_existing_objects_matched`, checked
         first)."""
         started = time.perf_counter()
+        options = options or CheckpointOptions()
         self.sync()
         if path is None:
             return InitializationOnlyStatus()
@@ -420,7 +421,7 @@ class ShardedCheckpoint:
             try:
                 restored.update(iterator_state.restore_all(
                     path, saved, iterators, engine.process_id,
-                    engine.process_count))
+                    engine.process_count, trusted=options.trusted))
                 restored.update(saved_objects.restore_host_arrays(
                     path, saved, holders))
             except BaseException:
@@ -438,7 +439,7 @@ class ShardedCheckpoint:
             _install_deferred_hooks()
         deferred_keys = {key for name in self._deferred
                          for key in saved_objects.saved_keys_of(saved, name)}
-        progress.report((options or CheckpointOptions()).verbose, "restored",
+        progress.report(options.verbose, "restored",
                         path, self._bytes_read, started, engine.process_id,
                         engine.process_count)
         return LoadStatus(
@@ -515,17 +516,19 @@ class ShardedCheckpoint:
             if not self._deferred:
                 _waiting.discard(self)
 
-    def restore(self, save_path: str) -> LoadStatus:
+    def restore(self, save_path: str,
+                options: Optional[CheckpointOptions] = None) -> LoadStatus:
         """`read`, and take over the checkpoint's `save_counter`.
 
         Args:
             save_path: A path `save` returned (or `latest_checkpoint`), or
                 `None`: nothing is restored (a first run).
+            options: A `CheckpointOptions`, as for `read`.
 
         Returns:
             A `LoadStatus`.
         """
-        status = self.read(save_path)
+        status = self.read(save_path, options)
         if save_path is None:
             return status
         self.save_counter = int(reading.read_index(save_path).get(
