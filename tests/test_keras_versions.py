@@ -2,10 +2,12 @@
 checked before anything is patched; a Keras without one fails with one
 clear error, never half-installed (no strategy needed: runs everywhere)."""
 
+import numpy as np
 import pytest
 
 import keras
 import keras_distribute as kd
+from conftest import BACKEND
 from keras_distribute.integration import hooks
 from keras_distribute.integration import registry
 
@@ -83,3 +85,60 @@ def test_a_renamed_private_attribute_is_refused_before_patching(monkeypatch):
                              r"has no attribute '_renamed_epoch'"):
         registry.check("any", [row.key])
     registry.check("any", ["Model._initial_epoch", "Variable._value"])
+
+
+SEEDED_PROGRAM = """
+import os, random, sys
+import numpy as np
+import keras
+use_strategy = sys.argv[1] == "strategy"
+if use_strategy and keras.backend.backend() == "tensorflow":
+    import keras_distribute as kd
+    kd.simulate_cpu_devices(2)
+keras.utils.set_random_seed(1)
+if use_strategy:
+    import keras_distribute as kd
+    strategy = kd.MirroredStrategy()
+    scope = strategy.scope()
+else:
+    import contextlib
+    scope = contextlib.nullcontext()
+with scope:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras.layers.Dropout(0.5),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+draws = [random.random(), float(np.random.rand())]
+if keras.backend.backend() == "torch":
+    import torch
+    draws.append(float(torch.rand(1)))
+weights = [keras.ops.convert_to_numpy(w).tolist() for w in model.get_weights()]
+print(repr((draws, weights)))
+"""
+
+
+def test_creating_a_strategy_leaves_the_random_streams_alone(tmp_path):
+    """#30: on torch, creating the first strategy of a process drew from
+    Python's `random` (a probe layer's default seed), so a seeded program
+    built other weights under the strategy than without it. Creating a
+    strategy and building under its scope now draws nothing from Python's,
+    numpy's or torch's generators, on every backend."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "seeded.py"
+    script.write_text(SEEDED_PROGRAM)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["KERAS_BACKEND"] = BACKEND
+    if BACKEND == "jax":
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    outputs = [ast.literal_eval(subprocess.run(
+        [sys.executable, str(script), mode], env=env, capture_output=True,
+        text=True, timeout=300, check=True).stdout.strip().splitlines()[-1])
+        for mode in ("plain", "strategy")]
+    (plain_draws, plain_weights), (draws, weights) = outputs
+    assert draws == plain_draws
+    for a, b in zip(plain_weights, weights):
+        np.testing.assert_array_equal(np.array(a), np.array(b))

@@ -18,7 +18,10 @@ This module imports Keras only when a row is resolved.
 import dataclasses
 import importlib
 import inspect
+import random
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 # What CI tests (pyproject.toml declares the same range): the release stack
 # in constraints.txt and the pinned next Keras in constraints-next.txt.
@@ -295,7 +298,15 @@ def _probe(kind: str) -> Any:
             "ModelCheckpoint": lambda: keras.callbacks.ModelCheckpoint(
                 "kd-probe.keras"),
         }
-        _probes[kind] = makers[kind]()
+        # A probe must leave the user's random streams alone: Keras draws
+        # an initializer's default seed from Python's `random` (a seeded
+        # program would otherwise build other weights under a strategy).
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            _probes[kind] = makers[kind]()
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
     return _probes[kind]
 _resolved: Dict[str, Any] = {}
 
