@@ -7,6 +7,7 @@ framework.
 """
 
 import re
+import warnings
 from typing import Any, List, Tuple
 
 
@@ -63,18 +64,36 @@ def check_layout_fits(layout, path: str, shape) -> None:
                 "or pick sizes divisible by the axis.")
 
 
-def check_keys_match(layout_map, model) -> None:
-    """Raises `ValueError` for a layout key that matches none of `model`'s
-    variables (Keras would silently replicate what it meant to shard)."""
+def _layer_paths(layer) -> list:
+    """The paths of `layer` and the layers it holds (`.layers`, as a
+    Sequential or functional model has), at every depth."""
+    found = [getattr(layer, "path", layer.name)]
+    for inner in getattr(layer, "layers", None) or []:
+        found += _layer_paths(inner)
+    return found
+
+
+def warn_unmatched_keys(layout_map, model) -> None:
+    """Warns, naming the key, for each layout key that matches none of
+    `model`'s variables. As in Keras, such a key lays out nothing (a model
+    may simply lack that variable: the keras-io distribution guide maps
+    `"d1/bias"` of a `use_bias=False` layer), but a mistyped path would
+    otherwise leave what it meant to shard replicated without a word."""
     paths = [v.path for v in model.weights]
+    # A key may also lay out a layer's output ("d2/output"), as in Keras.
+    outputs = {f"{path}/output" for path in _layer_paths(model)} | {
+        f"{path.rpartition('/')[0]}/output" for path in paths}
     for key in layout_map:
-        if not any(key == p or re.fullmatch(key, p) for p in paths):
-            raise ValueError(
+        if not any(key == p or re.fullmatch(key, p)
+                   for p in (*paths, *outputs)):
+            warnings.warn(
                 f"The layout_map key {key!r} matches none of the variables of "
-                f"model '{model.name}', so nothing would be sharded by it. "
-                "Keys are regular expressions matched against the whole "
-                f"`variable.path`, e.g. {paths[:3]}. Received: key={key!r}. "
-                "Write the full path, or a pattern such as '.*dense.*kernel'.")
+                f"model '{model.name}', so it lays out nothing (as in Keras, "
+                "it is ignored). Keys are regular expressions matched "
+                f"against the whole `variable.path`, e.g. {paths[:3]}. If it "
+                "was meant to shard a variable, write the full path, or a "
+                "pattern such as '.*dense.*kernel'.", UserWarning,
+                stacklevel=4)
 
 
 def check_layout_map(layout_map) -> None:

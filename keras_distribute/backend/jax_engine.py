@@ -28,7 +28,7 @@ from keras_distribute.backend.jax_collectives import as_array
 from keras_distribute.backend.jax_devices import device_name
 from keras_distribute.backend.jax_layouts import StrategyDataParallel
 from keras_distribute.backend.jax_layouts import StrategyModelParallel
-from keras_distribute.backend.jax_layouts import check_keys_match
+from keras_distribute.backend.jax_layouts import warn_unmatched_keys
 from keras_distribute.backend.jax_layouts import check_layout_map
 from keras_distribute.backend.jax_predict import process_local_predictions
 from keras_distribute.backend.jax_spmd_run import SpmdRun
@@ -169,7 +169,7 @@ class JaxEngine(SpmdRun):
         # the model stays usable (the next `fit` would otherwise fail).
         if self.layout_map is not None and model.built and (
                 model not in self._keys_checked):
-            check_keys_match(self.layout_map, model)
+            warn_unmatched_keys(self.layout_map, model)
             self._keys_checked.add(model)
         variables = list(model.variables)
         optimizer = getattr(model, "optimizer", None)

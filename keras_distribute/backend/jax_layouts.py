@@ -10,7 +10,7 @@ from keras.distribution import DataParallel
 from keras.distribution import ModelParallel
 from keras.distribution import TensorLayout
 
-from keras_distribute.layouts import check_keys_match  # noqa: F401
+from keras_distribute.layouts import warn_unmatched_keys  # noqa: F401
 from keras_distribute.layouts import check_layout_fits
 from keras_distribute.layouts import check_layout_map  # noqa: F401
 

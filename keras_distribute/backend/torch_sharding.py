@@ -42,7 +42,7 @@ from keras_distribute import context
 from keras_distribute.backend import torch_peers
 from keras_distribute.backend.torch_engine import TorchEngine
 from keras_distribute.backend.torch_variables import whole_value
-from keras_distribute.layouts import check_keys_match
+from keras_distribute.layouts import warn_unmatched_keys
 from keras_distribute.layouts import check_layout_fits
 from keras_distribute.layouts import check_layout_map
 from keras_distribute.layouts import axis_names
@@ -339,7 +339,7 @@ class ShardedTorchEngine(TorchEngine):
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         if model.built and model not in self._keys_checked:
-            check_keys_match(self.layout_map, model)
+            warn_unmatched_keys(self.layout_map, model)
             self._keys_checked.add(model)
         return super().call_trainer(method, model, args, kwargs)
 

@@ -1,0 +1,79 @@
+"""Programs other people wrote, ported by the import change (issue #30):
+keras-io's "Distributed training with Keras 3" guide (guides/distribution.py)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import keras
+import keras_distribute as kd
+from conftest import BACKEND
+
+# The guide's model, its fake dataset and its calls, as written there
+# (keras.distribution.set_distribution(...) -> kd.MirroredStrategy(...)).
+
+
+def _guide_model():
+    from keras import layers
+
+    inputs = layers.Input(shape=(28, 28, 1))
+    y = layers.Flatten()(inputs)
+    y = layers.Dense(units=200, use_bias=False, activation="relu",
+                     name="d1")(y)
+    y = layers.Dropout(0.4)(y)
+    y = layers.Dense(units=10, activation="softmax", name="d2")(y)
+    return keras.Model(inputs=inputs, outputs=y)
+
+
+def _guide_dataset():
+    from tensorflow import data as tf_data
+
+    images = np.random.normal(size=(8 * 16, 28, 28, 1))
+    labels = np.random.normal(size=(8 * 16, 10))
+    return tf_data.Dataset.from_tensor_slices((images, labels)).batch(16)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the guide runs on JAX's 8 "
+                    "simulated devices (its 2 x 4 mesh)")
+def test_keras_io_distribution_guide_model_parallel_as_written():
+    """Its layout map names `d1/bias` of a `use_bias=False` layer (Keras
+    ignores it; kd raised) and lays out `d2/output`, a layer's output. kd
+    follows Keras: a warning names the bias key, none names the output."""
+    import jax
+
+    keras.utils.set_random_seed(1)
+    devices = jax.devices("cpu")
+    mesh_2d = keras.distribution.DeviceMesh(
+        shape=(2, 4), axis_names=["data", "model"], devices=devices)
+    layout_map = keras.distribution.LayoutMap(mesh_2d)
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    layout_map["d2/output"] = ("data", None)
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    dataset = _guide_dataset()
+    with strategy.scope():
+        model = _guide_model()
+    initial = model.get_weights()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.compile(loss="mse")
+        history = model.fit(dataset, epochs=3, verbose=0)
+        loss = model.evaluate(dataset, verbose=0)
+    unmatched = [str(w.message) for w in caught
+                 if "matches none of the variables" in str(w.message)]
+    assert len(unmatched) == 1 and "'d1/bias'" in unmatched[0]
+    assert tuple(model.get_layer("d1").kernel.value.sharding.spec) == (
+        None, "model")
+    # The guide's own program, under Keras' ModelParallel: the same numbers.
+    keras.utils.set_random_seed(1)
+    with keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data").scope():
+        reference = _guide_model()
+        reference.set_weights(initial)
+        reference.compile(loss="mse")
+        expected = reference.fit(dataset, epochs=3, verbose=0)
+        expected_loss = reference.evaluate(dataset, verbose=0)
+    np.testing.assert_allclose(history.history["loss"],
+                               expected.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
