@@ -191,7 +191,11 @@ class Strategy:
             kwargs: Keyword arguments for `fn`. Defaults to `None`.
 
         Returns:
-            `fn`'s result with every tensor leaf a `kd.PerReplica`.
+            `fn`'s result with every tensor leaf a `kd.PerReplica`; where this
+            process has one replica (every PyTorch process, a one-device
+            strategy), the plain values, as tf.distribute returns them there
+            (`loss.item()` works; `reduce`, `gather` and
+            `experimental_local_results` take them as that replica's).
 
         Raises:
             RuntimeError: if called inside another `run`.
@@ -220,7 +224,18 @@ class Strategy:
                 "single argument as `args=(x,)`."
             )
         with self.scope():
-            return self._engine.run(self, fn, tuple(args), dict(kwargs or {}))
+            result = self._engine.run(self, fn, tuple(args),
+                                      dict(kwargs or {}))
+        if not self._one_local_replica():
+            return result
+        return _tree().map_structure(
+            lambda leaf: leaf.values[0] if isinstance(leaf, PerReplica)
+            else leaf, result)
+
+    def _one_local_replica(self) -> bool:
+        """Whether this process holds one replica: its plain values are
+        that replica's components (tf.distribute's rule)."""
+        return len(self._engine.local_replica_ids) == 1
 
     # ---------------------------------------------------- cross-replica ops
     def _check_cross_replica(self, name: str) -> None:
@@ -242,7 +257,9 @@ class Strategy:
         Args:
             reduce_op: `kd.ReduceOp.SUM` / `MEAN`, or `"sum"` / `"mean"`.
             value: A `PerReplica` (or nested structure of them) from `run`.
-                A plain value counts as the same value on every replica.
+                A plain value is this process's replica's value where the
+                process has one replica (what `run` returns there), else the
+                same value on every replica.
             axis: The dimension to reduce within each replica's value, or
                 `None`. Defaults to `None`.
 
@@ -275,6 +292,8 @@ class Strategy:
         return _tree().map_structure(reduce_leaf, value)
 
     def _reduce_plain(self, op: ReduceOp, value: Any, axis: Optional[int]):
+        if self._one_local_replica():  # this replica's value (as `run`'s)
+            return self._engine.reduce(op, [value], axis)
         if axis is not None:
             # The same value on every replica: one copy per local replica.
             return self._engine.reduce(
@@ -294,12 +313,13 @@ class Strategy:
 
         Args:
             value: A `PerReplica` (or nested structure of them); components
-                may differ in size along `axis` only.
+                may differ in size along `axis` only. Where this process has
+                one replica, a plain value is that replica's.
             axis: The dimension to concatenate along.
 
         Returns:
             The concatenation (same structure as `value`); a plain value is
-            returned unchanged.
+            returned unchanged where this process has several replicas.
 
         Raises:
             RuntimeError: if called inside `run`.
@@ -315,10 +335,13 @@ class Strategy:
         self._check_cross_replica("gather")
         value = self._engine.from_native(value)
 
+        one = self._one_local_replica()
+
         def gather_leaf(leaf):
             if isinstance(leaf, PerReplica):
                 return self._engine.gather(leaf.values, axis)
-            return leaf
+            return self._engine.gather([leaf], axis) if one and (
+                leaf is not None) else leaf
 
         return _tree().map_structure(gather_leaf, value)
 

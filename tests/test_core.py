@@ -190,3 +190,24 @@ def test_numpy_under_the_default_strategy_on_every_backend():
     np.testing.assert_array_equal(got["variable"], [0.0, 1.0, 2.0])
     assert kd.numpy(kd.PerReplica([np.ones(2), np.zeros(2)]))[1].tolist() == [
         0.0, 0.0]
+
+
+@pytest.mark.needs_strategy
+def test_run_on_one_device_returns_plain_values():
+    """#30: a one-device strategy's `run` gives the plain value (as
+    tf.distribute's), which reduce / gather / local results accept."""
+    import keras
+
+    strategy = kd.MirroredStrategy(devices=["cpu:0"])
+    loss = strategy.run(lambda x: keras.ops.sum(x) * 2.0,
+                        args=(np.ones(3, "float32"),))
+    assert not isinstance(loss, kd.PerReplica)
+    assert float(loss) == 6.0
+    assert float(strategy.reduce("SUM", loss, axis=None)) == 6.0
+    assert float(strategy.reduce("MEAN", loss, axis=None)) == 6.0
+    assert strategy.experimental_local_results(loss) == (loss,)
+    rows = strategy.run(lambda: keras.ops.ones((2, 1)))
+    assert keras.ops.convert_to_numpy(strategy.gather(rows, axis=0)).shape == (
+        2, 1)
+    several = kd.MirroredStrategy().run(lambda: keras.ops.ones(()))
+    assert isinstance(several, kd.PerReplica)  # several replicas here

@@ -716,3 +716,19 @@ def test_arrays_of_different_lengths_fail_alike_in_every_rank():
     assert "'x' sizes: 203\n'y' sizes: 200" in errors0["fit y"]
     assert loss0 == loss1
     np.testing.assert_array_equal(weights0, weights1)
+
+
+def test_run_returns_plain_values_where_a_process_has_one_replica():
+    """#30: the keras-io PyTorch guide's `loss.item()` on `run`'s result
+    failed ('PerReplica' object has no attribute 'item'); as tf.distribute,
+    a process with one replica gets the plain value, and reduce / gather
+    take it as that replica's."""
+    first, second = kd.launch(workers.run_returns_plain_values,
+                              num_processes=2, timeout=TIMEOUT)
+    assert first["type"] == second["type"] == "Tensor"
+    assert (first["item"], second["item"]) == (3.0, 6.0)
+    for result in (first, second):
+        assert result["sum"] == 9.0 and result["mean"] == 4.5
+        assert result["gathered"] == [0.0, 0.0, 1.0, 1.0]
+        assert result["local"] == 1
+    assert (first["numpy"], second["numpy"]) == (3.0, 6.0)

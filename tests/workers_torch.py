@@ -917,3 +917,30 @@ def wrong_lengths():
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     return errors, history.history["loss"], keras.ops.convert_to_numpy(
         model.weights[0].value)
+
+
+def run_returns_plain_values():
+    """keras-io's "Multi-GPU distributed training with PyTorch", ported to
+    `strategy.run`: the step's loss is read with `.item()`."""
+    import torch
+
+    import keras_distribute as kd
+
+    _setup()
+    strategy = kd.MirroredStrategy()
+    rank = int(os.environ["RANK"])
+
+    def step(x):
+        return torch.sum(x) * (rank + 1)
+
+    loss = strategy.run(step, args=(torch.ones(3),))
+    rows = strategy.run(lambda: torch.full((2, 1), float(rank)))
+    return {
+        "type": type(loss).__name__,
+        "item": loss.item(),
+        "sum": float(strategy.reduce("SUM", loss, axis=None)),
+        "mean": float(strategy.reduce("MEAN", loss, axis=None)),
+        "gathered": strategy.gather(rows, axis=0).flatten().tolist(),
+        "local": len(strategy.experimental_local_results(loss)),
+        "numpy": float(kd.numpy(loss)),
+    }
