@@ -168,6 +168,38 @@ def test_multi_worker_strategy_after_the_backend_started_is_a_clear_error():
             ["127.0.0.1:1", "127.0.0.1:2"], process_id=0))
 
 
+def test_multi_worker_strategy_of_one_worker_works_at_any_time(monkeypatch):
+    """#30: the TF distributed-training guide creates one after a
+    MirroredStrategy, with no cluster configured; kd raised 'must start
+    before JAX/TensorFlow runs anything'. One worker joins no job, so it
+    works at any time (TensorFlow's own strategy does too)."""
+    import os
+
+    import keras
+
+    for name in list(os.environ):
+        if name == "TF_CONFIG" or name.startswith(
+                ("KERAS_DISTRIBUTION_", "SLURM_", "JAX_COORDINATOR")) or (
+                name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            monkeypatch.delenv(name)
+    kd.MirroredStrategy()
+    keras.ops.ones((1,))  # the backend is up
+    one = kd.cluster_resolver.SimpleClusterResolver(["127.0.0.1:1"],
+                                                    process_id=0)
+    for strategy in (kd.MultiWorkerMirroredStrategy(),
+                     kd.MultiWorkerMirroredStrategy(one)):
+        assert strategy.cluster_resolver.num_processes == 1
+        assert strategy.num_replicas_in_sync == (
+            NUM_DEVICES if BACKEND == "jax" else 1)  # TF: its CPU, as TF
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        history = model.fit(np.ones((16, 3)), np.ones((16, 1)),
+                            batch_size=8, epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"]).all()
+
+
 def test_communication_options_type_is_checked():
     with pytest.raises(ValueError, match="kd.CommunicationOptions"):
         kd.MultiWorkerMirroredStrategy(communication_options={"timeout": 1})

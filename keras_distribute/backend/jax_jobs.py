@@ -17,6 +17,11 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                              layout_map: Any = None) -> "jax_backend.JaxEngine":
     """Joins the `jax.distributed` job `resolver` describes; all devices."""
     timeout_s = int(communication_timeout_s(timeout_s))
+    if resolver.num_processes == 1 and not jax.distributed.is_initialized():
+        # One process: no job to join, so no jax.distributed (which must
+        # start before JAX runs anything): this process's devices, at any
+        # time, as TensorFlow's one-worker strategy.
+        return jax_backend.make_engine(list(jax.devices()), layout_map)
     if not jax.distributed.is_initialized():
         # SIGTERM must still end a process (JAX's preemption service would
         # swallow it); a dead peer is then noticed within the timeout.

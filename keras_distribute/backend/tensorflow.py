@@ -51,6 +51,14 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             " (torchrun, SLURM, submitit, JAX_COORDINATOR_ADDRESS and Ray's"
             " non-TensorFlow trainers give only the coordinator's address;"
             " Ray's TensorflowTrainer and Kubeflow's TFJob set TF_CONFIG).")
+    if resolver.num_processes == 1:
+        # One worker: tf.distribute's local multi-worker strategy (no
+        # server, no coordination service), which any point of a program
+        # may create, as plain tf.distribute.MultiWorkerMirroredStrategy().
+        local = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf.distribute.cluster_resolver
+            .SimpleClusterResolver(tf.train.ClusterSpec({})))
+        return TfEngine(None, tf_strategy=local, resolver=resolver)
     tf_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type=resolver.task_type,
         task_id=resolver.task_id, rpc_layer="grpc")
