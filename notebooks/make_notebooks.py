@@ -267,7 +267,8 @@ CHECKPOINT = [
         "try:\n"
         "    train([kd.callbacks.BackupAndRestore(backup_dir, save_freq=10), Crash()])\n"
         "except KeyboardInterrupt:\n"
-        "    print('crashed; backups:', sorted(os.listdir(backup_dir)))"),
+        "    print('crashed; backups:', [os.path.basename(p) for p in\n"
+        "                                kd.checkpoint.checkpoints_in(backup_dir)])"),
     new_markdown_cell(
         "Inside a checkpoint: `index.json` (shapes, dtypes, logical layouts, "
         "which file and slice holds each piece, checksums) and one HDF5 shard "

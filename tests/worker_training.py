@@ -279,7 +279,7 @@ def preemption(strategy, directory):
         keras.utils.set_random_seed(3)
         first = kd.callbacks.PreemptionCheckpoint(path, exit_code=None)
         fit([Terminate(), first])
-        saved = sorted(os.listdir(path))
+        saved = sorted(n for n in os.listdir(path) if n[0] != ".")
         second = kd.callbacks.PreemptionCheckpoint(path, exit_code=None)
         resumed = fit([second])
         runs.append({"step": step, "targets": targets,
