@@ -18,6 +18,7 @@ import numpy as np
 import keras
 
 from keras_distribute import context
+from keras_distribute import model_state
 from keras_distribute import peer_board
 from keras_distribute.data_sources import iterate_source
 
@@ -191,6 +192,8 @@ def call_sharded(engine, method, model, args, kwargs) -> Any:
     params = _bind(method, model, args, kwargs)
     if name == "fit":
         return _fit(engine, method, model, params)
+    if name in ("evaluate", "predict"):
+        model_state.take_chief_values(engine, model)
     if name == "evaluate":
         params.pop("_use_cached_eval_dataset", None)
         params.update(x=_shard(engine, params, False), y=None,
@@ -224,12 +227,14 @@ def _fit(engine, method, model, params: dict) -> Any:
     # while another does not would hang both.
     engine.sync_metrics_each_step = engine.any_process(
         _batch_logs_are_read(params))
-    params["callbacks"] = peer_board.counting_epochs(params.get("callbacks"))
+    params["callbacks"] = model_state.with_chief_state(
+        engine, peer_board.counting_epochs(params.get("callbacks")))
     try:
         with context.service("chief_only_writes")(
                 params.get("callbacks"), engine.rank == 0,
                 getattr(engine, "collective_reads", False)):
             history = method(model, **params)
+        model_state.take_chief_values(engine, model)
         # The chief's callback files (ModelCheckpoint & co.) are complete
         # before any process goes on to read them.
         engine.barrier("keras_distribute.fit_end")

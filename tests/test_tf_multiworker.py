@@ -108,3 +108,12 @@ def test_training_holds_no_thread_per_collective():
     for counts in kd.launch(workers.fit_thread_count, num_processes=2,
                             args=(50,), timeout=TIMEOUT):
         assert counts[-1] <= counts[0] + 5, counts
+
+
+def test_every_variable_is_the_same_in_every_worker(tmp_path):
+    """#30: BatchNormalization's moving statistics differed between the
+    workers after fit; now every variable is equal in every worker."""
+    from worker_common import assert_one_state
+
+    assert_one_state(kd.launch(workers.batchnorm_one_state, num_processes=2,
+                               args=(str(tmp_path),), timeout=TIMEOUT))

@@ -732,3 +732,15 @@ def test_run_returns_plain_values_where_a_process_has_one_replica():
         assert result["gathered"] == [0.0, 0.0, 1.0, 1.0]
         assert result["local"] == 1
     assert (first["numpy"], second["numpy"]) == (3.0, 6.0)
+
+
+def test_every_variable_is_the_same_in_every_process(tmp_path):
+    """#30: BatchNormalization's moving statistics (and a layer's counter)
+    differed between the processes after fit (up to 9e-4): the chief's
+    saved model and the other process predicted differently. Now every
+    variable, trainable or not, is equal in every process, and so are
+    evaluate and predict."""
+    from worker_common import assert_one_state
+
+    assert_one_state(kd.launch(workers.batchnorm_one_state, num_processes=2,
+                               args=(str(tmp_path),), timeout=TIMEOUT))

@@ -539,3 +539,71 @@ def counting_metrics_fit(callbacks=()):
     evaluation = model.evaluate(x, y, batch_size=16, verbose=0,
                                 return_dict=True)
     return history, evaluation, model
+
+
+def batchnorm_fit_every_variable(strategy, directory):
+    """#30: a 2-process fit of a model with BatchNormalization, a layer
+    counting the rows it saw and Dropout, with stock callbacks and a
+    validation split; every variable (trainable or not), the optimizer's,
+    `evaluate` and `predict` as this process holds them."""
+    import keras
+
+    class CountRows(keras.layers.Layer):
+        def build(self, input_shape):
+            self.seen = self.add_weight(shape=(), initializer="zeros",
+                                        trainable=False, name="seen")
+
+        def call(self, x, training=False):
+            if training:
+                self.seen.assign_add(keras.ops.cast(
+                    keras.ops.shape(x)[0], self.seen.dtype))
+            return x
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 8)).astype("float32")
+    y = (x[:, :1] * 2 + rng.normal(size=(120, 1)) * 0.1).astype("float32")
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+            keras.layers.BatchNormalization(), CountRows(),
+            keras.layers.Dropout(0.2), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                      metrics=["mae"])
+    callbacks = [
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=2,
+                                      restore_best_weights=True),
+        keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(directory, "best.weights.h5"),
+            save_weights_only=True, save_best_only=True),
+    ]
+    history = model.fit(x, y, batch_size=24, epochs=4, verbose=0,
+                        validation_split=0.2, callbacks=callbacks)
+    return {
+        "variables": [keras.ops.convert_to_numpy(v.value)
+                      for v in model.variables],
+        "names": [v.path for v in model.variables],
+        "optimizer": [keras.ops.convert_to_numpy(v.value)
+                      for v in model.optimizer.variables],
+        "history": history.history,
+        "evaluate": model.evaluate(x, y, batch_size=24, verbose=0),
+        "predict": model.predict(x, batch_size=24, verbose=0),
+    }
+
+
+def assert_one_state(results):
+    """Every process holds the same value of every variable, and gives the
+    same logs, evaluation and predictions."""
+    first, *others = results
+    assert any("moving_mean" in name for name in first["names"])
+    for other in others:
+        assert other["names"] == first["names"]
+        for name, a, b in zip(first["names"], first["variables"],
+                              other["variables"]):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        for a, b in zip(first["optimizer"], other["optimizer"]):
+            np.testing.assert_array_equal(a, b)
+        assert other["history"] == first["history"]
+        np.testing.assert_array_equal(other["evaluate"], first["evaluate"])
+        np.testing.assert_array_equal(other["predict"], first["predict"])

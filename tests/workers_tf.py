@@ -144,3 +144,13 @@ def fit_thread_count(steps):
 
     model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[Count()])
     return counts
+
+
+def batchnorm_one_state(directory):
+    """#30: BatchNorm statistics and every other variable, 2 workers."""
+    import keras_distribute as kd
+    from worker_common import batchnorm_fit_every_variable
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return batchnorm_fit_every_variable(strategy, directory)

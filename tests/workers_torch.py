@@ -944,3 +944,12 @@ def run_returns_plain_values():
         "local": len(strategy.experimental_local_results(loss)),
         "numpy": float(kd.numpy(loss)),
     }
+
+
+def batchnorm_one_state(directory):
+    """#30: BatchNorm statistics and every other variable, 2 processes."""
+    import keras_distribute as kd
+    from worker_common import batchnorm_fit_every_variable
+
+    _setup()
+    return batchnorm_fit_every_variable(kd.MirroredStrategy(), directory)

@@ -14,6 +14,7 @@ from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute import context
+from keras_distribute import model_state
 from keras_distribute import peer_board
 from keras_distribute.backend import tf_fit
 from keras_distribute.backend.tf_devices import device_name
@@ -233,13 +234,18 @@ class TfEngine:
             tf_fit.even_fits.add(self.tf_strategy)
         callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
         if method.__name__ == "fit" and len(args) <= 5:
-            kwargs = dict(kwargs, callbacks=peer_board.counting_epochs(
-                callbacks))
+            kwargs = dict(kwargs, callbacks=model_state.with_chief_state(
+                self, peer_board.counting_epochs(callbacks)))
+        if method.__name__ in ("evaluate", "predict"):
+            model_state.take_chief_values(self, model)
         try:
             with context.service("chief_only_writes")(
                     callbacks if method.__name__ == "fit" else None,
                     self.is_chief), peer_board.busy():
-                return method(model, *args, **kwargs)
+                result = method(model, *args, **kwargs)
+            if method.__name__ == "fit":
+                model_state.take_chief_values(self, model)
+            return result
         finally:
             tf_fit.even_fits.discard(self.tf_strategy)
 
