@@ -20,6 +20,7 @@ import keras
 from keras_distribute import context
 from keras_distribute import model_state
 from keras_distribute import peer_board
+from keras_distribute import training_config
 from keras_distribute.data_sources import iterate_source
 
 
@@ -209,6 +210,7 @@ def call_sharded(engine, method, model, args, kwargs) -> Any:
 
 
 def _fit(engine, method, model, params: dict) -> Any:
+    training_config.check_same_training(engine, model)
     x, y, sample_weight = (params.get(k) for k in ("x", "y", "sample_weight"))
     validation = params.get("validation_data")
     if isinstance(validation, (tuple, list)) and _is_arrays(validation):

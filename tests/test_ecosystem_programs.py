@@ -77,3 +77,17 @@ def test_keras_io_distribution_guide_model_parallel_as_written():
     np.testing.assert_allclose(history.history["loss"],
                                expected.history["loss"], rtol=1e-5)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch: one replica per "
+                    "process, tuned across 2 processes in "
+                    "test_torch_multiprocess.py")
+def test_keras_tuner_distribution_strategy(tmp_path):
+    """keras-tuner's `distribution_strategy=` takes a kd strategy: each
+    trial's model is built in its scope and trained over the replicas."""
+    from worker_common import keras_tuner_search
+
+    strategy = kd.MirroredStrategy()
+    result = keras_tuner_search(strategy, str(tmp_path))
+    assert result["trials"] == 2
+    assert set(result["best"]) == {"units", "dropout", "learning_rate"}

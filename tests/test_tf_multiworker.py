@@ -117,3 +117,10 @@ def test_every_variable_is_the_same_in_every_worker(tmp_path):
 
     assert_one_state(kd.launch(workers.batchnorm_one_state, num_processes=2,
                                args=(str(tmp_path),), timeout=TIMEOUT))
+
+
+def test_workers_that_would_train_different_models_are_refused():
+    from worker_common import assert_different_training_is_refused
+
+    assert_different_training_is_refused(kd.launch(
+        workers.different_training, num_processes=2, timeout=TIMEOUT))

@@ -744,3 +744,20 @@ def test_every_variable_is_the_same_in_every_process(tmp_path):
 
     assert_one_state(kd.launch(workers.batchnorm_one_state, num_processes=2,
                                args=(str(tmp_path),), timeout=TIMEOUT))
+
+
+def test_processes_that_would_train_different_models_are_refused():
+    """#30: keras-tuner's per-process oracles picked other hyperparameters:
+    DDP failed on other layer sizes, another learning rate trained
+    silently. Every process now raises before the first step, naming the
+    first difference and the process."""
+    from worker_common import assert_different_training_is_refused
+
+    assert_different_training_is_refused(kd.launch(
+        workers.different_training, num_processes=2, timeout=TIMEOUT))
+
+
+def test_keras_tuner_with_a_seed_tunes_across_processes(tmp_path):
+    first, second = kd.launch(workers.keras_tuner_search, num_processes=2,
+                              args=(str(tmp_path),), timeout=TIMEOUT)
+    assert first == second and first["trials"] == 2

@@ -607,3 +607,84 @@ def assert_one_state(results):
         assert other["history"] == first["history"]
         np.testing.assert_array_equal(other["evaluate"], first["evaluate"])
         np.testing.assert_array_equal(other["predict"], first["predict"])
+
+
+def different_training(strategy, rank, shapes=True):
+    """#30: process 1 builds another dropout rate, then other layer sizes,
+    then compiles with another momentum: every process's error (None: it
+    trained). (A learning rate is a variable made in the scope: every
+    process already takes the chief's.)"""
+    import keras
+
+    x = np.ones((32, 4), "float32")
+    y = np.ones((32, 1), "float32")
+    errors = []
+    other = rank == 1
+    cases = [(8, 0.3 if other else 0.1, 0.0),
+             (4 if other else 8, 0.1, 0.0),
+             (8, 0.1, 0.9 if other else 0.0),
+             (8, 0.1, 0.0)]
+    if not shapes:
+        # (TensorFlow broadcasts each variable as it is made: other shapes
+        # fail there, in its own collective, before any fit.)
+        cases[1] = cases[0]
+    for units, dropout, momentum in cases:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)),
+                                      keras.layers.Dense(units),
+                                      keras.layers.Dropout(dropout),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(
+                0.01, momentum=momentum), loss="mse")
+        try:
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def assert_different_training_is_refused(results):
+    for errors in results:
+        *refused, same = errors
+        for error in refused:
+            assert "process [1] built or compiled another model" in error
+        assert same is None  # the same model trains afterwards
+    dropout, units, momentum = results[1][:3]  # the differing process's
+    assert ("layer 2 (Dropout), /rate: 0.1 in process 0, 0.3 in this "
+            "process") in dropout
+    assert "layer 1 (Dense), /units: 8 in process 0, 4 in" in units or (
+        units == dropout)  # TensorFlow: the dropout case twice
+    assert ("compile configuration, /optimizer/config/momentum: 0.0 in "
+            "process 0, 0.9 in this process") in momentum
+    assert "see the error of process 1" in results[0][0]
+
+
+def keras_tuner_search(strategy, directory):
+    """keras-tuner's RandomSearch with `distribution_strategy=` and a seed
+    (every process draws the same hyperparameters): the best ones."""
+    import keras
+    import keras_tuner
+
+    def build(hp):
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.Dense(hp.Int("units", 4, 16, step=4),
+                               activation="tanh"),
+            keras.layers.Dropout(hp.Float("dropout", 0.0, 0.5, step=0.25)),
+            keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(
+            hp.Choice("learning_rate", [1e-2, 1e-3])), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = x[:, :1].astype("float32")
+    tuner = keras_tuner.RandomSearch(
+        build, objective="val_loss", max_trials=2, seed=7,
+        distribution_strategy=strategy, directory=directory,
+        project_name="search", overwrite=True)
+    tuner.search(x, y, batch_size=16, epochs=2, validation_split=0.25,
+                 verbose=0)
+    best = tuner.get_best_hyperparameters(1)[0].values
+    return {"best": best, "trials": len(tuner.oracle.trials)}

@@ -154,3 +154,14 @@ def batchnorm_one_state(directory):
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     return batchnorm_fit_every_variable(strategy, directory)
+
+
+def different_training():
+    """#30: workers that would train different models (2 workers)."""
+    import keras_distribute as kd
+    from worker_common import different_training as body
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    return body(strategy, strategy.cluster_resolver.process_id,
+                shapes=False)

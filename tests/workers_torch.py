@@ -953,3 +953,21 @@ def batchnorm_one_state(directory):
 
     _setup()
     return batchnorm_fit_every_variable(kd.MirroredStrategy(), directory)
+
+
+def different_training():
+    import keras_distribute as kd
+    from worker_common import different_training as body
+
+    _setup()
+    return body(kd.MirroredStrategy(), int(os.environ["RANK"]))
+
+
+def keras_tuner_search(directory):
+    import keras_distribute as kd
+    from worker_common import keras_tuner_search as body
+
+    _setup()
+    # Each process keeps its own oracle files (keras-tuner writes them).
+    return body(kd.MirroredStrategy(),
+                os.path.join(directory, os.environ["RANK"]))

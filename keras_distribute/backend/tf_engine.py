@@ -16,6 +16,7 @@ from tensorflow.python.distribute import values as tf_values
 from keras_distribute import context
 from keras_distribute import model_state
 from keras_distribute import peer_board
+from keras_distribute import training_config
 from keras_distribute.backend import tf_fit
 from keras_distribute.backend.tf_devices import device_name
 from keras_distribute.devices import parse_device_name
@@ -233,6 +234,8 @@ class TfEngine:
         if even:
             tf_fit.even_fits.add(self.tf_strategy)
         callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
+        if method.__name__ == "fit" and self.multi_worker:
+            training_config.check_same_training(self, model)
         if method.__name__ == "fit" and len(args) <= 5:
             kwargs = dict(kwargs, callbacks=model_state.with_chief_state(
                 self, peer_board.counting_epochs(callbacks)))
