@@ -154,9 +154,20 @@ class SourceShards(keras.utils.PyDataset):
 
 
 def _length(source: Any):
+    """The number of batches of `source`; a `tf.data` dataset whose
+    cardinality tf.data does not know (after a `filter`, a keras-hub
+    preprocessing `map` with ragged steps, `from_generator`) is counted once:
+    Keras reads a `PyDataset` of unknown length as infinite, and ended the
+    epoch with 'generator raised StopIteration' (torch's DataLoader)."""
     if hasattr(source, "cardinality"):
         count = int(source.cardinality())
-        return count if count >= 0 else None
+        if count == -1:  # infinite: `steps_per_epoch` says where to stop
+            return None
+        if count < 0:
+            import numpy
+
+            count = int(source.reduce(numpy.int64(0), lambda n, _: n + 1))
+        return count
     try:
         return len(source)
     except TypeError:

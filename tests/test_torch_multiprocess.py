@@ -761,3 +761,14 @@ def test_keras_tuner_with_a_seed_tunes_across_processes(tmp_path):
     first, second = kd.launch(workers.keras_tuner_search, num_processes=2,
                               args=(str(tmp_path),), timeout=TIMEOUT)
     assert first == second and first["trials"] == 2
+
+
+def test_a_tf_data_pipeline_of_unknown_length_trains():
+    """#30: keras-hub's preprocessing mapped over tf.data (unknown
+    cardinality) failed in both ranks with 'generator raised
+    StopIteration'; it now trains like the same pipeline of known length."""
+    for (known, unknown) in kd.launch(workers.unknown_cardinality,
+                                      num_processes=2, timeout=TIMEOUT):
+        assert unknown[0] == known[0] and unknown[1] == known[1]
+        for a, b in zip(known[2], unknown[2]):
+            np.testing.assert_array_equal(a, b)

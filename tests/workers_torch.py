@@ -971,3 +971,28 @@ def keras_tuner_search(directory):
     # Each process keeps its own oracle files (keras-tuner writes them).
     return body(kd.MirroredStrategy(),
                 os.path.join(directory, os.environ["RANK"]))
+
+
+def unknown_cardinality():
+    """#30: a tf.data pipeline whose cardinality tf.data does not know (a
+    filter, as keras-hub preprocessing pipelines have): the per-process fit
+    and the same pipeline of known length give the same numbers."""
+    import keras
+    import tensorflow as tf
+
+    import keras_distribute as kd
+
+    _setup()
+    x, y = make_data(n=96)
+    known = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    unknown = known.filter(lambda features, labels: True)
+    assert int(unknown.cardinality()) == -2
+    results = []
+    for dataset in (known, unknown):
+        with kd.MirroredStrategy().scope():
+            model = make_model(initial_weights())
+        history = model.fit(dataset, epochs=2, verbose=0)
+        results.append((history.history["loss"], model.evaluate(
+            dataset, verbose=0), [keras.ops.convert_to_numpy(w)
+                                  for w in model.weights]))
+    return results
