@@ -91,3 +91,44 @@ def test_keras_tuner_distribution_strategy(tmp_path):
     result = keras_tuner_search(strategy, str(tmp_path))
     assert result["trials"] == 2
     assert set(result["best"]) == {"units", "dropout", "learning_rate"}
+
+
+def _hub_classifier():
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+    model = keras_hub.models.BertTextClassifier(
+        backbone=backbone, num_classes=2, preprocessor=None, dropout=0.0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def test_keras_hub_task_model_in_a_strategy_scope_matches_one_device():
+    """A keras-hub task model (BertTextClassifier over a small BertBackbone,
+    fed token ids) built in a kd strategy's scope trains to the weights of
+    the same program without a strategy."""
+    pytest.importorskip("keras_hub")
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(1, 50, (32, 8)),
+         "segment_ids": np.zeros((32, 8), "int32"),
+         "padding_mask": np.ones((32, 8), bool)}
+    y = rng.integers(0, 2, (32,))
+    keras.utils.set_random_seed(1)
+    reference = _hub_classifier()
+    initial = reference.get_weights()
+    expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                             verbose=0)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = _hub_classifier()
+    model.set_weights(initial)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0)
+    np.testing.assert_allclose(history.history["loss"],
+                               expected.history["loss"], rtol=1e-4)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-4)
