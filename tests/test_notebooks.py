@@ -34,11 +34,17 @@ def _make_notebooks():
 
 def _text(outputs):
     """What a reader sees of `outputs` as text (streams, plain results)."""
-    parts = []
+    parts, stream = [], None
     for output in outputs:
         if output.get("output_type") == "stream":
-            parts.append(f"{output['name']}: {output['text']}")
+            # The kernel splits a cell's prints into chunks by timing: the
+            # chunks of one stream in a row read as one text.
+            if output["name"] != stream:
+                parts.append(f"{output['name']}: ")
+            stream = output["name"]
+            parts.append(output["text"])
         elif "data" in output:
+            stream = None
             parts.append(output["data"].get("text/plain", ""))
     return "".join(parts)
 
