@@ -102,7 +102,8 @@ def test_preempted_job_exits_42_and_its_restart_ends_bit_identical(tmp_path):
     assert first.returncode == 42, first.stderr[-4000:]
     assert "exiting with 42 (restart me)" in first.stderr
     assert not (interrupted / "weights.npz").exists()
-    assert len(os.listdir(interrupted / "backup")) == 1  # one backup
+    assert [p.name for p in (interrupted / "backup").iterdir()
+            if p.name[0] != "."] == ["backup-1"]  # one backup
     second = _launch(interrupted, kill_at=0)
     assert second.returncode == 0, second.stderr[-4000:]
     assert not (interrupted / "backup").exists() or not os.listdir(
