@@ -64,12 +64,12 @@ def check_layout_fits(layout, path: str, shape) -> None:
                 "or pick sizes divisible by the axis.")
 
 
-def _layer_paths(layer) -> list:
-    """The paths of `layer` and the layers it holds (`.layers`, as a
-    Sequential or functional model has), at every depth."""
-    found = [getattr(layer, "path", layer.name)]
+def nested_layers(layer) -> list:
+    """`layer` and the layers it holds (`.layers`, as a Sequential or
+    functional model has), at every depth, in order."""
+    found = [layer]
     for inner in getattr(layer, "layers", None) or []:
-        found += _layer_paths(inner)
+        found += nested_layers(inner)
     return found
 
 
@@ -81,7 +81,8 @@ def warn_unmatched_keys(layout_map, model) -> None:
     otherwise leave what it meant to shard replicated without a word."""
     paths = [v.path for v in model.weights]
     # A key may also lay out a layer's output ("d2/output"), as in Keras.
-    outputs = {f"{path}/output" for path in _layer_paths(model)} | {
+    outputs = {f"{getattr(layer, 'path', layer.name)}/output"
+               for layer in nested_layers(model)} | {
         f"{path.rpartition('/')[0]}/output" for path in paths}
     for key in layout_map:
         if not any(key == p or re.fullmatch(key, p)

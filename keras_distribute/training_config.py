@@ -23,6 +23,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from keras_distribute.layouts import nested_layers
+
 
 def _without_names(value: Any) -> Any:
     if isinstance(value, dict):
@@ -39,19 +41,12 @@ def _plain(value: Any) -> Any:
                                  default=str))
 
 
-def _layers(layer: Any) -> List[Any]:
-    found = [layer]
-    for inner in getattr(layer, "layers", None) or []:
-        found += _layers(inner)
-    return found
-
-
 def describe(model: Any) -> List[list]:
     """What must be equal in every process, in order: `[what, value]` per
     layer (its class and configuration), variable (shape, dtype,
     trainable) and the compile configuration."""
     lines = []
-    for number, layer in enumerate(_layers(model)):
+    for number, layer in enumerate(nested_layers(model)):
         config = None  # a container: its layers are listed one by one
         if not getattr(layer, "layers", None):
             try:

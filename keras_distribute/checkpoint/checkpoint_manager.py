@@ -8,7 +8,6 @@ from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.committed import checkpoints_in
-from keras_distribute.checkpoint.format import check_metadata
 
 
 class CheckpointManager:
@@ -189,7 +188,6 @@ class CheckpointManager:
                     step < self._last_saved_step + self.checkpoint_interval):
                 return None
         self._settle()
-        check_metadata(metadata)
         self.checkpoint.sync()  # re-raises a failed background save
         free = self.checkpoint._next_number(self.directory,
                                             self.checkpoint_name)
