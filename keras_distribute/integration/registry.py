@@ -146,6 +146,12 @@ ROWS: Tuple[Row, ...] = (
         "value for placeholder tensor'); Keras 3.16 does this itself",
         "3.10-3.15 (patched), 3.16 (own add_variable)", "keras#23087",
         backends=("tensorflow",)),
+    Row("tf_Variable._initialize_with_initializer", (),
+        "TF: a layer built by its first call inside a tf.function under a "
+        "strategy makes its variables under init_scope (else 'You must feed "
+        "a value for placeholder tensor'), as tf.keras 2 built layers",
+        "3.10-3.16", parameters=("self", "initializer"),
+        backends=("tensorflow",)),
     Row("TFOptimizer.add_variable", (), "see TFOptimizer", "3.10-3.16",
         parameters=("self", "shape", "initializer", "dtype"),
         backends=("tensorflow",)),

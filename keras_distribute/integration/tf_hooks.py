@@ -67,6 +67,7 @@ def install() -> None:
     _install_tf_scalar_conversions()
     _install_tf_multi_worker_fixes()
     _install_tf_optimizer_build_fix()
+    _install_tf_lazy_build_fix()
     _install_tf_cross_replica_apply()
     _install_tf_gradient_compression()
 
@@ -91,6 +92,40 @@ def _install_tf_optimizer_build_fix() -> None:
             return original(self, *args, **kwargs)
 
     patching.patch(optimizer_class, "add_variable", add_variable)
+
+
+def _install_tf_lazy_build_fix() -> None:
+    """The tf.distribute custom-training tutorial's model: a `Sequential`
+    with no input shape, built by its first call inside `@tf.function`
+    around `strategy.run(step)`. Keras 3 (3.15 and 3.16, and with plain
+    tf.distribute too) makes the layers' variables inside the traced
+    function: tf.function lifts the mirrored copies' initializers, which read
+    the first copy, and the first step fails ('You must feed a value for
+    placeholder tensor'). tf.keras 2 built layers under `tf.init_scope()`;
+    here a variable a kd strategy makes from an initializer inside a traced
+    function is made the same way, eagerly, and the function captures it."""
+    import tensorflow as tf
+
+    from keras_distribute.backend import tf_fit
+
+    variable_class = registry.resolve("tf_Variable")
+    original = variable_class._initialize_with_initializer
+
+    @functools.wraps(original)
+    def _initialize_with_initializer(self, initializer):
+        if tf.executing_eagerly() or not tf.distribute.has_strategy():
+            return original(self, initializer)
+        tf_strategy = tf.distribute.get_strategy()
+        if tf_strategy not in tf_fit.our_tf_strategies:
+            return original(self, initializer)
+        # Still in the replica's context there (tf.distribute keeps it per
+        # thread), so the strategy makes one mirrored variable from the
+        # first replica's value, as when a layer builds eagerly in `run`.
+        with tf.init_scope():
+            return original(self, initializer)
+
+    patching.patch(variable_class, "_initialize_with_initializer",
+                   _initialize_with_initializer)
 
 
 def _install_tf_scalar_conversions() -> None:
