@@ -14,6 +14,7 @@ from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
+from keras_distribute.checkpoint import object_paths
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import progress
 from keras_distribute.checkpoint import saved_objects
@@ -112,6 +113,9 @@ class ShardedCheckpoint:
         self._bytes_read = 0  # by the current read (its progress line)
         # Asynchronous saves copy into these, reused from save to save.
         self._host_buffers = saved_objects.HostBuffers()
+        # After a read: (path, saved variables, object paths, this
+        # checkpoint's prefix in the one read), for objects attached later.
+        self._restored_from: Optional[tuple] = None
 
     # -------------------------------------------- objects as attributes
     def __getattr__(self, name: str) -> Any:
@@ -128,7 +132,16 @@ class ShardedCheckpoint:
             object.__setattr__(self, name, value)
             return
         saved_objects.check_object(name, value, ShardedCheckpoint)
+        restored_from = self.__dict__.get("_restored_from")
+        if restored_from is not None and type(value) in (list, dict):
+            value = (_AttachedList if isinstance(value, list)
+                     else _AttachedDict)(value, self, name)
         self._objects[name] = value
+        if restored_from is not None:
+            # Deferred restoration, as tf.train.Checkpoint does it: an
+            # object attached after a restore gets its saved values now
+            # (or when its variables are created).
+            self._restore_attached("", name, value)
 
     def __delattr__(self, name: str) -> None:
         if name in self.__dict__.get("_objects", {}):
@@ -152,16 +165,20 @@ class ShardedCheckpoint:
                 if iterator_state.is_data_iterator(obj)}
 
     # ------------------------------------------------------------ variables
-    def _variables_by_object(self) -> Dict[str, Dict[str, Any]]:
+    def _variables_by_object(self, leaves: Optional[Dict[str, Any]] = None
+                             ) -> Dict[str, Dict[str, Any]]:
         """`object name -> {key -> variable}`. Keys follow the object
         structure, as `tf.train.Checkpoint`'s do: the object's name and the
         variable's position in it (`"model/3"`), not Keras' auto-numbered
         names (`dense_3`, `adam_1`), which differ between two builds.
+        (Restores also match by attribute path: `object_paths`.)
         """
         import keras
 
         found, seen = {}, set()
-        for name, obj in self._leaf_objects().items():
+        if leaves is None:
+            leaves = self._leaf_objects()
+        for name, obj in leaves.items():
             if iterator_state.is_data_iterator(obj) or hasattr(
                     obj, "_host_arrays"):
                 continue
@@ -253,8 +270,9 @@ class ShardedCheckpoint:
         if options.enable_async:  # training goes on while it writes
             buffers = self._host_buffers
             buffers.begin()
+        variables = self._variables()
         entries = saved_objects.variable_entries(
-            self._variables(), backend, process_id, process_count, buffers)
+            variables, backend, process_id, process_count, buffers)
         if buffers is not None:
             buffers.end()
         entries.update(saved_objects.host_array_entries(
@@ -269,6 +287,10 @@ class ShardedCheckpoint:
         }
         if owner is not None:
             index_metadata["owner"] = owner
+        if process_id == 0:  # the chief writes the index
+            index_metadata["object_paths"] = object_paths.saved_object_paths(
+                self._leaf_objects(),
+                {id(variable): key for key, variable in variables.items()})
         finish = functools.partial(
             _finish_save, path, entries, process_id, process_count,
             index_metadata, options, on_commit, started)
@@ -389,7 +411,8 @@ class ShardedCheckpoint:
         if path is None:
             return InitializationOnlyStatus()
         path = os.path.abspath(path)
-        saved = reading.read_index(path)["variables"]
+        index = reading.read_index(path)
+        saved, paths = index["variables"], index.get("object_paths", {})
         self._bytes_read = 0
         by_object = self._variables_by_object()
         leaves = self._leaf_objects()
@@ -400,6 +423,7 @@ class ShardedCheckpoint:
                 ready.update(variables)
             else:
                 deferred.append(name)  # not created yet
+        ready = object_paths.match(saved, paths, ready, leaves)
         missing = sorted(key for key in ready if key not in saved)
         if require_existing and missing:
             raise CheckpointMismatchError(
@@ -433,7 +457,8 @@ class ShardedCheckpoint:
         for name in by_object:
             self._deferred.pop(name, None)
         for name in deferred:
-            self._deferred[name] = (path, saved)
+            self._deferred[name] = (path, saved, paths, "")
+        self._remember_restored(path, saved, paths, "")
         if deferred:
             _waiting.add(self)
             _install_deferred_hooks()
@@ -506,15 +531,61 @@ class ShardedCheckpoint:
         with self._lock:
             if not self._deferred:
                 return
-            by_object = self._variables_by_object()
-            leaves = self._leaf_objects()
-            for name, (path, saved) in list(self._deferred.items()):
-                if _ready(leaves[name], by_object[name],
+            for name, (path, saved, paths, prefix) in list(
+                    self._deferred.items()):
+                leaves = saved_objects.leaf_objects(
+                    self._objects, ShardedCheckpoint, prefix)
+                if name not in leaves:  # detached since
+                    del self._deferred[name]
+                    continue
+                variables = self._variables_by_object(
+                    {name: leaves[name]})[name]
+                if _ready(leaves[name], variables,
                           saved_objects.saved_keys_of(saved, name)):
                     del self._deferred[name]
-                    self._restore(path, saved, by_object[name])
+                    self._restore(path, saved, object_paths.match(
+                        saved, paths, variables, {name: leaves[name]}))
             if not self._deferred:
                 _waiting.discard(self)
+
+    def _remember_restored(self, path: str, saved: dict, paths: dict,
+                           prefix: str) -> None:
+        """Marks this checkpoint and the checkpoints nested in it as
+        restored from `path`: objects attached to them later are restored
+        from it too."""
+        self._restored_from = (path, saved, paths, prefix)
+        for name, obj in list(self._objects.items()):
+            if type(obj) in (list, dict):  # items added later restore too
+                obj = self._objects[name] = (
+                    _AttachedList if isinstance(obj, list)
+                    else _AttachedDict)(obj, self, name)
+            for inner, nested in _nested_checkpoints(obj, f"{prefix}{name}/"):
+                nested._remember_restored(path, saved, paths, inner)
+
+    def _restore_attached(self, container: str, name: str,
+                          value: Any) -> None:
+        """Restores `value`, attached as `<container><name>` after a read,
+        from that read's checkpoint; deferred if not built yet."""
+        path, saved, paths, prefix = self._restored_from
+        if isinstance(value, ShardedCheckpoint):
+            value._remember_restored(path, saved, paths,
+                                     f"{prefix}{container}{name}/")
+            return
+        for inner, nested in _nested_checkpoints(
+                value, f"{prefix}{container}{name}/"):
+            nested._remember_restored(path, saved, paths, inner)
+        leaves = saved_objects.leaf_objects(
+            {name: value}, ShardedCheckpoint, prefix + container)
+        by_object = self._variables_by_object(leaves)
+        for leaf, variables in by_object.items():
+            if _ready(leaves[leaf], variables,
+                      saved_objects.saved_keys_of(saved, leaf)):
+                self._restore(path, saved, object_paths.match(
+                    saved, paths, variables, {leaf: leaves[leaf]}))
+            else:
+                self._deferred[leaf] = (path, saved, paths, prefix)
+                _waiting.add(self)
+                _install_deferred_hooks()
 
     def restore(self, save_path: str,
                 options: Optional[CheckpointOptions] = None) -> LoadStatus:
@@ -534,6 +605,84 @@ class ShardedCheckpoint:
         self.save_counter = int(reading.read_index(save_path).get(
             "save_counter", 0))
         return status
+
+
+def _nested_checkpoints(obj: Any, prefix: str):
+    """`(prefix, checkpoint)` for the checkpoints in `obj` (itself, or in
+    its lists and dicts)."""
+    if isinstance(obj, ShardedCheckpoint):
+        yield prefix, obj
+    elif isinstance(obj, (list, tuple, dict)):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, item in items:
+            yield from _nested_checkpoints(item, f"{prefix}{key}/")
+
+
+class _AttachedList(list):
+    """A list attached to a checkpoint after a restore: items added to it
+    are restored as they come (tf.train.Checkpoint's `ListWrapper`)."""
+
+    def __init__(self, items, checkpoint: "ShardedCheckpoint", name: str):
+        super().__init__(items)
+        self._checkpoint, self._name = checkpoint, name
+
+    def _added(self, index: int, item: Any) -> None:
+        saved_objects.check_object(str(index), item, ShardedCheckpoint,
+                                   f"{self._name}/")
+        self._checkpoint._restore_attached(f"{self._name}/", str(index), item)
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self._added(len(self) - 1, item)
+
+    def extend(self, items) -> None:
+        for item in items:
+            self.append(item)
+
+    def __iadd__(self, items):
+        self.extend(items)
+        return self
+
+    def insert(self, index: int, item: Any) -> None:
+        if index < len(self):
+            raise TypeError(
+                "A list attached to a restored checkpoint restores items by "
+                "position: only append or extend it (an insert would shift "
+                f"the saved positions). Received: insert({index}, ...).")
+        self.append(item)
+
+    def __setitem__(self, index, item) -> None:
+        super().__setitem__(index, item)
+        if isinstance(index, int):
+            self._added(index % len(self), item)
+
+
+class _AttachedDict(dict):
+    """A dict attached to a checkpoint after a restore: entries added to
+    it are restored as they come (tf.train.Checkpoint's `_DictWrapper`)."""
+
+    def __init__(self, items, checkpoint: "ShardedCheckpoint", name: str):
+        super().__init__(items)
+        self._checkpoint, self._name = checkpoint, name
+
+    def __setitem__(self, key: str, item: Any) -> None:
+        if not isinstance(key, str):
+            raise ValueError(
+                f"Dict keys of saved objects must be strings. Received: "
+                f"{self._name}[{key!r}].")
+        saved_objects.check_object(key, item, ShardedCheckpoint,
+                                   f"{self._name}/")
+        super().__setitem__(key, item)
+        self._checkpoint._restore_attached(f"{self._name}/", key, item)
+
+    def update(self, *args, **kwargs) -> None:
+        for key, item in dict(*args, **kwargs).items():
+            self[key] = item
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
 
 
 def _ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:

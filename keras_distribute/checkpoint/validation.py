@@ -81,6 +81,13 @@ def validate_index(index: Any, index_path: str) -> None:
             _fail(index_path, field, "a string", index[field])
     for key, record in index["variables"].items():
         validate_record(record, index_path, f"variables/{key}")
+    paths = index.get("object_paths", {})
+    if not isinstance(paths, dict):
+        _fail(index_path, "object_paths", "a JSON object", paths)
+    for path, key in paths.items():
+        if not isinstance(key, str) or key not in index["variables"]:
+            _fail(index_path, f"object_paths/{path}",
+                  "the key of a saved variable", key)
 
 
 def validate_record(record: Any, index_path: str, entry: str) -> None:
