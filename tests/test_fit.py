@@ -412,3 +412,30 @@ def test_fit_takes_a_distributed_dataset_as_tf_distribute_does(strategy):
                            "strategy"):
             model.evaluate(other.experimental_distribute_dataset(train),
                            verbose=0)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's CPU collectives (JAX)")
+def test_eager_fit_over_several_cpu_devices_warns_of_xla_rendezvous_aborts(
+        strategy):
+    # keras-io's KerasHub data-parallel example compiles with
+    # jit_compile=False; on 8 CPU devices XLA aborted the process after two
+    # steps (rendezvous timeout, exit 134), under Keras' own DataParallel
+    # too. kd says so before it can happen, and what to do (#30 item 9).
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
+    y = np.zeros((32,), "int32")
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      jit_compile=False)
+    with pytest.warns(UserWarning, match="jit_compile=False.*CPU devices.*"
+                      "rendezvous.*jit_compile=True"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        model.evaluate(x, y, batch_size=16, verbose=0)
+    with strategy.scope():
+        compiled = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not [w for w in caught if "rendezvous" in str(w.message)]

@@ -11,6 +11,7 @@ barrier.
 """
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -72,6 +73,7 @@ class JaxEngine(SpmdRun):
         self.mesh = self.device_mesh.backend_mesh
         self._device_set = frozenset(self.mesh.devices.flat)
         self._keys_checked = weakref.WeakSet()  # models whose keys matched
+        self._eager_warned = weakref.WeakSet()  # models warned about
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._replica_of_device = {}
         batch_index = self.device_mesh.axis_names.index(self.batch_axis)
@@ -171,6 +173,7 @@ class JaxEngine(SpmdRun):
                 model not in self._keys_checked):
             warn_unmatched_keys(self.layout_map, model)
             self._keys_checked.add(model)
+        self._warn_eager_cpu_collectives(model)
         variables = list(model.variables)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and hasattr(optimizer, "variables"):
@@ -189,6 +192,29 @@ class JaxEngine(SpmdRun):
                 if variable._value is None:
                     variable._value = value
             raise
+
+    def _warn_eager_cpu_collectives(self, model: Any) -> None:
+        """Warns once per model compiled with `jit_compile=False` over
+        several CPU devices: Keras then runs every operation as its own
+        program over the devices, and XLA's CPU collectives can abort the
+        process with a rendezvous timeout (exit 134, "Expected 8 threads to
+        join the rendezvous") — with `keras.distribution.DataParallel` too
+        (a keras-hub BertMaskedLM, 8 simulated devices; #30)."""
+        if getattr(model, "jit_compile", True) is not False or len(
+                self._device_set) < 2 or model in self._eager_warned:
+            return
+        if any(device.platform != "cpu" for device in self._device_set):
+            return
+        self._eager_warned.add(model)
+        warnings.warn(
+            f"{model.name!r} is compiled with jit_compile=False and the "
+            f"strategy spans {len(self._device_set)} CPU devices: Keras then "
+            "runs each operation as its own program over them, and XLA's "
+            "CPU collectives can abort the process ('Expected "
+            f"{len(self._device_set)} threads to join the rendezvous', exit "
+            "134), with keras.distribution.DataParallel as well. Compile "
+            "with jit_compile=True (Keras' default on JAX), or run the "
+            "eager program on one device to debug it.", stacklevel=4)
 
     def _call_trainer(self, method: Callable, model: Any, args: tuple,
                       kwargs: dict) -> Any:
