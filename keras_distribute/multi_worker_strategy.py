@@ -33,7 +33,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     Raises:
         TimeoutError: if not every worker joined within the timeout.
         ValueError: on a malformed cluster description.
-        NotImplementedError: on a backend without a multi-worker engine yet.
 
     Example:
 
@@ -58,15 +57,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "Expected `cluster_resolver` to be a "
                 "`kd.cluster_resolver.ClusterResolver`. Received: "
                 f"{type(resolver).__name__}.")
-        make = getattr(backend, "make_multi_worker_engine", None)
-        if make is None:
-            raise NotImplementedError(
-                "kd.MultiWorkerMirroredStrategy is not available on the "
-                f"'{backend.name}' Keras backend yet. It works on the 'torch' "
-                "backend; on one host, kd.MirroredStrategy works on every "
-                "backend.")
         self._cluster_resolver = resolver
-        super().__init__(make(resolver, communication_timeout_s(
+        super().__init__(backend.make_multi_worker_engine(resolver, communication_timeout_s(
             communication_options.timeout_seconds), layout_map))
         self._set_communication_options(communication_options)
 

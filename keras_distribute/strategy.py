@@ -5,6 +5,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from keras_distribute import context
 from keras_distribute import input_lib
+from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.reduce_op import check_reduce_axis
 from keras_distribute.strategy_extended import StrategyExtended
@@ -29,7 +30,7 @@ class Strategy:
         engine: The backend engine that owns devices and collectives.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: ReplicaEngine):
         self._engine = engine
         from keras_distribute import integration
 

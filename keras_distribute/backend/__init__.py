@@ -7,7 +7,6 @@ _SUPPORTED = {
     "tensorflow": "keras_distribute.backend.tensorflow",
     "torch": "keras_distribute.backend.torch",
 }
-_PLANNED = {}
 _loaded = {}
 
 
@@ -27,11 +26,9 @@ def get_backend():
     name = backend_name()
     if name not in _loaded:
         if name not in _SUPPORTED:
-            engine = _PLANNED.get(name)
-            planned = f" (planned on {engine})" if engine else ""
             raise NotImplementedError(
                 f"keras_distribute strategies are not available on the "
-                f"'{name}' Keras backend yet{planned}. Supported backends: "
+                f"'{name}' Keras backend. Supported backends: "
                 f"{', '.join(sorted(_SUPPORTED))}. Set KERAS_BACKEND=jax "
                 "before importing keras to use them now."
             )

@@ -1,17 +1,27 @@
 """The narrow interface every backend module implements.
 
 The neutral layer (strategies, values, contexts, input, Keras hooks) talks
-to a framework only through these two protocols. A backend module
+to a framework only through these protocols. A backend module
 (`backend/jax.py`, ...) exports the functions of `BackendModule`, and
 `make_engine` returns an object following `ReplicaEngine` for one strategy.
+An engine that can do more declares it in its `contract` (a tuple of the
+protocols it follows): `ProcessDataEngine` (its `fit` runs per process on
+that process's rows), `TorchDdpEngine` (Keras' torch trainer steps through
+it), `ShardedForwardEngine` (layers' forward passes run sharded) and
+`LayoutEngine` (tensors can be laid out over the model axes inside a step).
+`tests/test_engine_contract.py` checks that every engine follows what it
+declares and that the neutral layer reads nothing from an engine that no
+protocol declares.
 """
 
-from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
+from typing import (Any, Callable, ContextManager, Optional, Protocol,
+                    Sequence, runtime_checkable)
 
 from keras_distribute.devices import DeviceSpec
 from keras_distribute.reduce_op import ReduceOp
 
 
+@runtime_checkable
 class ReplicaEngine(Protocol):
     """The per-strategy engine: devices, layouts, collectives."""
 
@@ -74,13 +84,111 @@ class ReplicaEngine(Protocol):
     def broadcast_text(self, text: str) -> str:
         """Process 0's `text`, in every process (a collective; alone: `text`)."""
 
-    def any_process(self, flag: bool) -> bool:
-        """Whether `flag` is true in any process (a collective; alone:
-        `flag`). Engines whose `fit` runs per process need it."""
+    def process_all_gather(self, array: Any) -> Any:
+        """Every process's `array` (same shape in each), stacked along a new
+        first axis in process order (a collective; alone: `array[None]`)."""
+
+    def set_gradient_compression(self, name: str) -> None:
+        """All-reduces the gradients of `fit` (and of `kd.train_step`) in
+        `name`'s dtype (`"fp16"` or `"bf16"`), their own dtype again after."""
 
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
         """Calls a Keras `fit`/`evaluate`/... method under the engine."""
+
+
+@runtime_checkable
+class ProcessDataEngine(ReplicaEngine, Protocol):
+    """An engine whose `fit` runs in each process on that process's rows
+    (`process_data.py`): torch, and JAX over several processes."""
+
+    rank: int  # this process's index in the job (as `process_id`)
+    # Set by `fit`: every batch splits evenly over the replicas (the
+    # replicas then skip the uneven-batch reweighting).
+    even_batches: bool
+    # Set by `fit`: per-batch logs have a reader, so each train step makes
+    # the metrics global (else only the epoch-end results are).
+    sync_metrics_each_step: bool
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` is true in any process (a collective; alone:
+        `flag`)."""
+
+    def split_rows(self, batch: int, pipeline: Optional[int] = None) -> tuple:
+        """`(start, stop)`: the rows of a global batch of `batch` rows that
+        input pipeline `pipeline` (default: this process's) feeds."""
+
+    def shared_seed(self) -> int:
+        """A seed every process agrees on (from kd's own generator, never
+        the user's random streams)."""
+
+    def gather_rows(self, array: Any) -> Any:
+        """Every process's rows of `array`, concatenated in process order
+        (rows may differ in number between processes)."""
+
+
+@runtime_checkable
+class TorchDdpEngine(ProcessDataEngine, Protocol):
+    """An engine Keras' torch trainer steps through (`torch_hooks.py`)."""
+
+    uses_keras_ddp: bool  # the model's step goes through Keras' own DDP
+    in_group: bool  # a torch.distributed process group is running
+
+    def restoring_metric_states(self, variables: Sequence[Any]
+                                ) -> ContextManager[None]:
+        """Inside: assigning the metric variables sets the job's totals
+        (a resumed backup's metric state), not this process's share."""
+
+    def hold_ddp(self, model: Any, wrapper: Any) -> None:
+        """Keeps Keras' DDP wrapper of `model` for its training steps."""
+
+    def train_step(self, model: Any, data: Any) -> Any:
+        """One training step of `model` on this process's `data`."""
+
+    def global_metric_states(self,
+                             variables: Sequence[Any]) -> ContextManager[None]:
+        """Inside: the metric variables hold every process's totals."""
+
+    def broadcast_new_variables(self) -> None:
+        """Gives variables created since the last call process 0's values."""
+
+
+@runtime_checkable
+class ShardedForwardEngine(TorchDdpEngine, Protocol):
+    """A torch engine whose layers' variables are sharded over model axes."""
+
+    collective_reads: bool  # reading a sharded variable whole is collective
+
+    def sharded_forward(self, forward: Callable, layer: Any, args: tuple,
+                        kwargs: dict) -> Any:
+        """`forward(layer, *args, **kwargs)` on the layer's sharded values."""
+
+
+@runtime_checkable
+class LayoutEngine(ReplicaEngine, Protocol):
+    """An engine that can lay a tensor out over the model axes inside a
+    step (`TPUStrategy.experimental_split_to_logical_devices`)."""
+
+    def constrain(self, tensor: Any, parts: Sequence[int],
+                  in_replica: bool) -> Any:
+        """`tensor` split into `parts` along its dimensions."""
+
+
+@runtime_checkable
+class LogicalDeviceEngine(LayoutEngine, Protocol):
+    """An engine that can place a tensor on one logical device of each
+    replica (`TPUStrategy.experimental_assign_to_logical_device`)."""
+
+    def assign_to_logical_device(self, tensor: Any,
+                                 logical_device_id: int) -> Any:
+        """`tensor` on logical device `logical_device_id` of the replica."""
+
+
+@runtime_checkable
+class TpuEngine(LayoutEngine, Protocol):
+    """The engine of a `kd.TPUStrategy` (`make_tpu_engine`)."""
+
+    num_logical_devices: int  # the devices (cores) one replica spans
 
 
 class BackendModule(Protocol):
@@ -110,6 +218,12 @@ class BackendModule(Protocol):
     def make_engine(self, devices: Sequence[Any],
                     layout_map: Any = None) -> ReplicaEngine:
         """Builds the engine for a strategy over `devices`."""
+
+    def make_multi_worker_engine(self, resolver: Any,
+                                 timeout_s: Optional[float],
+                                 layout_map: Any = None) -> ReplicaEngine:
+        """Builds the engine of a `kd.MultiWorkerMirroredStrategy` over the
+        job `resolver` describes (joining it; one worker: this process)."""
 
 
 def broadcast_text_by(broadcast_array: Callable[[Any], Any],

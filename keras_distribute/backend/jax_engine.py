@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 import keras
 from keras.distribution import DeviceMesh
 
+from keras_distribute.backend import interface
 from keras_distribute.backend import jax_compression
 from keras_distribute.backend.jax_collectives import as_array
 from keras_distribute.backend.jax_devices import device_name
@@ -43,6 +44,10 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
 
 class JaxEngine(SpmdRun):
     """The per-strategy JAX engine (see `interface.ReplicaEngine`)."""
+
+    # Its `fit` runs per process in a multi-process job; `constrain` lays
+    # tensors out over the model axes (a TPU engine adds `TpuEngine`).
+    contract = (interface.ProcessDataEngine, interface.LayoutEngine)
 
     def __init__(self, devices: Sequence[Any], layout_map: Any = None):
         self.devices = tuple(devices)
@@ -70,6 +75,9 @@ class JaxEngine(SpmdRun):
         if self.multi_process:
             # Each process is handed its own rows (process_data.py).
             self.distribution.auto_shard_dataset = False
+        # Set by a multi-process `fit` (process_data.py).
+        self.even_batches = False
+        self.sync_metrics_each_step = True
         self.mesh = self.device_mesh.backend_mesh
         self._device_set = frozenset(self.mesh.devices.flat)
         self._keys_checked = weakref.WeakSet()  # models whose keys matched

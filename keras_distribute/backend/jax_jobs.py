@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from keras.distribution import DeviceMesh
 
+from keras_distribute.backend import interface
 from keras_distribute.backend import jax_engine as jax_backend
 from keras_distribute.cross_device_ops import communication_timeout_s
 
@@ -124,6 +125,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             f"DeviceMesh of shape ({num_replicas}, {logical}).")
     engine = jax_backend.JaxEngine(devices, layout_map)
     engine.num_logical_devices = logical
+    engine.contract = engine.contract + (interface.TpuEngine,)
     return engine
 
 

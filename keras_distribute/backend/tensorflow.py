@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
+from keras_distribute.backend import interface
 from keras_distribute.backend import tf_cluster
 from keras_distribute.backend import tf_fit
 from keras_distribute.backend.tf_checkpoint import checkpoint_assign  # noqa: F401
@@ -109,6 +110,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     engine = TfEngine(None, tf_strategy=strategy)
     engine.num_logical_devices = (
         assignment.num_logical_devices if assignment is not None else 1)
+    engine.contract = engine.contract + (interface.TpuEngine,)
     return engine
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
+from keras_distribute.backend import interface
 from keras_distribute import context
 from keras_distribute import model_state
 from keras_distribute import peer_board
@@ -79,6 +80,9 @@ def _new_mirrored_strategy(devices: Sequence[Any]):
 
 class TfEngine:
     """The per-strategy TensorFlow engine (see `interface.ReplicaEngine`)."""
+
+    # `constrain` lays tensors out (a TPU engine adds `TpuEngine`).
+    contract = (interface.LogicalDeviceEngine,)
 
     def __init__(self, devices: Optional[Sequence[Any]], *,
                  tf_strategy: Any = None, resolver: Any = None):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import keras
 from keras.distribution import DeviceMesh
 
+from keras_distribute.backend import interface
 from keras_distribute import context
 from keras_distribute.reduce_op import ReduceOp
 from keras_distribute.values import PerReplica
@@ -43,6 +44,9 @@ def _variable_keys(variables: list) -> list:
 
 class TorchEngine:
     """The per-strategy torch engine (see `interface.ReplicaEngine`)."""
+
+    # One process per replica, Keras' torch trainer stepping through it.
+    contract = (interface.TorchDdpEngine,)
 
     def __init__(self, device: Any):
         self.in_group = ensure_process_group()

@@ -38,6 +38,7 @@ import keras
 from keras.distribution import DeviceMesh
 from keras.distribution import TensorLayout
 
+from keras_distribute.backend import interface
 from keras_distribute import context
 from keras_distribute.backend import torch_peers
 from keras_distribute.backend.torch_engine import TorchEngine
@@ -152,6 +153,8 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
 
 
 class ShardedTorchEngine(TorchEngine):
+    # Layers' forward passes run on their sharded values.
+    contract = (interface.ShardedForwardEngine,)
     """Variables laid out by a LayoutMap over a (batch, model...) mesh.
 
     The first mesh axis is the batch axis: each of its positions is one
