@@ -18,7 +18,7 @@ first use of `kd.callbacks`.
 from keras_distribute.horovod_callbacks import BroadcastGlobalVariables  # noqa: F401
 from keras_distribute.horovod_callbacks import LearningRateWarmup  # noqa: F401
 from keras_distribute.horovod_callbacks import MetricAverage  # noqa: F401
-from keras_distribute.launch import PREEMPTION_EXIT_CODE  # noqa: F401
+from keras_distribute.launch_processes import PREEMPTION_EXIT_CODE  # noqa: F401
 from keras_distribute.preemption import PreemptionCheckpoint  # noqa: F401
 from keras_distribute.backup_callback import BackupAndRestore  # noqa: F401
 from keras_distribute.checkpoint_callback import ShardedCheckpoint  # noqa: F401

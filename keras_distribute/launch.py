@@ -9,14 +9,12 @@ and the failure is raised with that rank's traceback.
     python -m keras_distribute.launch --nproc 2 train.py --epochs 3
 """
 
-import math
 import multiprocessing
 import os
 import pickle
 import queue as queue_module
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -24,54 +22,21 @@ import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
 from keras_distribute import process_notes
-
-DEFAULT_TIMEOUT_S = 900.0
-_GRACE_S = 5.0
-# After SIGTERM/SIGINT reached the launcher and was passed on, how long the
-# workers have to save and exit before they are killed (a scheduler's grace
-# period is usually 30 s or more).
-DEFAULT_SIGNAL_GRACE_S = 25.0
-_FORWARDED = (signal.SIGTERM, signal.SIGINT)
-# The exit code of a process that saved its state on a preemption signal
-# (`kd.callbacks.PreemptionCheckpoint`): restart me. tf.distribute's
-# PreemptionCheckpointHandler uses the same.
-PREEMPTION_EXIT_CODE = 42
-
-
-class _SignalForwarder:
-    """Passes SIGTERM/SIGINT sent to the launcher on to its workers.
-
-    A scheduler stops a job by signalling the process it started (the
-    launcher); left alone, the launcher died at once and its workers ran on
-    as orphans. While active (main thread only: Python delivers signals
-    there), each such signal is sent to every live worker and recorded, so
-    that the launcher waits for them and exits with 128 + the signal.
-    """
-
-    def __init__(self, send: Callable[[int], None]):
-        self._send = send
-        self.received: List[int] = []
-        self._previous = {}
-
-    def __enter__(self):
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for signum in _FORWARDED:
-                self._previous[signum] = signal.signal(signum, self._forward)
-        return self
-
-    def _forward(self, signum, frame) -> None:
-        self.received.append(signum)
-        self._send(signum)
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
-def _signal_exit_code(signum: int) -> int:
-    return 128 + int(signum)
+from keras_distribute.launch_processes import DEFAULT_SIGNAL_GRACE_S
+from keras_distribute.launch_processes import DEFAULT_TIMEOUT_S
+from keras_distribute.launch_processes import GRACE_S
+from keras_distribute.launch_processes import SignalForwarder
+from keras_distribute.launch_processes import blamed_peer
+from keras_distribute.launch_processes import check_num_processes
+from keras_distribute.launch_processes import check_timeout
+from keras_distribute.launch_processes import first_frozen
+from keras_distribute.launch_processes import free_port
+from keras_distribute.launch_processes import free_ports
+from keras_distribute.launch_processes import frozen_message
+from keras_distribute.launch_processes import last_note
+from keras_distribute.launch_processes import process_env
+from keras_distribute.launch_processes import signal_name
+from keras_distribute.launch_processes import stop_process
 
 
 class LaunchError(RuntimeError):
@@ -93,50 +58,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, rank: Optional[int] = None):
         super().__init__(message)
         self.rank = rank
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _free_ports(count: int) -> List[int]:
-    ports = set()
-    while len(ports) < count:
-        ports.add(_free_port())
-    return sorted(ports)
-
-
-def process_env(rank: int, world_size: int, port: int,
-                job_ports: Sequence[int] = (),
-                notes_dir: Optional[str] = None) -> dict:
-    """The environment of process `rank` of a job on this host.
-
-    The torchrun variables (for `kd.MirroredStrategy` on torch), plus Keras'
-    `KERAS_DISTRIBUTION_*` with one address per process, which every
-    backend's `kd.MultiWorkerMirroredStrategy` reads (TensorFlow needs a
-    server port per worker).
-    """
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-    }
-    if job_ports:
-        env.update({
-            "KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(
-                f"127.0.0.1:{p}" for p in job_ports),
-            "KERAS_DISTRIBUTION_NUM_PROCESSES": str(world_size),
-            "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
-        })
-    if notes_dir:
-        env[process_notes.NOTES_VARIABLE] = notes_dir
-    return env
 
 
 def _check_main_guard() -> None:
@@ -193,67 +114,13 @@ def _destroy_process_group() -> None:
 def _end(processes) -> None:
     for process in processes:
         if process.is_alive():
-            _stop(process)
-    deadline = time.monotonic() + _GRACE_S
+            stop_process(process)
+    deadline = time.monotonic() + GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
-            process.join(_GRACE_S)
-
-
-# More local processes than this many per CPU core is refused unless
-# KERAS_DISTRIBUTE_MAX_PROCESSES allows it (each process imports a framework:
-# thousands would exhaust the machine before the first one runs).
-_PROCESSES_PER_CORE = 4
-_MIN_PROCESS_LIMIT = 16
-
-
-def max_local_processes() -> int:
-    """How many local processes a launch may start: 4 per CPU core (at
-    least 16), or `KERAS_DISTRIBUTE_MAX_PROCESSES` when set."""
-    override = os.environ.get("KERAS_DISTRIBUTE_MAX_PROCESSES")
-    if override is not None:
-        try:
-            return int(override)
-        except ValueError:
-            raise ValueError(
-                "KERAS_DISTRIBUTE_MAX_PROCESSES must be an integer. "
-                f"Received: {override!r}.") from None
-    return max(_MIN_PROCESS_LIMIT,
-               _PROCESSES_PER_CORE * (os.cpu_count() or 1))
-
-
-def check_num_processes(num_processes: Any,
-                        name: str = "num_processes") -> None:
-    """Raises `ValueError` unless `num_processes` is a positive int this
-    machine can start (`max_local_processes`); `name`: the argument's name
-    in the message."""
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) \
-            or num_processes < 1:
-        raise ValueError(
-            f"Expected `{name}` to be a positive int. Received: "
-            f"{name}={num_processes!r}."
-        )
-    limit = max_local_processes()
-    if num_processes > limit:
-        raise ValueError(
-            f"Expected at most {limit} local processes on this machine "
-            f"({os.cpu_count()} CPU cores). Received: "
-            f"{name}={num_processes}. Use one process per device; to "
-            "start more anyway, set KERAS_DISTRIBUTE_MAX_PROCESSES="
-            f"{num_processes}.")
-
-
-def check_timeout(timeout: Any, name: str = "timeout") -> None:
-    """Raises `ValueError` unless `timeout` is a finite, positive number of
-    seconds (a launch never waits forever); `name`: the argument's name in
-    the message."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(
-            f"Expected `{name}` to be a finite, positive number of seconds. "
-            f"Received: {name}={timeout!r}. Pass e.g. {name}=3600.")
+            process.join(GRACE_S)
 
 
 def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
@@ -302,7 +169,7 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
     payload = cloudpickle.dumps((fn, tuple(args)))
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port, job_ports = _free_port(), _free_ports(num_processes)
+    port, job_ports = free_port(), free_ports(num_processes)
     notes_dir = tempfile.mkdtemp(prefix="keras_distribute-notes-")
     processes = [
         context.Process(target=_worker,
@@ -322,7 +189,7 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
 
     for process in processes:
         process.start()
-    with _SignalForwarder(send) as forwarder:
+    with SignalForwarder(send) as forwarder:
         try:
             return _collect(processes, results, timeout, forwarder)
         finally:
@@ -331,7 +198,7 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
 
 
 def _collect(processes, results, timeout: float,
-             forwarder: Optional[_SignalForwarder] = None) -> List[Any]:
+             forwarder: Optional[SignalForwarder] = None) -> List[Any]:
     values, deadline = {}, time.monotonic() + timeout
     exited_at = {}
     while len(values) < len(processes):
@@ -366,42 +233,13 @@ def _wait_for_exit(processes, grace_s: float) -> None:
         process.join(max(0.0, deadline - time.monotonic()))
 
 
-def _is_frozen(pid: Optional[int]) -> bool:
-    """Whether the process `pid` is stopped (SIGSTOP, SIGTSTP, a debugger):
-    alive, but it will never answer a collective."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # "pid (name) state ...": the name may hold spaces or ")".
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError, TypeError):
-        return False  # gone, or no /proc (macOS): not known to be frozen
-
-
-def _first_frozen(processes) -> Optional[int]:
-    """The first rank whose process is frozen (an ended one is not)."""
-    return next((rank for rank, process in enumerate(processes)
-                 if _is_frozen(process.pid)), None)
-
-
-def _stop(process) -> None:
-    """SIGTERM, or SIGKILL for a frozen process (a stopped process holds
-    SIGTERM until it is continued)."""
-    (process.kill if _is_frozen(process.pid) else process.terminate)()
-
-
-def _frozen_message(rank: int, count: int) -> str:
-    """What a launcher says of a frozen process."""
-    return (f"Process {rank} of {count} is frozen (stopped by SIGSTOP, "
-            "SIGTSTP or a debugger) and never answered")
-
-
 def _failure(processes, values, rank: int, trace: str) -> LaunchError:
     """The error for a failed rank, naming a peer that died or froze first
     if any (the failed one only reported the loss)."""
-    frozen = _first_frozen(processes)
+    frozen = first_frozen(processes)
     if frozen is not None:
         return LaunchError(
-            f"{_frozen_message(frozen, len(processes))}; process {rank} "
+            f"{frozen_message(frozen, len(processes))}; process {rank} "
             f"then failed waiting for it:\n{trace}", frozen)
     lost = blamed_peer(processes, rank)
     if (lost is not None and lost not in values
@@ -422,7 +260,7 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
         code = processes[cause].exitcode
         return LaunchError(
             f"Process {cause} of {len(processes)} died with exit code {code}"
-            f"{_signal_name(code)}{_last_note(processes, cause, code)}; "
+            f"{signal_name(code)}{last_note(processes, cause, code)}; "
             f"process {rank} then failed:\n{trace}", cause)
     return LaunchError(
         f"Process {rank} of {len(processes)} failed{_gone(values)}"
@@ -460,39 +298,14 @@ def _check_dead(processes, values, exited_at) -> None:
                 f"process {rank}, which then exited with code "
                 f"{process.exitcode}): {why}. The other processes were "
                 "ended.", lost)
-        if process.exitcode != 0 or now - exited_at[rank] > _GRACE_S:
+        if process.exitcode != 0 or now - exited_at[rank] > GRACE_S:
             raise LaunchError(
                 f"Process {rank} of {len(processes)} died with exit code "
                 f"{process.exitcode} before returning"
-                f"{_signal_name(process.exitcode)}"
-                f"{_last_note(processes, rank, process.exitcode)}"
+                f"{signal_name(process.exitcode)}"
+                f"{last_note(processes, rank, process.exitcode)}"
                 f"{_gone(values)}. The other processes were "
                 "ended.", rank)
-
-
-def blamed_peer(processes, rank: int) -> Optional[int]:
-    """The peer process `rank` named as lost, if any (see
-    `process_notes.named_lost_peer`)."""
-    return process_notes.named_lost_peer(
-        getattr(processes[rank], "kd_notes", None), rank, len(processes))
-
-
-def _last_note(processes, rank: int, exitcode: Optional[int]) -> str:
-    """What process `rank` noted it was doing, when a signal ended it (a
-    runtime's abort leaves no Python traceback to report)."""
-    if exitcode is None or exitcode >= 0:
-        return ""
-    note = process_notes.read(getattr(processes[rank], "kd_notes", None), rank)
-    return f" while {note}" if note else ""
-
-
-def _signal_name(exitcode: int) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f" (killed by {signal.Signals(-exitcode).name})"
-        except ValueError:
-            return ""
-    return ""
 
 
 def notebook_launcher(fn: Callable, num_processes: int,

@@ -17,23 +17,23 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from keras_distribute.launch import DEFAULT_SIGNAL_GRACE_S
-from keras_distribute.launch import DEFAULT_TIMEOUT_S
-from keras_distribute.launch import PREEMPTION_EXIT_CODE
-from keras_distribute.launch import _GRACE_S
-from keras_distribute.launch import _SignalForwarder
-from keras_distribute.launch import _first_frozen
-from keras_distribute.launch import blamed_peer
-from keras_distribute.launch import check_num_processes
-from keras_distribute.launch import check_timeout
-from keras_distribute.launch import _free_port
-from keras_distribute.launch import _free_ports
-from keras_distribute.launch import _frozen_message
-from keras_distribute.launch import _last_note
-from keras_distribute.launch import _signal_exit_code
-from keras_distribute.launch import _signal_name
-from keras_distribute.launch import _stop
-from keras_distribute.launch import process_env
+from keras_distribute.launch_processes import DEFAULT_SIGNAL_GRACE_S
+from keras_distribute.launch_processes import DEFAULT_TIMEOUT_S
+from keras_distribute.launch_processes import PREEMPTION_EXIT_CODE
+from keras_distribute.launch_processes import GRACE_S
+from keras_distribute.launch_processes import SignalForwarder
+from keras_distribute.launch_processes import first_frozen
+from keras_distribute.launch_processes import blamed_peer
+from keras_distribute.launch_processes import check_num_processes
+from keras_distribute.launch_processes import check_timeout
+from keras_distribute.launch_processes import free_port
+from keras_distribute.launch_processes import free_ports
+from keras_distribute.launch_processes import frozen_message
+from keras_distribute.launch_processes import last_note
+from keras_distribute.launch_processes import signal_exit_code
+from keras_distribute.launch_processes import signal_name
+from keras_distribute.launch_processes import stop_process
+from keras_distribute.launch_processes import process_env
 
 
 def run_script(script: str, script_args: Sequence[str], num_processes: int,
@@ -82,7 +82,7 @@ def _run_script_once(script, script_args, num_processes, deadline, timeout,
                      signal_grace) -> tuple:
     """One start of every process: `(exit code, final)`, final when a
     timeout or a signal ended it (no restart then)."""
-    port, job_ports = _free_port(), _free_ports(num_processes)
+    port, job_ports = free_port(), free_ports(num_processes)
     notes_dir = tempfile.mkdtemp(prefix="keras_distribute-notes-")
     processes = []
     for rank in range(num_processes):
@@ -99,7 +99,7 @@ def _run_script_once(script, script_args, num_processes, deadline, timeout,
                 except OSError:
                     pass
 
-    with _SignalForwarder(send) as forwarder:
+    with SignalForwarder(send) as forwarder:
         try:
             code = _watch(processes, num_processes, deadline, timeout,
                           forwarder, signal_grace)
@@ -123,7 +123,7 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                 codes = _wait_all(processes, signal_grace)
                 if codes == [PREEMPTION_EXIT_CODE] * len(codes):
                     return PREEMPTION_EXIT_CODE  # all saved: restart me
-                return _signal_exit_code(signum)
+                return signal_exit_code(signum)
             codes = [p.poll() for p in processes]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed and failed[0][1] == PREEMPTION_EXIT_CODE:
@@ -137,10 +137,10 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                 return PREEMPTION_EXIT_CODE
             if failed:
                 rank, code = failed[0]
-                frozen = _first_frozen(processes)
+                frozen = first_frozen(processes)
                 if frozen is not None:
                     print(f"keras_distribute.launch: "
-                          f"{_frozen_message(frozen, num_processes)}; "
+                          f"{frozen_message(frozen, num_processes)}; "
                           f"process {rank} then exited with code {code}; "
                           "ending every process.", file=sys.stderr)
                 elif blamed_peer(processes, rank) is not None:
@@ -152,8 +152,8 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
                 else:
                     print(f"keras_distribute.launch: process {rank} of "
                           f"{num_processes} exited with code {code}"
-                          f"{_signal_name(code)}"
-                          f"{_last_note(processes, rank, code)}; ending the "
+                          f"{signal_name(code)}"
+                          f"{last_note(processes, rank, code)}; ending the "
                           "others.", file=sys.stderr)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
@@ -166,13 +166,13 @@ def _watch(processes, num_processes, deadline, timeout, forwarder,
     finally:
         for process in processes:
             if process.poll() is None:
-                _stop(process)
+                stop_process(process)
         for process in processes:
             try:
-                process.wait(_GRACE_S)
+                process.wait(GRACE_S)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait(_GRACE_S)
+                process.wait(GRACE_S)
 
 
 def _wait_all(processes, grace_s: float) -> list:

@@ -16,7 +16,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from keras_distribute.backup_callback import BackupAndRestore
-from keras_distribute.launch import PREEMPTION_EXIT_CODE
+from keras_distribute.launch_processes import PREEMPTION_EXIT_CODE
 from keras_distribute.preemption_handler import PreemptionSignals
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
-from keras_distribute.launch import PREEMPTION_EXIT_CODE
+from keras_distribute.launch_processes import PREEMPTION_EXIT_CODE
 
 
 def _checked_signals(signals: Sequence[int]) -> tuple:
