@@ -83,36 +83,6 @@ def latest_job_strategy() -> Any:
     return None
 
 
-_installers: dict = {}
-
-
-def register_installer(name: str, installer: Callable[[], None]) -> None:
-    """The integration layer (above this one) registers what it installs
-    into Keras on request (`install`), e.g. the deferred-restore hooks."""
-    _installers[name] = installer
-
-
-def register_service(name: str, function: Callable[..., Any]) -> None:
-    """The integration layer registers a function the lower layers call by
-    name (`service`), e.g. `"chief_only_writes"`."""
-    _services[name] = function
-
-
-def service(name: str) -> Callable[..., Any]:
-    """A function the integration layer registered (see `register_service`);
-    the neutral layer and the backends never import it."""
-    return _services[name]  # registered when keras_distribute is imported
-
-
-_services: dict = {}
-
-
-def install(name: str) -> None:
-    """Asks the integration layer to install `name` (once; later calls do
-    nothing). The neutral layer and the backends never import it."""
-    _installers[name]()
-
-
 def get_strategy() -> Any:
     """Returns the current strategy.
 

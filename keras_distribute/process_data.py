@@ -17,7 +17,7 @@ import numpy as np
 
 import keras
 
-from keras_distribute import context
+from keras_distribute import keras_services
 from keras_distribute import model_state
 from keras_distribute import peer_board
 from keras_distribute import training_config
@@ -243,7 +243,7 @@ def _fit(engine, method, model, params: dict) -> Any:
     params["callbacks"] = model_state.with_chief_state(
         engine, peer_board.counting_epochs(params.get("callbacks")))
     try:
-        with context.service("chief_only_writes")(
+        with keras_services.get().chief_only_writes(
                 params.get("callbacks"), engine.rank == 0,
                 getattr(engine, "collective_reads", False)):
             history = method(model, **params)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from keras.distribution import DeviceMesh
 
+from keras_distribute import keras_services
 from keras_distribute.backend import interface
 from keras_distribute.backend import jax_engine as jax_backend
 from keras_distribute.cross_device_ops import communication_timeout_s
@@ -73,18 +74,14 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
         _watch_peers(resolver.process_id, resolver.num_processes, timeout_s)
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
-        from keras_distribute import context
-
-        context.install("seed_every_process")
+        keras_services.get().seed_every_process()
     elif jax.process_count() != resolver.num_processes:
         raise ValueError(
             f"jax.distributed runs {jax.process_count()} processes but the "
             f"cluster resolver describes {resolver.num_processes}. "
             f"Received: {resolver!r}.")
     if jax.process_count() > 1:
-        from keras_distribute import context
-
-        context.install("chief_values")
+        keras_services.get().install_chief_values()
     return jax_backend.make_engine(list(jax.devices()), layout_map)
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
+from keras_distribute import keras_services
 from keras_distribute.backend import interface
 from keras_distribute import context
 from keras_distribute import model_state
@@ -246,7 +247,7 @@ class TfEngine:
         if method.__name__ in ("evaluate", "predict"):
             model_state.take_chief_values(self, model)
         try:
-            with context.service("chief_only_writes")(
+            with keras_services.get().chief_only_writes(
                     callbacks if method.__name__ == "fit" else None,
                     self.is_chief), peer_board.busy():
                 result = method(model, *args, **kwargs)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import keras
 from keras.distribution import DeviceMesh
 
+from keras_distribute import keras_services
 from keras_distribute.backend import interface
 from keras_distribute import context
 from keras_distribute.reduce_op import ReduceOp
@@ -66,7 +67,7 @@ class TorchEngine:
         # list, current in the scope, makes the one DDP on the mesh's group
         # (the default group: a 1-D mesh over the job). Keras 3.15 has no
         # torch distribution: the engine wraps DDP itself.
-        self.distribution = context.service("keras_torch_data_parallel")(
+        self.distribution = keras_services.get().keras_torch_data_parallel(
             self.world_size) if self.in_group else None
         self.device_mesh = self.distribution.device_mesh if (
             self.distribution is not None) else DeviceMesh(

@@ -39,7 +39,7 @@ from keras.distribution import DeviceMesh
 from keras.distribution import TensorLayout
 
 from keras_distribute.backend import interface
-from keras_distribute import context
+from keras_distribute import keras_services
 from keras_distribute.backend import torch_peers
 from keras_distribute.backend.torch_engine import TorchEngine
 from keras_distribute.backend.torch_variables import whole_value
@@ -170,7 +170,7 @@ class ShardedTorchEngine(TorchEngine):
         super().__init__(device)
         check_layout_map(layout_map)
         check_mesh(layout_map, self.world_size)
-        context.install("torch_sharding")
+        keras_services.get().install_torch_sharding()
         mesh = layout_map.device_mesh
         self.layout_map = layout_map
         self.device_mesh = mesh
@@ -190,7 +190,8 @@ class ShardedTorchEngine(TorchEngine):
         # Keras 3.16 makes the torch mesh of a keras.distribution mesh, and
         # the placements of its layouts, itself: the engine uses Keras' own
         # (`placements`). Keras 3.15's torch backend has no distribution.
-        self.torch_mesh = context.service("keras_torch_mesh")(self.keras_mesh)
+        self.torch_mesh = keras_services.get().keras_torch_mesh(
+            self.keras_mesh)
         self.keras_layouts = self.torch_mesh is not None
         if self.torch_mesh is None:
             self.torch_mesh = TorchDeviceMesh(device.type, ranks,

@@ -9,6 +9,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 
+from keras_distribute import keras_services
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import format as ckpt_format
@@ -748,9 +749,7 @@ def _finish_save(path: str, entries: dict, process_id: int,
 
 
 def _install_deferred_hooks() -> None:
-    from keras_distribute import context
-
-    context.install("deferred_restores")
+    keras_services.get().install_deferred_restores()
 
 
 # Checkpoints with a background save that may still run (weakly held).

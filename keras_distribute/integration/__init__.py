@@ -1,15 +1,15 @@
 """The Keras integration layer: every touch of a Keras-private name.
 
 It sits above the neutral layer, the backends and the checkpoint (none of
-them imports it): the strategies install it (`install()`), and it registers
-with `keras_distribute.context` what the lower layers may ask for by name
-(`context.install("deferred_restores")`). `registry` lists every private
+them imports it): the strategies install it (`install()`), and it hands the
+lower layers what they need from it as one typed `KerasServices`
+(`keras_distribute.keras_services`, provided when this package is imported). `registry` lists every private
 name with why it is used and on which Keras versions; `hooks` patches Keras
 only after `registry.check()` verified them. This module imports Keras only
 when something is installed.
 """
 
-from keras_distribute import context
+from keras_distribute import keras_services
 from keras_distribute.integration.registry import SUPPORTED_KERAS
 from keras_distribute.integration.registry import KerasVersionError
 
@@ -57,19 +57,10 @@ def _chief_values() -> None:
     hooks.install_jax_process_hooks()
 
 
-context.register_installer("deferred_restores", _deferred_restores)
-context.register_installer("torch_sharding", _torch_sharding)
-context.register_installer("seed_every_process", _seed_every_process)
-context.register_installer("chief_values", _chief_values)
-
-
 def _chief_only_writes(*args, **kwargs):
     from keras_distribute.integration import worker_callbacks
 
     return worker_callbacks.chief_only_writes(*args, **kwargs)
-
-
-context.register_service("chief_only_writes", _chief_only_writes)
 
 
 def _keras_distributes_torch() -> bool:
@@ -100,10 +91,6 @@ def _keras_torch_data_parallel(world_size):
                                            auto_shard_dataset=False)
 
 
-context.register_service("keras_torch_data_parallel",
-                         _keras_torch_data_parallel)
-
-
 def _keras_torch_mesh(device_mesh):
     # Keras 3.16's torch `distribution_lib` turns a `keras.distribution`
     # mesh into a `torch.distributed.DeviceMesh` (its devices' indices are
@@ -115,6 +102,14 @@ def _keras_torch_mesh(device_mesh):
     return device_mesh.backend_mesh if _keras_distributes_torch() else None
 
 
-context.register_service("keras_torch_mesh", _keras_torch_mesh)
+keras_services.provide(keras_services.KerasServices(
+    chief_only_writes=_chief_only_writes,
+    keras_torch_data_parallel=_keras_torch_data_parallel,
+    keras_torch_mesh=_keras_torch_mesh,
+    install_deferred_restores=_deferred_restores,
+    install_torch_sharding=_torch_sharding,
+    seed_every_process=_seed_every_process,
+    install_chief_values=_chief_values,
+))
 
 __all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]
