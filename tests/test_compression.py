@@ -192,11 +192,6 @@ def test_jax_compression_leaves_a_custom_train_step_alone(rng):
 def _traced_reductions(strategy):
     """`[(dtype, bytes)]` the last traced step handed to the gradient
     all-reduce, or None where the engine's own all-reduce ran."""
-    if BACKEND == "tensorflow":
-        from keras_distribute.backend import tf_fit
-
-        return tf_fit.traced_gradient_reductions.get(
-            strategy._engine.tf_strategy)
     return list(strategy._engine.traced_gradient_reductions) or None
 
 
@@ -233,7 +228,6 @@ def test_tf_compression_with_gradient_accumulation():
     import keras
 
     from conftest import make_mlp
-    from keras_distribute.backend import tf_fit
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 16)).astype("float32")
@@ -250,8 +244,7 @@ def test_tf_compression_with_gradient_accumulation():
                 SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         weights[compression] = model.get_weights()
-        reduced = tf_fit.traced_gradient_reductions.get(
-            strategy._engine.tf_strategy)
+        reduced = strategy._engine.traced_gradient_reductions
         if compression:
             assert {name for name, _ in reduced} == {"float16"}
             assert sum(size for _, size in reduced) == 2 * model.count_params()

@@ -34,6 +34,9 @@ class ReplicaEngine(Protocol):
     process_id: int  # this process; 0 is the chief
     device_mesh: Any  # keras.distribution.DeviceMesh
     distribution: Any  # keras.distribution.Distribution or None
+    # `CommunicationOptions(compression=...)` as the engine holds it (None:
+    # gradients are all-reduced in their own dtype).
+    gradient_compression: Any
 
     def scope(self) -> ContextManager[None]:
         """Makes variables created inside follow the strategy's layout."""

@@ -34,7 +34,7 @@ name = "tensorflow"
 
 def is_multi_worker(strategy: Any) -> bool:
     """Whether `strategy` is the tf.distribute engine of a kd multi-worker."""
-    return strategy in tf_fit.our_tf_strategies and isinstance(
+    return tf_fit.engine_of(strategy) is not None and isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 

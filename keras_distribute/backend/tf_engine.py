@@ -91,7 +91,15 @@ class TfEngine:
             self.tf_strategy = _new_mirrored_strategy(devices)
         else:
             self.tf_strategy = tf_strategy
-        tf_fit.our_tf_strategies.add(self.tf_strategy)
+        tf_fit.register_engine(self.tf_strategy, self)
+        # Inside a `fit` whose every training batch splits evenly (the
+        # replicas then skip the uneven-batch all-reduce).
+        self.even_fit = False
+        # `CommunicationOptions(compression=...)`: the dtype gradients are
+        # all-reduced in (None: their own), and the `(dtype, bytes)` of the
+        # gradients the last traced step handed to the all-reduce.
+        self.gradient_compression = None
+        self.traced_gradient_reductions = []
         self.multi_worker = resolver is not None
         self.is_chief = resolver.is_chief if resolver is not None else True
         worker_devices = self.tf_strategy.extended.worker_devices
@@ -171,7 +179,7 @@ class TfEngine:
     def set_gradient_compression(self, name: str) -> None:
         """The optimizer all-reduces gradients in `name`'s dtype ("fp16"
         or "bf16"; see `tf_fit.compress_for_all_reduce`)."""
-        tf_fit.gradient_compression[self.tf_strategy] = {
+        self.gradient_compression = {
             "fp16": tf.float16, "bf16": tf.bfloat16}[name]
 
     def barrier(self, name: str) -> None:
@@ -237,7 +245,7 @@ class TfEngine:
         even = method.__name__ == "fit" and tf_fit.batches_split_evenly(
             args, kwargs, self.num_replicas)
         if even:
-            tf_fit.even_fits.add(self.tf_strategy)
+            self.even_fit = True
         callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
         if method.__name__ == "fit" and self.multi_worker:
             training_config.check_same_training(self, model)
@@ -255,7 +263,7 @@ class TfEngine:
                 model_state.take_chief_values(self, model)
             return result
         finally:
-            tf_fit.even_fits.discard(self.tf_strategy)
+            self.even_fit = False
 
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:

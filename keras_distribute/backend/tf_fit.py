@@ -16,16 +16,32 @@ import keras
 import tensorflow as tf
 from tensorflow.python.distribute import values as tf_values
 
-# kd's tf.distribute strategies, and those inside a `fit` whose every
-# training batch splits evenly (their replicas skip the all-reduce).
-our_tf_strategies = weakref.WeakSet()
-even_fits = weakref.WeakSet()
+# kd's tf.distribute strategies -> their kd engine (weakly both ways: the
+# engine holds its tf.distribute strategy). The state of a strategy's
+# `fit` and gradient compression lives on the engine (`TfEngine`).
+_engines = weakref.WeakKeyDictionary()
 
-# `CommunicationOptions(compression=...)`: the dtype each strategy's
-# gradients are all-reduced in, and per strategy the `(dtype, bytes)` of
-# the gradients one traced step hands to the all-reduce.
-gradient_compression = weakref.WeakKeyDictionary()
-traced_gradient_reductions = weakref.WeakKeyDictionary()
+
+def register_engine(tf_strategy: Any, engine: Any) -> None:
+    """Records `engine` as the kd engine of `tf_strategy`."""
+    _engines[tf_strategy] = weakref.ref(engine)
+
+
+def engine_of(tf_strategy: Any) -> Any:
+    """The kd engine of a tf.distribute strategy, or `None` for one kd did
+    not make (e.g. the user's own `tf.distribute.MirroredStrategy`)."""
+    try:
+        reference = _engines.get(tf_strategy)
+    except TypeError:  # None, or another object that takes no weak reference
+        return None
+    return reference() if reference is not None else None
+
+
+def current_engine() -> Any:
+    """The kd engine of the current tf.distribute strategy, or `None`."""
+    if not tf.distribute.has_strategy():
+        return None
+    return engine_of(tf.distribute.get_strategy())
 
 def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
     """How much to rescale a replica's loss so that uneven batches weigh right.
@@ -38,9 +54,8 @@ def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
     """
     if getattr(loss, "reduction", None) != "sum_over_batch_size":
         return None
-    if not tf.distribute.has_strategy() or (
-        tf.distribute.get_strategy() not in our_tf_strategies
-    ) or tf.distribute.get_strategy() in even_fits:
+    engine = current_engine()
+    if engine is None or engine.even_fit:
         return None
     tf_context = tf.distribute.get_replica_context()
     num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -168,11 +183,11 @@ def compress_for_all_reduce(grads: Any) -> tuple:
     Dense floating gradients are cast to the strategy's compression dtype
     (`CommunicationOptions(compression=...)`; unchanged without one);
     `restore(reduced)` casts the all-reduced values back. What one traced
-    step reduces is recorded in `traced_gradient_reductions`.
+    step reduces is recorded in the engine's `traced_gradient_reductions`.
     """
     grads = list(grads)
-    strategy = tf.distribute.get_strategy()
-    dtype = gradient_compression.get(strategy)
+    engine = current_engine()
+    dtype = engine.gradient_compression if engine is not None else None
     if dtype is None:
         return grads, lambda reduced: reduced
     dtypes = [g.dtype for g in grads]
@@ -183,7 +198,7 @@ def compress_for_all_reduce(grads: Any) -> tuple:
         return g
 
     compressed = [compress(g) for g in grads]
-    traced_gradient_reductions[strategy] = [
+    engine.traced_gradient_reductions = [
         (g.dtype.name, g.shape.num_elements() * g.dtype.size)
         for g in compressed if isinstance(g, tf.Tensor)]
 

@@ -113,10 +113,7 @@ def _install_tf_lazy_build_fix() -> None:
 
     @functools.wraps(original)
     def _initialize_with_initializer(self, initializer):
-        if tf.executing_eagerly() or not tf.distribute.has_strategy():
-            return original(self, initializer)
-        tf_strategy = tf.distribute.get_strategy()
-        if tf_strategy not in tf_fit.our_tf_strategies:
+        if tf.executing_eagerly() or tf_fit.current_engine() is None:
             return original(self, initializer)
         # Still in the replica's context there (tf.distribute keeps it per
         # thread), so the strategy makes one mirrored variable from the
@@ -176,7 +173,7 @@ def _install_tf_multi_worker_fixes() -> None:
         # a batch: an iterator dropped right after one batch can crash
         # TensorFlow (`tf_fit.replica_batch_spec`).
         strategy = self._distribute_strategy
-        if iterator is None or strategy not in tf_fit.our_tf_strategies:
+        if iterator is None or tf_fit.engine_of(strategy) is None:
             return original_build(self, iterator, data_batch)
         data_batch = tf_fit.replica_batch_spec(
             getattr(iterator, "_distributed_dataset", None))
@@ -276,9 +273,8 @@ def _install_tf_gradient_compression() -> None:
 
     @functools.wraps(original)
     def _all_reduce_sum_gradients(self, grads_and_vars):
-        import tensorflow as tf
-
-        if tf.distribute.get_strategy() not in tf_fit.gradient_compression:
+        engine = tf_fit.current_engine()
+        if engine is None or engine.gradient_compression is None:
             return original(self, grads_and_vars)
         pairs = list(grads_and_vars)
         present = [(g, v) for g, v in pairs if g is not None]
