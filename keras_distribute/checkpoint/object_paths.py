@@ -51,7 +51,14 @@ def _attributes(obj: Any) -> Iterator[Tuple[str, Any]]:
         items += [(name, module) for name, module in modules.items()
                   if isinstance(name, str) and not name.startswith("_")
                   and name not in vars(obj)]
+    import keras
+
     for attribute, value in sorted(items, key=lambda item: item[0]):
+        # What holds no variable is skipped before its public name is
+        # looked up: a property (`losses`, `output`) may compute or fail.
+        if not (isinstance(value, keras.Variable)
+                or _holds_variables(value)):
+            continue
         name = _public_name(obj, attribute, value)
         if name is not None and "/" not in name:
             yield name, value
