@@ -20,6 +20,7 @@ import pytest
 import keras
 import keras_distribute as kd
 from conftest import BACKEND
+from conftest import make_mlp
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -71,12 +72,7 @@ def record(name: str, values: dict) -> None:
 
 
 def make_model():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([
-        keras.Input((32,)),
-        keras.layers.Dense(64, activation="tanh"),
-        keras.layers.Dense(10),
-    ])
+    model = make_mlp()  # the parity tests' tanh MLP: 16 features, 3 classes
     model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
@@ -85,8 +81,8 @@ def make_model():
 
 def data(n=512):
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, 32)).astype("float32"),
-            rng.integers(0, 10, size=(n,)))
+    return (rng.normal(size=(n, 16)).astype("float32"),
+            rng.integers(0, 3, size=(n,)))
 
 
 def _exact_matmuls():
@@ -213,8 +209,8 @@ def test_checkpoint_of_gpu_variables_round_trips_bit_exactly_via_cpu(
     script = textwrap.dedent(f"""
         import numpy as np, keras, keras_distribute as kd
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((32,)),
-            keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(10)])
+        model = keras.Sequential([keras.Input((16,)),
+            keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(3)])
         kd.checkpoint.ShardedCheckpoint(model=model).read({path!r})
         expected = np.load({str(tmp_path / 'expected.npz')!r})
         for i, w in enumerate(model.get_weights()):
