@@ -1,4 +1,4 @@
-"""The import graph follows the layers (issue #13, item 6).
+"""The import graph follows the layers (issue #13, item 6; #31, item 6).
 
 Read from the source (no import runs): the neutral layer imports no
 framework at module level; backends import neither the integration layer
@@ -132,3 +132,69 @@ def test_the_reader_counts_lazy_imports():
     tree = ast.parse("def f():\n    from keras_distribute import context\n")
     assert _imports(tree, {"keras_distribute.context"}) == [
         ("keras_distribute.context", False)]
+
+
+# The packages the modules belong to (#31: the tree is to be laid out by
+# them), lowest first: a module imports only from its package and the ones
+# before it, lazily or not.
+PACKAGE_ORDER = ("common", "job", "cluster_resolver", "backend", "training",
+                 "input", "checkpoint", "integration", "strategies",
+                 "callbacks", "launch", "root")
+PACKAGE_OF = {
+    "common": "context values reduce_op devices layouts errors "
+              "cross_device_ops keras_services simulate",
+    "job": "peer_board process_notes launch_processes",
+    "cluster_resolver": "cluster_resolver cluster_resolver_base cluster_spec "
+                        "scheduler_resolvers",
+    "training": "custom_loop losses collectives model_state training_config",
+    "input": "input_lib distributed_iterator data_sources process_data",
+    "strategies": "strategy strategy_extended mirrored_strategy "
+                  "multi_worker_strategy tpu_strategy default_strategy",
+    "callbacks": "training_state callbacks backup_callback checkpoint_callback "
+                 "preemption preemption_handler horovod_callbacks "
+                 "ray_callbacks state_callbacks",
+    "launch": "launch launch_script",
+    "root": "__init__ experimental",
+}
+# The upward imports left, each to be removed (then removed from here):
+# the engines' `call_trainer` still calls the per-process `fit` and the
+# model-state rules (the fit path bounces), and a distributed iterator's
+# state is read by the checkpoint's iterator module.
+KNOWN_UPWARD = {
+    ("keras_distribute.backend.jax_engine", "keras_distribute.process_data"),
+    ("keras_distribute.backend.torch_engine", "keras_distribute.process_data"),
+    ("keras_distribute.backend.tf_engine", "keras_distribute.input_lib"),
+    ("keras_distribute.backend.tf_engine", "keras_distribute.model_state"),
+    ("keras_distribute.backend.tf_engine",
+     "keras_distribute.training_config"),
+    ("keras_distribute.distributed_iterator",
+     "keras_distribute.checkpoint.iterator_state"),
+}
+
+
+def _package(module: str) -> str:
+    for package, names in PACKAGE_OF.items():
+        for name in names.split():
+            if module == ("keras_distribute" if name == "__init__"
+                          else f"keras_distribute.{name}"):
+                return package
+    return module.split(".")[1]  # backend, checkpoint, integration
+
+
+def test_every_module_has_a_package(graph):
+    _, files = graph
+    assert {_package(m) for m in files} <= set(PACKAGE_ORDER), sorted(
+        m for m in files if _package(m) not in PACKAGE_ORDER)
+
+
+def test_packages_import_only_the_packages_before_them(graph):
+    imports, files = graph
+    upward = set()
+    for module, found in imports.items():
+        for name, _ in found:  # lazy imports count
+            if name in files and PACKAGE_ORDER.index(
+                    _package(name)) > PACKAGE_ORDER.index(_package(module)):
+                upward.add((module, name))
+    assert upward - KNOWN_UPWARD == set(), "new upward imports"
+    assert KNOWN_UPWARD - upward == set(), (
+        "these upward imports are gone: remove them from KNOWN_UPWARD")
