@@ -218,7 +218,7 @@ class JaxEngine(SpmdRun):
             f"{model.name!r} is compiled with jit_compile=False and the "
             f"strategy spans {len(self._device_set)} CPU devices: Keras then "
             "runs each operation as its own program over them, and XLA's "
-            "CPU collectives can abort the process ('Expected "
+            "CPU collectives can deadlock and abort the process ('Expected "
             f"{len(self._device_set)} threads to join the rendezvous', exit "
             "134), with keras.distribution.DataParallel as well. Compile "
             "with jit_compile=True (Keras' default on JAX), or run the "
