@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 from keras_distribute import keras_services
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
+from keras_distribute.checkpoint import attached_containers
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
@@ -134,9 +135,8 @@ class ShardedCheckpoint:
             return
         saved_objects.check_object(name, value, ShardedCheckpoint)
         restored_from = self.__dict__.get("_restored_from")
-        if restored_from is not None and type(value) in (list, dict):
-            value = (_AttachedList if isinstance(value, list)
-                     else _AttachedDict)(value, self, name)
+        if restored_from is not None:
+            value = attached_containers.attach(value, self, name)
         self._objects[name] = value
         if restored_from is not None:
             # Deferred restoration, as tf.train.Checkpoint does it: an
@@ -556,11 +556,11 @@ class ShardedCheckpoint:
         from it too."""
         self._restored_from = (path, saved, paths, prefix)
         for name, obj in list(self._objects.items()):
-            if type(obj) in (list, dict):  # items added later restore too
-                obj = self._objects[name] = (
-                    _AttachedList if isinstance(obj, list)
-                    else _AttachedDict)(obj, self, name)
-            for inner, nested in _nested_checkpoints(obj, f"{prefix}{name}/"):
+            # Items added later to its lists and dicts restore too.
+            obj = self._objects[name] = attached_containers.attach(
+                obj, self, name)
+            for inner, nested in attached_containers.nested_checkpoints(
+                    obj, f"{prefix}{name}/", ShardedCheckpoint):
                 nested._remember_restored(path, saved, paths, inner)
 
     def _restore_attached(self, container: str, name: str,
@@ -572,8 +572,8 @@ class ShardedCheckpoint:
             value._remember_restored(path, saved, paths,
                                      f"{prefix}{container}{name}/")
             return
-        for inner, nested in _nested_checkpoints(
-                value, f"{prefix}{container}{name}/"):
+        for inner, nested in attached_containers.nested_checkpoints(
+                value, f"{prefix}{container}{name}/", ShardedCheckpoint):
             nested._remember_restored(path, saved, paths, inner)
         leaves = saved_objects.leaf_objects(
             {name: value}, ShardedCheckpoint, prefix + container)
@@ -606,84 +606,6 @@ class ShardedCheckpoint:
         self.save_counter = int(reading.read_index(save_path).get(
             "save_counter", 0))
         return status
-
-
-def _nested_checkpoints(obj: Any, prefix: str):
-    """`(prefix, checkpoint)` for the checkpoints in `obj` (itself, or in
-    its lists and dicts)."""
-    if isinstance(obj, ShardedCheckpoint):
-        yield prefix, obj
-    elif isinstance(obj, (list, tuple, dict)):
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        for key, item in items:
-            yield from _nested_checkpoints(item, f"{prefix}{key}/")
-
-
-class _AttachedList(list):
-    """A list attached to a checkpoint after a restore: items added to it
-    are restored as they come (tf.train.Checkpoint's `ListWrapper`)."""
-
-    def __init__(self, items, checkpoint: "ShardedCheckpoint", name: str):
-        super().__init__(items)
-        self._checkpoint, self._name = checkpoint, name
-
-    def _added(self, index: int, item: Any) -> None:
-        saved_objects.check_object(str(index), item, ShardedCheckpoint,
-                                   f"{self._name}/")
-        self._checkpoint._restore_attached(f"{self._name}/", str(index), item)
-
-    def append(self, item: Any) -> None:
-        super().append(item)
-        self._added(len(self) - 1, item)
-
-    def extend(self, items) -> None:
-        for item in items:
-            self.append(item)
-
-    def __iadd__(self, items):
-        self.extend(items)
-        return self
-
-    def insert(self, index: int, item: Any) -> None:
-        if index < len(self):
-            raise TypeError(
-                "A list attached to a restored checkpoint restores items by "
-                "position: only append or extend it (an insert would shift "
-                f"the saved positions). Received: insert({index}, ...).")
-        self.append(item)
-
-    def __setitem__(self, index, item) -> None:
-        super().__setitem__(index, item)
-        if isinstance(index, int):
-            self._added(index % len(self), item)
-
-
-class _AttachedDict(dict):
-    """A dict attached to a checkpoint after a restore: entries added to
-    it are restored as they come (tf.train.Checkpoint's `_DictWrapper`)."""
-
-    def __init__(self, items, checkpoint: "ShardedCheckpoint", name: str):
-        super().__init__(items)
-        self._checkpoint, self._name = checkpoint, name
-
-    def __setitem__(self, key: str, item: Any) -> None:
-        if not isinstance(key, str):
-            raise ValueError(
-                f"Dict keys of saved objects must be strings. Received: "
-                f"{self._name}[{key!r}].")
-        saved_objects.check_object(key, item, ShardedCheckpoint,
-                                   f"{self._name}/")
-        super().__setitem__(key, item)
-        self._checkpoint._restore_attached(f"{self._name}/", key, item)
-
-    def update(self, *args, **kwargs) -> None:
-        for key, item in dict(*args, **kwargs).items():
-            self[key] = item
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default
-        return self[key]
 
 
 def _ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:
