@@ -74,6 +74,23 @@ def test_restore_through_a_stand_in_object_graph(tmp_path):
                                   net.l1.kernel.numpy())
 
 
+def test_a_stand_in_checkpoint_attached_after_the_restore_is_restored(
+        tmp_path):
+    # `fake_net.l1 = ShardedCheckpoint(bias=v)` after the restore: v gets
+    # its value as it is attached, and later attachments to it too.
+    net = trained_net()
+    path = ShardedCheckpoint(net=net).save(str(tmp_path / "ckpt"))
+    fake_net = ShardedCheckpoint()
+    ShardedCheckpoint(net=fake_net).restore(path)
+    bias = zeros(5)
+    fake_layer = ShardedCheckpoint(bias=bias)
+    fake_net.l1 = fake_layer
+    np.testing.assert_array_equal(bias.numpy(), [1, 2, 3, 4, 5])
+    kernel = zeros((1, 5))
+    fake_layer.kernel = kernel
+    np.testing.assert_array_equal(kernel.numpy(), net.l1.kernel.numpy())
+
+
 def test_a_stand_in_graph_save_restores_into_the_model(tmp_path):
     net = trained_net()
     path = ShardedCheckpoint(net=ShardedCheckpoint(l1=ShardedCheckpoint(

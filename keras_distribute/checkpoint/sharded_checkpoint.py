@@ -568,10 +568,6 @@ class ShardedCheckpoint:
         """Restores `value`, attached as `<container><name>` after a read,
         from that read's checkpoint; deferred if not built yet."""
         path, saved, paths, prefix = self._restored_from
-        if isinstance(value, ShardedCheckpoint):
-            value._remember_restored(path, saved, paths,
-                                     f"{prefix}{container}{name}/")
-            return
         for inner, nested in attached_containers.nested_checkpoints(
                 value, f"{prefix}{container}{name}/", ShardedCheckpoint):
             nested._remember_restored(path, saved, paths, inner)
