@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
 from _common import fit_step_times, make_model  # noqa: E402
-from keras_distribute.backend import jax_compression  # noqa: E402
+from keras_distribute.backend.jax import compression as jax_compression  # noqa: E402
 
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4}
 _OPERAND = re.compile(r"\b(f32|f16|bf16|s32|u32)\[([\d,]*)\]")

@@ -314,7 +314,7 @@ def test_replicated_variables_are_spread_over_the_writing_processes():
                     "hands the read buffer over without a copy (DLPack)")
 def test_tf_restore_without_a_copy_never_shares_memory_it_changes(
         tmp_path, monkeypatch):
-    from keras_distribute.backend import tf_checkpoint as tf_backend
+    from keras_distribute.backend.tensorflow import checkpoint as tf_backend
     from keras_distribute.checkpoint import parallel_io
 
     handed_over = []

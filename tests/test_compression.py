@@ -55,7 +55,7 @@ def test_jax_compressed_step_compiles_to_a_16_bit_all_reduce():
     import keras
 
     from conftest import make_mlp
-    from keras_distribute.backend import jax_compression
+    from keras_distribute.backend.jax import compression as jax_compression
 
     def all_reduces(compression, compiled):
         strategy = kd.MirroredStrategy(

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import keras_distribute as kd
-from keras_distribute.devices import DeviceSpec
-from keras_distribute.devices import parse_device_name
-from keras_distribute.data_sources import split_batch
+from keras_distribute.common.devices import DeviceSpec
+from keras_distribute.common.devices import parse_device_name
+from keras_distribute.input.data_sources import split_batch
 
 
 @pytest.mark.parametrize("value", ["sum", "SUM", "Sum", kd.ReduceOp.SUM])

@@ -101,13 +101,13 @@ def _check_follows(engine_class, protocol, instance=None):
 
 def _engine_classes():
     if BACKEND == "jax":
-        from keras_distribute.backend.jax_engine import JaxEngine
+        from keras_distribute.backend.jax.engine import JaxEngine
         return [JaxEngine]
     if BACKEND == "tensorflow":
-        from keras_distribute.backend.tf_engine import TfEngine
+        from keras_distribute.backend.tensorflow.engine import TfEngine
         return [TfEngine]
-    from keras_distribute.backend.torch_engine import TorchEngine
-    from keras_distribute.backend.torch_sharding import ShardedTorchEngine
+    from keras_distribute.backend.torch.engine import TorchEngine
+    from keras_distribute.backend.torch.sharding import ShardedTorchEngine
     return [TorchEngine, ShardedTorchEngine]
 
 

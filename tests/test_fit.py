@@ -101,7 +101,7 @@ def test_fit_outside_scope_still_distributes(strategy):
     x, y = make_data(n=64)
     with strategy.scope():
         model = make_model()
-    from keras_distribute import context
+    from keras_distribute.common import context
 
     assert context.model_strategy(model) is strategy
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # outside scope

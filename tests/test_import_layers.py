@@ -14,10 +14,9 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_distribute"
 FRAMEWORKS = ("jax", "tensorflow", "torch")
-STRATEGY_MODULES = (
-    "keras_distribute.strategy", "keras_distribute.mirrored_strategy",
-    "keras_distribute.multi_worker_strategy", "keras_distribute.tpu_strategy",
-    "keras_distribute.default_strategy")
+STRATEGY_MODULES = tuple(
+    f"keras_distribute.strategies.{name}" for name in (
+        "strategy", "extended", "mirrored", "multi_worker", "tpu", "default"))
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -68,7 +67,10 @@ def graph():
 
 def _layer(name: str) -> str:
     parts = name.split(".")
-    return parts[1] if len(parts) > 2 else "neutral"
+    if len(parts) > 1 and parts[1] in ("backend", "checkpoint",
+                                       "integration"):
+        return parts[1]
+    return "neutral"
 
 
 def test_no_import_cycles(graph):
@@ -129,62 +131,46 @@ def test_each_layer_imports_only_the_layers_below(graph):
 
 def test_the_reader_counts_lazy_imports():
     # The graph reader itself: a lazy import inside a function counts.
-    tree = ast.parse("def f():\n    from keras_distribute import context\n")
-    assert _imports(tree, {"keras_distribute.context"}) == [
-        ("keras_distribute.context", False)]
+    tree = ast.parse(
+        "def f():\n    from keras_distribute.common import context\n")
+    assert _imports(tree, {"keras_distribute.common.context"}) == [
+        ("keras_distribute.common.context", False)]
 
 
-# The packages the modules belong to (#31: the tree is to be laid out by
-# them), lowest first: a module imports only from its package and the ones
-# before it, lazily or not.
+# The packages, lowest first (#31: the tree is laid out by them): a module
+# imports only from its package and the ones before it, lazily or not.
 PACKAGE_ORDER = ("common", "job", "cluster_resolver", "backend", "training",
                  "input", "checkpoint", "integration", "strategies",
                  "callbacks", "launch", "root")
-PACKAGE_OF = {
-    "common": "context values reduce_op devices layouts errors "
-              "cross_device_ops keras_services simulate",
-    "job": "peer_board process_notes launch_processes",
-    "cluster_resolver": "cluster_resolver cluster_resolver_base cluster_spec "
-                        "scheduler_resolvers",
-    "training": "custom_loop losses collectives model_state training_config",
-    "input": "input_lib distributed_iterator data_sources process_data",
-    "strategies": "strategy strategy_extended mirrored_strategy "
-                  "multi_worker_strategy tpu_strategy default_strategy",
-    "callbacks": "training_state callbacks backup_callback checkpoint_callback "
-                 "preemption preemption_handler horovod_callbacks "
-                 "ray_callbacks state_callbacks",
-    "launch": "launch launch_script",
-    "root": "__init__ experimental",
-}
+ROOT_MODULES = {"keras_distribute", "keras_distribute.experimental"}
 # The upward imports left, each to be removed (then removed from here):
 # the engines' `call_trainer` still calls the per-process `fit` and the
 # model-state rules (the fit path bounces), and a distributed iterator's
 # state is read by the checkpoint's iterator module.
 KNOWN_UPWARD = {
-    ("keras_distribute.backend.jax_engine", "keras_distribute.process_data"),
-    ("keras_distribute.backend.torch_engine", "keras_distribute.process_data"),
-    ("keras_distribute.backend.tf_engine", "keras_distribute.input_lib"),
-    ("keras_distribute.backend.tf_engine", "keras_distribute.model_state"),
-    ("keras_distribute.backend.tf_engine",
-     "keras_distribute.training_config"),
-    ("keras_distribute.distributed_iterator",
+    ("keras_distribute.backend.jax.engine", "keras_distribute.input.process_data"),
+    ("keras_distribute.backend.torch.engine", "keras_distribute.input.process_data"),
+    ("keras_distribute.backend.tensorflow.engine", "keras_distribute.input.datasets"),
+    ("keras_distribute.backend.tensorflow.engine", "keras_distribute.training.model_state"),
+    ("keras_distribute.backend.tensorflow.engine",
+     "keras_distribute.training.config"),
+    ("keras_distribute.input.iterator",
      "keras_distribute.checkpoint.iterator_state"),
 }
 
 
 def _package(module: str) -> str:
-    for package, names in PACKAGE_OF.items():
-        for name in names.split():
-            if module == ("keras_distribute" if name == "__init__"
-                          else f"keras_distribute.{name}"):
-                return package
-    return module.split(".")[1]  # backend, checkpoint, integration
+    return "root" if module in ROOT_MODULES else module.split(".")[1]
 
 
 def test_every_module_has_a_package(graph):
+    # The package root holds only `__init__` and `experimental`; every other
+    # module lives in one of the packages.
     _, files = graph
     assert {_package(m) for m in files} <= set(PACKAGE_ORDER), sorted(
         m for m in files if _package(m) not in PACKAGE_ORDER)
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
+        "__init__.py", "experimental.py"]
 
 
 def test_packages_import_only_the_packages_before_them(graph):

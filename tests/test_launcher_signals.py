@@ -137,7 +137,7 @@ def test_a_process_a_runtime_aborts_is_reported_with_its_last_note(tmp_path):
     # process noted it was doing. Its notes directory is gone afterwards.
     (tmp_path / "worker.py").write_text(
         "import os, signal\n"
-        "from keras_distribute import process_notes\n"
+        "from keras_distribute.job import process_notes\n"
         "if os.environ['RANK'] == '1':\n"
         "    open('notes-dir', 'w').write(os.environ["
         "process_notes.NOTES_VARIABLE])\n"
@@ -181,7 +181,7 @@ def test_launch_refuses_bad_sizes_and_timeouts_before_starting(kwargs,
 def test_the_process_limit_can_be_raised_on_purpose(monkeypatch):
     import importlib
 
-    launch = importlib.import_module("keras_distribute.launch")
+    launch = importlib.import_module("keras_distribute.launch.launcher")
     monkeypatch.setenv("KERAS_DISTRIBUTE_MAX_PROCESSES", "20000")
     launch.check_num_processes(10000)
     monkeypatch.setenv("KERAS_DISTRIBUTE_MAX_PROCESSES", "many")
@@ -196,7 +196,7 @@ def test_the_process_limit_can_be_raised_on_purpose(monkeypatch):
     (["--nproc", "0", "x.py"], r"`--nproc` to be a positive int"),
 ])
 def test_launch_command_refuses_bad_sizes_and_timeouts(argv, match, capsys):
-    from keras_distribute.launch_script import main
+    from keras_distribute.launch.script import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -77,7 +77,7 @@ def test_tf_distribute_names_port_by_an_import_change():
 
 
 def test_one_communication_timeout_setting(monkeypatch):
-    from keras_distribute.cross_device_ops import communication_timeout_s
+    from keras_distribute.common.cross_device_ops import communication_timeout_s
 
     monkeypatch.delenv("KERAS_DISTRIBUTE_TIMEOUT", raising=False)
     assert kd.CommunicationOptions().timeout_seconds is None  # the default:

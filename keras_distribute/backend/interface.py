@@ -2,7 +2,7 @@
 
 The neutral layer (strategies, values, contexts, input, Keras hooks) talks
 to a framework only through these protocols. A backend module
-(`backend/jax.py`, ...) exports the functions of `BackendModule`, and
+(`backend/jax/__init__.py`, ...) exports the functions of `BackendModule`, and
 `make_engine` returns an object following `ReplicaEngine` for one strategy.
 An engine that can do more declares it in its `contract` (a tuple of the
 protocols it follows): `ProcessDataEngine` (its `fit` runs per process on
@@ -17,8 +17,8 @@ protocol declares.
 from typing import (Any, Callable, ContextManager, Optional, Protocol,
                     Sequence, runtime_checkable)
 
-from keras_distribute.devices import DeviceSpec
-from keras_distribute.reduce_op import ReduceOp
+from keras_distribute.common.devices import DeviceSpec
+from keras_distribute.common.reduce_op import ReduceOp
 
 
 @runtime_checkable
@@ -103,7 +103,7 @@ class ReplicaEngine(Protocol):
 @runtime_checkable
 class ProcessDataEngine(ReplicaEngine, Protocol):
     """An engine whose `fit` runs in each process on that process's rows
-    (`process_data.py`): torch, and JAX over several processes."""
+    (`input/process_data.py`): torch, and JAX over several processes."""
 
     rank: int  # this process's index in the job (as `process_id`)
     # Set by `fit`: every batch splits evenly over the replicas (the
@@ -132,7 +132,7 @@ class ProcessDataEngine(ReplicaEngine, Protocol):
 
 @runtime_checkable
 class TorchDdpEngine(ProcessDataEngine, Protocol):
-    """An engine Keras' torch trainer steps through (`torch_hooks.py`)."""
+    """An engine Keras' torch trainer steps through (`integration/torch_hooks.py`)."""
 
     uses_keras_ddp: bool  # the model's step goes through Keras' own DDP
     in_group: bool  # a torch.distributed process group is running

@@ -9,7 +9,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 
-from keras_distribute import keras_services
+from keras_distribute.common import keras_services
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import attached_containers
@@ -25,7 +25,7 @@ from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
 from keras_distribute.checkpoint.options import CheckpointOptions
-from keras_distribute.distributed_iterator import DistributedIterator
+from keras_distribute.input.iterator import DistributedIterator
 
 
 # Checkpoints with restores waiting for their variables to be created.
@@ -203,7 +203,7 @@ class ShardedCheckpoint:
         model's, a distributed iterator's), else the current one; outside
         every scope in a multi-process job, the job's strategy: a save is
         a collective with one chief, never one chief per process."""
-        from keras_distribute import context
+        from keras_distribute.common import context
 
         for obj in self._leaf_objects().values():
             strategy = context.model_strategy(obj)

@@ -3,13 +3,13 @@
 It sits above the neutral layer, the backends and the checkpoint (none of
 them imports it): the strategies install it (`install()`), and it hands the
 lower layers what they need from it as one typed `KerasServices`
-(`keras_distribute.keras_services`, provided when this package is imported). `registry` lists every private
+(`keras_distribute.common.keras_services`, provided when this package is imported). `registry` lists every private
 name with why it is used and on which Keras versions; `hooks` patches Keras
 only after `registry.check()` verified them. This module imports Keras only
 when something is installed.
 """
 
-from keras_distribute import keras_services
+from keras_distribute.common import keras_services
 from keras_distribute.integration.registry import SUPPORTED_KERAS
 from keras_distribute.integration.registry import KerasVersionError
 

@@ -35,14 +35,14 @@ import threading
 
 import keras
 
-from keras_distribute import context
-from keras_distribute import peer_board
+from keras_distribute.common import context
+from keras_distribute.job import peer_board
 from keras_distribute.integration import registry
 from keras_distribute.integration import patching
 from keras_distribute.integration import saving
 from keras_distribute.integration import tf_hooks
 from keras_distribute.integration import torch_hooks
-from keras_distribute.context import model_strategy
+from keras_distribute.common.context import model_strategy
 
 _TRAINER_METHODS = (
     "compile", "fit", "evaluate", "predict",
@@ -125,7 +125,7 @@ def _global_batches(strategy, name: str, args: tuple, kwargs: dict):
     """`fit(strategy.experimental_distribute_dataset(ds))` & co. train on
     `ds` (as with tf.distribute's Keras): the distributed datasets among
     the arguments replaced by their global batches."""
-    from keras_distribute.input_lib import as_trainer_input
+    from keras_distribute.input.datasets import as_trainer_input
 
     if name not in _BATCH_SIZE_POSITION:
         return args, kwargs

@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Any, Callable, Dict
 
-from keras_distribute.context import model_strategy
+from keras_distribute.common.context import model_strategy
 
 _skipsets: Dict[str, Any] = {}
 _skipsets_lock = threading.Lock()

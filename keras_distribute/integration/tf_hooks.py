@@ -34,7 +34,7 @@ def install() -> None:
     """Installs the TensorFlow hooks (`hooks.install` calls it once)."""
     loss_module = registry.resolve("loss_module")
 
-    from keras_distribute.backend import tf_fit
+    from keras_distribute.backend.tensorflow import fit as tf_fit
 
     original_call = loss_module.Loss.__call__
     original_unscale = loss_module.unscale_loss_for_distribution
@@ -106,7 +106,7 @@ def _install_tf_lazy_build_fix() -> None:
     function is made the same way, eagerly, and the function captures it."""
     import tensorflow as tf
 
-    from keras_distribute.backend import tf_fit
+    from keras_distribute.backend.tensorflow import fit as tf_fit
 
     variable_class = registry.resolve("tf_Variable")
     original = variable_class._initialize_with_initializer
@@ -160,7 +160,7 @@ def _install_tf_multi_worker_fixes() -> None:
     tf_trainer_class = registry.resolve("TFTrainer")
 
     from keras_distribute.backend import tensorflow as tf_backend
-    from keras_distribute.backend import tf_fit
+    from keras_distribute.backend.tensorflow import fit as tf_fit
 
     original_build = tf_trainer_class._maybe_symbolic_build
 
@@ -221,7 +221,7 @@ def _install_tf_cross_replica_apply() -> None:
     context, where every variable update applies to all its copies."""
     import tensorflow as tf
 
-    from keras_distribute.backend import tf_fit
+    from keras_distribute.backend.tensorflow import fit as tf_fit
 
     optimizer_class = registry.resolve("TFOptimizer")
     original = optimizer_class._backend_apply_gradients
@@ -266,7 +266,7 @@ def _install_tf_gradient_compression() -> None:
     optimizer all-reduces the replicas' gradients (a SUM in replica
     context); they go to it in the 16-bit type and come back in their
     own. Without compression the call is Keras' own."""
-    from keras_distribute.backend import tf_fit
+    from keras_distribute.backend.tensorflow import fit as tf_fit
 
     optimizer_class = registry.resolve("TFOptimizer")
     original = optimizer_class._all_reduce_sum_gradients

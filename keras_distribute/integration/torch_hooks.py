@@ -17,7 +17,7 @@ import threading
 
 import keras
 
-from keras_distribute.context import model_strategy
+from keras_distribute.common.context import model_strategy
 from keras_distribute.integration import patching
 from keras_distribute.integration import registry
 
@@ -97,7 +97,7 @@ def install() -> None:
 
 
 def install_sharding() -> None:
-    """7. Sharded layouts on torch (`backend/torch_sharding.py`; installed
+    """7. Sharded layouts on torch (`backend/torch/sharding.py`; installed
     when the first sharding engine is made, so plain torch runs pay
     nothing): a built layer's variables become DTensors, an optimizer slot
     takes its variable's placement, a sharded layer is called with
@@ -134,7 +134,7 @@ def _install_sharding() -> None:
     optimizer_class = registry.resolve("BaseOptimizer")
     torch_variable = registry.resolve("torch_Variable")
 
-    from keras_distribute.backend import torch_variables
+    from keras_distribute.backend.torch import variables as torch_variables
 
     original_post_build = layer_class._post_build
 

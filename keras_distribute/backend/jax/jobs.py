@@ -1,0 +1,167 @@
+"""JAX engines for jobs beyond one process's devices: multi-worker and TPU.
+
+Also makes Keras' JAX `predict` work when arrays span several processes.
+"""
+
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from keras.distribution import DeviceMesh
+
+from keras_distribute.common import keras_services
+from keras_distribute.backend import interface
+from keras_distribute.backend.jax import engine as jax_backend
+from keras_distribute.common.cross_device_ops import communication_timeout_s
+
+
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> "jax_backend.JaxEngine":
+    """Joins the `jax.distributed` job `resolver` describes; all devices."""
+    timeout_s = int(communication_timeout_s(timeout_s))
+    if resolver.num_processes == 1 and not jax.distributed.is_initialized():
+        # One process: no job to join, so no jax.distributed (which must
+        # start before JAX runs anything): this process's devices, at any
+        # time, as TensorFlow's one-worker strategy.
+        return jax_backend.make_engine(list(jax.devices()), layout_map)
+    if not jax.distributed.is_initialized():
+        # SIGTERM must still end a process (JAX's preemption service would
+        # swallow it); a dead peer is then noticed within the timeout.
+        jax.config.update("jax_enable_preemption_service", False)
+        coordinator = resolver.coordinator_address
+        if getattr(resolver, "master_port_taken", False):
+            # torchrun's store holds MASTER_PORT: JAX's coordinator takes the
+            # next port, the same on every host (docs/multi_worker.md).
+            host, _, port = coordinator.rpartition(":")
+            coordinator = f"{host}:{int(port) + 1}"
+        from keras_distribute.job import process_notes
+
+        # JAX aborts from native code: the note reaches stderr even when
+        # no launcher of kd reads it.
+        process_notes.watch_until_exit(resolver.process_id)
+        process_notes.write(
+            f"joining jax.distributed at {coordinator} as process "
+            f"{resolver.process_id} of {resolver.num_processes}: JAX aborts "
+            f"a process (SIGABRT) when not every process joined within "
+            f"{timeout_s} s. Check that every process started, with the same "
+            "cluster description, and can reach the coordinator")
+        try:
+            jax.distributed.initialize(
+                coordinator_address=coordinator,
+                num_processes=resolver.num_processes,
+                process_id=resolver.process_id,
+                initialization_timeout=timeout_s,
+                heartbeat_timeout_seconds=max(timeout_s, 10),
+                shutdown_timeout_seconds=max(timeout_s, 10),
+            )
+        except RuntimeError as error:
+            if "before any JAX" in str(error) or "backend" in str(error):
+                raise RuntimeError(
+                    "jax.distributed must start before JAX runs anything. "
+                    "Create kd.MultiWorkerMirroredStrategy at the start of "
+                    "the program, before any array is made.") from error
+            raise TimeoutError(
+                f"Not every worker joined within {timeout_s} s: process "
+                f"{resolver.process_id} of {resolver.num_processes} waited "
+                f"for the coordinator {coordinator}. Check "
+                "that every worker started with the same cluster description."
+                f" Cause: {error}") from error
+        process_notes.write(
+            f"in a jax.distributed job of {resolver.num_processes} processes:"
+            f" JAX's coordination service aborts a process (SIGABRT) when a "
+            f"peer stops answering for {max(timeout_s, 10)} s; look for the "
+            "process that died, froze or finished first")
+        _watch_peers(resolver.process_id, resolver.num_processes, timeout_s)
+        # As keras.distribution.initialize does: one global seed, so that
+        # every process initialises variables to the same values.
+        keras_services.get().seed_every_process()
+    elif jax.process_count() != resolver.num_processes:
+        raise ValueError(
+            f"jax.distributed runs {jax.process_count()} processes but the "
+            f"cluster resolver describes {resolver.num_processes}. "
+            f"Received: {resolver!r}.")
+    if jax.process_count() > 1:
+        keras_services.get().install_chief_values()
+    return jax_backend.make_engine(list(jax.devices()), layout_map)
+
+
+def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
+                    layout_map: Any = None) -> "jax_backend.JaxEngine":
+    """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
+    from keras.distribution import LayoutMap
+
+    if assignment is not None and assignment.devices is not None:
+        devices = [d if isinstance(d, jax.Device)
+                   else jax_backend.resolve_device(d)
+                   for d in assignment.devices]
+    elif jax.default_backend() == "tpu":
+        devices = list(jax.devices())
+    else:
+        raise RuntimeError(
+            "kd.TPUStrategy found no TPU (JAX's default backend is "
+            f"'{jax.default_backend()}'). Run on a TPU VM, or simulate a "
+            "slice by naming devices: kd.TPUStrategy(device_assignment="
+            "kd.DeviceAssignment(num_replicas=4, computation_shape=2, "
+            "devices=jax.devices())).")
+    if assignment is None:
+        num_replicas, logical = len(devices), 1
+    else:
+        num_replicas, logical = (assignment.num_replicas,
+                                 assignment.num_logical_devices)
+    if layout_map is None:
+        mesh = DeviceMesh(
+            shape=(num_replicas, logical), axis_names=["batch", "model"],
+            devices=np.array([jax_backend.device_name(d) for d in devices]
+                             ).reshape(num_replicas, logical))
+        layout_map = LayoutMap(mesh)
+    elif tuple(layout_map.device_mesh.shape) != (num_replicas, logical):
+        raise ValueError(
+            f"The layout_map's mesh has shape {layout_map.device_mesh.shape}"
+            f" but the device assignment is {num_replicas} replicas x "
+            f"{logical} logical devices. Build the LayoutMap on a "
+            f"DeviceMesh of shape ({num_replicas}, {logical}).")
+    engine = jax_backend.JaxEngine(devices, layout_map)
+    engine.num_logical_devices = logical
+    engine.contract = engine.contract + (interface.TpuEngine,)
+    return engine
+
+
+class _CoordinationText:
+    """JAX's coordination service (its key-value store) as the peer
+    board's text store."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def set(self, key: str, text: str) -> None:
+        self._client.key_value_set(key, text, allow_overwrite=True)
+
+    def get(self, key: str) -> Optional[str]:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception:  # not there (yet)
+            return None
+
+
+def _watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
+    """Names a peer that hangs while this process waits for it.
+
+    JAX's coordination service aborts a process whose peer died or froze,
+    but a peer that is alive and never reaches the collective (stuck in a
+    callback only it runs) leaves the others waiting in native code without
+    end. The peer board's watchdog sees this process's steps stall for the
+    timeout while a live peer lags, says which, and ends this process (no
+    Python exception can reach a thread waiting in XLA)."""
+    import atexit
+
+    from jax._src import distributed
+
+    from keras_distribute.job import peer_board
+
+    client = getattr(distributed.global_state, "client", None)
+    if client is None or not hasattr(client, "key_value_try_get"):
+        return  # another JAX: no board, the launcher's timeout remains
+    peer_board.start(_CoordinationText(client), rank, world_size, timeout_s,
+                     on_stall=peer_board.ending_this_process("JAX"))
+    atexit.register(peer_board.stop)  # before JAX's own shutdown (LIFO)
+

@@ -1,0 +1,146 @@
+"""The TensorFlow backend module: `tf.distribute.MirroredStrategy` underneath.
+
+Variables created in the scope become `tf.distribute` mirrored variables,
+Keras 3's TensorFlow trainer runs its steps through the strategy, and `run`,
+`reduce`, `gather` and the replica context map onto their `tf.distribute`
+counterparts. `run` returns `tf.distribute`'s own per-replica values, so it
+works inside and outside `tf.function` alike. This module builds the
+engine (`engine.TfEngine`) for each kind of strategy; `devices` finds
+the logical devices.
+"""
+
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+
+from keras_distribute.backend import interface
+from keras_distribute.backend.tensorflow import cluster as tf_cluster
+from keras_distribute.backend.tensorflow import fit as tf_fit
+from keras_distribute.backend.tensorflow.checkpoint import checkpoint_assign  # noqa: F401
+from keras_distribute.backend.tensorflow.checkpoint import checkpoint_snapshot  # noqa: F401
+from keras_distribute.backend.tensorflow.checkpoint import checkpoint_value  # noqa: F401
+from keras_distribute.backend.tensorflow.cluster import bounded_multi_worker_strategy
+from keras_distribute.backend.tensorflow.devices import default_devices  # noqa: F401
+from keras_distribute.backend.tensorflow.devices import device_name  # noqa: F401
+from keras_distribute.backend.tensorflow.devices import resolve_device
+from keras_distribute.backend.tensorflow.engine import TfEngine
+from keras_distribute.backend.tensorflow.fit import apply_gradients  # noqa: F401
+from keras_distribute.backend.tensorflow.fit import value_and_gradients  # noqa: F401
+from keras_distribute.common.devices import parse_device_name
+from keras_distribute.common.layouts import layout_axes
+
+name = "tensorflow"
+
+
+def is_multi_worker(strategy: Any) -> bool:
+    """Whether `strategy` is the tf.distribute engine of a kd multi-worker."""
+    return tf_fit.engine_of(strategy) is not None and isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> "TfEngine":
+    """A `tf.distribute.MultiWorkerMirroredStrategy` over `resolver`'s job."""
+    _refuse_sharded(layout_map)
+    spec = resolver.cluster_spec()
+    addresses = [a for job in ("chief", "worker") for a in spec.get(job, [])]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(
+            "TensorFlow runs one server per worker, so every worker needs its "
+            f"own 'host:port'. Received: {addresses}. Describe the job with "
+            "TF_CONFIG or kd.cluster_resolver.SimpleClusterResolver(addresses)"
+            " (torchrun, SLURM, submitit, JAX_COORDINATOR_ADDRESS and Ray's"
+            " non-TensorFlow trainers give only the coordinator's address;"
+            " Ray's TensorflowTrainer and Kubeflow's TFJob set TF_CONFIG).")
+    if resolver.num_processes == 1:
+        # One worker: tf.distribute's local multi-worker strategy (no
+        # server, no coordination service), which any point of a program
+        # may create, as plain tf.distribute.MultiWorkerMirroredStrategy().
+        local = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf.distribute.cluster_resolver
+            .SimpleClusterResolver(tf.train.ClusterSpec({})))
+        return TfEngine(None, tf_strategy=local, resolver=resolver)
+    tf_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type=resolver.task_type,
+        task_id=resolver.task_id, rpc_layer="grpc")
+    try:
+        strategy = bounded_multi_worker_strategy(tf_resolver, timeout_s)
+    except RuntimeError as error:
+        raise RuntimeError(
+            "tf.distribute's multi-worker collectives must be set up before "
+            "TensorFlow runs anything. Create kd.MultiWorkerMirroredStrategy "
+            "at the start of the program, before any tensor is made."
+        ) from error
+    tf_cluster.watch_peers(resolver.process_id, resolver.num_processes,
+                           timeout_s)
+    return TfEngine(None, tf_strategy=strategy, resolver=resolver)
+
+
+def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
+                    layout_map: Any = None) -> "TfEngine":
+    """`tf.distribute.TPUStrategy` when this host has TPUs.
+
+    Connects to the TPU cluster and initialises its TPU system (the steps of
+    TensorFlow's TPU guide), and turns a `kd.DeviceAssignment` into
+    `tf.tpu.experimental.DeviceAssignment.build(topology, ...)`; the
+    logical-device operations then delegate to TensorFlow's own.
+    """
+    _refuse_sharded(layout_map)
+    if not tf.config.list_logical_devices("TPU") and tpu_cluster_resolver is None:
+        raise RuntimeError(
+            "kd.TPUStrategy on the 'tensorflow' backend needs TPUs (none "
+            "found). On a TPU VM pass tpu_cluster_resolver="
+            "tf.distribute.cluster_resolver.TPUClusterResolver(); to "
+            "simulate a slice on CPU use the JAX backend with "
+            "kd.DeviceAssignment(..., devices=jax.devices()).")
+    resolver = tpu_cluster_resolver or (
+        tf.distribute.cluster_resolver.TPUClusterResolver())
+    tf.config.experimental_connect_to_cluster(resolver)
+    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    tf_assignment = None
+    if assignment is not None:
+        shape = list(assignment.computation_shape)
+        if len(shape) == 1:  # n cores per replica: the last topology axis
+            shape = [1, 1, 1, shape[0]]
+        tf_assignment = tf.tpu.experimental.DeviceAssignment.build(
+            topology, computation_shape=shape,
+            num_replicas=assignment.num_replicas)
+    strategy = tf.distribute.TPUStrategy(
+        resolver, experimental_device_assignment=tf_assignment)
+    engine = TfEngine(None, tf_strategy=strategy)
+    engine.num_logical_devices = (
+        assignment.num_logical_devices if assignment is not None else 1)
+    engine.contract = engine.contract + (interface.TpuEngine,)
+    return engine
+
+
+def refuse_unsupported_layouts(layout_map: Any) -> None:
+    """Raises `NotImplementedError` for a layout map that shards variables
+    (called before the mesh's devices are resolved)."""
+    _refuse_sharded(layout_map)
+
+
+def _refuse_sharded(layout_map: Any) -> None:
+    if layout_map is None:
+        return
+    sharded = {
+        key: layout.axes for key, layout in layout_map.items()
+        if layout_axes(layout)
+    }
+    if sharded:
+        raise NotImplementedError(
+            "Sharded variable layouts are not supported on the "
+            "'tensorflow' Keras backend: keras.distribution has no "
+            "TensorFlow implementation and tf.distribute.MirroredStrategy "
+            "replicates variables. Received sharded layouts for "
+            f"{sorted(sharded)}. Use the JAX backend for model "
+            "parallelism, or a layout_map whose axes are all None.")
+
+
+def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TfEngine":
+    """Builds the engine of a strategy over `devices`."""
+    _refuse_sharded(layout_map)
+    if layout_map is not None:
+        devices = [resolve_device(parse_device_name(str(d)))
+                   for d in layout_map.device_mesh.devices.flatten()]
+    return TfEngine(devices)

@@ -1,0 +1,131 @@
+"""How kd's TensorFlow multi-worker strategy notices workers that never
+join or are lost, without a timeout on each collective (see
+`bounded_multi_worker_strategy`)."""
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import tensorflow as tf
+
+
+def bounded_multi_worker_strategy(tf_resolver: Any, timeout_s: float) -> Any:
+    """A `tf.distribute.MultiWorkerMirroredStrategy` that finds a worker that
+    never joins or is lost within `timeout_s`, with no timeout on each
+    collective.
+
+    A per-collective timeout (`CommunicationOptions(timeout_seconds=...)`)
+    makes TensorFlow start a thread per collective that sleeps for the whole
+    timeout: a `fit` of a few steps a second held ~1,300 threads with the
+    60 s default (benchmarks/soak.py). Instead, TensorFlow's coordination
+    service (which the strategy starts anyway) is configured as the strategy
+    would, with `timeout_s` as the heartbeat timeout after which a lost
+    worker fails the collectives. Joining waits without end in TensorFlow's
+    native code (a worker that never started hung the others): a watchdog
+    ends this process after `timeout_s`, saying why (stderr and the note
+    its launcher reports), since no exception can reach the waiting call.
+    """
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        coordination_config_pb2)
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context as tf_context
+
+    spec = tf_resolver.cluster_spec()
+    if tf_context.context().coordination_service is None:
+        milliseconds = int(timeout_s * 1000)
+        tf_context.context().configure_coordination_service(
+            service_type="standalone",
+            service_leader=multi_worker_util.coordination_leader(spec),
+            coordinated_jobs=[
+                coordination_config_pb2.CoordinatedJob(
+                    name=job, num_tasks=spec.num_tasks(job))
+                for job in ("chief", "worker") if job in spec.jobs],
+            heartbeat_timeout_in_ms=milliseconds)
+    task = f"{tf_resolver.task_type} {tf_resolver.task_id}"
+    watchdog = _JoinWatchdog(timeout_s, (
+        f"joining the TensorFlow job {spec.as_dict()} as {task}: not every "
+        f"worker joined within {timeout_s:.0f} s (TensorFlow waits without "
+        "end, so keras_distribute ended this process). Check that every "
+        "worker started with the same TF_CONFIG and can reach the others; "
+        "raise CommunicationOptions(timeout_seconds=...) for slow starts"))
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf_resolver)
+    finally:
+        watchdog.joined()
+
+
+# A separate tiny process watches the join: TensorFlow's native wait holds
+# the GIL, so no thread (or signal handler) of this process can run.
+_WATCHER = """
+import os, select, signal, sys
+parent, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+ready, _, _ = select.select([sys.stdin], [], [], seconds)
+if not ready:
+    sys.stderr.write("keras_distribute: " + message + ".\\n")
+    sys.stderr.flush()
+    os.kill(parent, signal.SIGKILL)
+"""
+
+
+class _JoinWatchdog:
+    """Ends this process after `timeout_s` unless `joined()` is called first,
+    saying why on stderr and in the note its launcher reports."""
+
+    def __init__(self, timeout_s: float, message: str):
+        from keras_distribute.job import process_notes
+
+        process_notes.write(message)
+        self._watcher = subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(os.getpid()),
+             str(timeout_s), message], stdin=subprocess.PIPE)
+
+    def joined(self) -> None:
+        from keras_distribute.job import process_notes
+
+        process_notes.write("")
+        self._watcher.stdin.close()  # readable (EOF): the watcher exits
+        self._watcher.wait()
+
+
+class _CoordinationText:
+    """TensorFlow's coordination service (its key-value store) as the peer
+    board's text store. A key is not overwritten in place: it is deleted
+    and set again, so a reader that finds it missing looks once more."""
+
+    def __init__(self, tf_context: Any):
+        self._context = tf_context
+
+    def set(self, key: str, text: str) -> None:
+        try:
+            self._context.delete_config_key_value(key)
+        except Exception:  # not there yet
+            pass
+        self._context.set_config_key_value(key, text)
+
+    def get(self, key: str) -> Any:
+        for _ in range(3):
+            try:
+                return self._context.get_config_key_value(
+                    key, timeout_in_ms=200)
+            except Exception:  # between a delete and a set, or never set
+                continue
+        return None
+
+
+def watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
+    """Names a peer that hangs while this process waits for it (see
+    `keras_distribute.job.peer_board`): TensorFlow's heartbeat fails the others
+    when a worker dies or freezes, but a worker that is alive and never
+    reaches the collective leaves them waiting without end."""
+    import atexit
+
+    from tensorflow.python.eager import context as tf_context
+
+    from keras_distribute.job import peer_board
+
+    peer_board.start(_CoordinationText(tf_context.context()), rank,
+                     world_size, timeout_s,
+                     on_stall=peer_board.ending_this_process("TensorFlow"))
+    atexit.register(peer_board.stop)

@@ -1,0 +1,66 @@
+"""The PyTorch backend module (see `interface.BackendModule`).
+
+What the neutral layer calls on torch, gathered from the modules that
+implement it: the engine of one process per device (`engine`) and
+that device (`devices`), its
+sharded variant over a device mesh (`sharding`), `run`'s training
+helpers (`training`) and the checkpoint's view of a variable, plain
+tensor or DTensor (`variables`).
+"""
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch.distributed as dist
+
+from keras_distribute.backend.torch.devices import default_devices
+from keras_distribute.backend.torch.devices import device_name  # noqa: F401
+from keras_distribute.backend.torch.devices import host_rng_state  # noqa: F401
+from keras_distribute.backend.torch.devices import resolve_device  # noqa: F401
+from keras_distribute.backend.torch.devices import set_host_rng_state  # noqa: F401
+from keras_distribute.backend.torch.engine import TorchEngine
+from keras_distribute.backend.torch.engine import on_variable_created  # noqa: F401
+from keras_distribute.backend.torch.groups import ensure_process_group
+from keras_distribute.backend.torch.groups import join_process_group
+from keras_distribute.backend.torch.sharding import ShardedTorchEngine
+from keras_distribute.backend.torch.training import apply_gradients  # noqa: F401
+from keras_distribute.backend.torch.training import value_and_gradients  # noqa: F401
+from keras_distribute.backend.torch.variables import checkpoint_assign  # noqa: F401
+from keras_distribute.backend.torch.variables import checkpoint_pieces  # noqa: F401
+from keras_distribute.backend.torch.variables import checkpoint_snapshot  # noqa: F401
+from keras_distribute.common.layouts import sharded_axes
+
+name = "torch"
+
+
+def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine":
+    """Builds the engine of a strategy over this process's device.
+
+    A `layout_map` that shards variables gives a `ShardedTorchEngine`: one
+    replica over every process, variables as DTensors (`sharding`).
+    """
+    if len(devices) != 1:
+        raise ValueError(
+            "On the torch backend each process drives exactly one device. "
+            f"Received {len(devices)} devices. Run one process per device.")
+    if layout_map is not None and sharded_axes(layout_map):
+        ensure_process_group()
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        mesh_size = int(np.prod(layout_map.device_mesh.shape))
+        if not (world_size == 1 and mesh_size == 1):
+            return ShardedTorchEngine(devices[0], layout_map)
+    return TorchEngine(devices[0])
+
+
+def mesh_devices(layout_map: Any) -> list:
+    """The devices of a strategy built on `layout_map`: this process's own
+    (each process is one device of the mesh; `make_engine` checks the
+    process count against the mesh)."""
+    return default_devices()
+
+
+def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
+                             layout_map: Any = None) -> TorchEngine:
+    """Joins (or checks) the group `resolver` describes; one replica each."""
+    join_process_group(resolver, timeout_s)
+    return make_engine(default_devices(), layout_map)

@@ -1,0 +1,140 @@
+"""The torch process group of a kd job: joined from the environment
+(torchrun, `kd.launch`) or from a cluster resolver, keyed by torchrun's
+restart attempt, and ended together at exit."""
+
+import datetime
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from keras_distribute.backend.torch import peers as torch_peers
+from keras_distribute.common.cross_device_ops import communication_timeout_s
+
+
+# How long a process leaving normally waits at exit for the others.
+_EXIT_BARRIER_S = 10.0
+
+
+def _destroy_own_group() -> None:
+    """At exit: ends the process group kd started, every process together.
+
+    Left to interpreter shutdown, gloo's threads were destroyed while still
+    joinable ("terminate called without an active exception", SIGABRT);
+    destroyed at exit by each process on its own, a process could still be
+    tearing its group down when a peer had already closed its connections
+    (seen in CI: the later process aborted). Processes leaving normally
+    first meet at a bounded barrier (a peer that crashed or is still busy
+    only delays the exit by `_EXIT_BARRIER_S`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    torch_peers.stop()
+    try:
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=datetime.timedelta(
+                seconds=_EXIT_BARRIER_S), wait_all_ranks=True)
+    except Exception:  # a peer is gone: leave without waiting for it
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # exiting anyway: nothing left to protect
+        pass
+
+
+def _init_process_group(address: str, rank: int, world_size: int,
+                        timeout_s: float, store: Any = None,
+                        backend: str = "gloo") -> None:
+    """`dist.init_process_group` on a store kd holds (torch's own when
+    `store` is `None`: a TCP store at `address` hosted by rank 0), with the
+    heartbeat that names a lost peer (`torch_peers`), ended at interpreter
+    exit (once)."""
+    import atexit
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size,
+                              is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=True)
+    dist.init_process_group(backend=backend, store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    torch_peers.start(store, rank, world_size, timeout_s)
+    atexit.register(_destroy_own_group)
+
+
+def _store_of_this_attempt(address: str, timeout_s: float) -> Any:
+    """Under torchrun, a client of its agent's store whose keys belong to
+    this restart attempt; `None` elsewhere.
+
+    torchrun keeps one store for the whole job, and torch's own rendezvous
+    reads it without a per-attempt prefix: after `--max-restarts` restarted
+    the processes, gloo found the addresses the dead attempt had published
+    and every process failed connecting to them ("Connection refused").
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"keras_distribute/attempt-{attempt}", store)
+
+
+def ensure_process_group() -> bool:
+    """Joins the torchrun-style group of this process; `False` when alone."""
+    from keras_distribute.cluster_resolver import resolvers as cluster_resolver
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if not cluster_resolver.TorchElasticClusterResolver.detect():
+        return False
+    # Checks every variable (a clear error for a partial environment).
+    resolver = cluster_resolver.TorchElasticClusterResolver()
+    if resolver.num_processes <= 1:
+        return False
+    local_rank = resolver.local_rank
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    timeout_s = communication_timeout_s()
+    _init_process_group(
+        resolver.coordinator_address, resolver.process_id,
+        resolver.num_processes, timeout_s,
+        store=_store_of_this_attempt(resolver.coordinator_address, timeout_s),
+        backend="nccl" if use_cuda else "gloo")
+    return True
+
+
+def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
+    """Joins (or checks) the group `resolver` describes."""
+    timeout_s = communication_timeout_s(timeout_s)
+    if dist.is_initialized():
+        if dist.get_world_size() != resolver.num_processes:
+            raise ValueError(
+                f"This process already belongs to a group of "
+                f"{dist.get_world_size()} processes, but the cluster "
+                f"resolver describes {resolver.num_processes}. Received: "
+                f"{resolver!r}.")
+    else:
+        local_rank = int(getattr(resolver, "local_rank", os.environ.get(
+            "LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))))
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        store = _store_of_this_attempt(resolver.coordinator_address,
+                                       timeout_s)
+        try:
+            _init_process_group(
+                resolver.coordinator_address, resolver.process_id,
+                resolver.num_processes, timeout_s, store=store,
+                backend="nccl" if use_cuda else "gloo")
+        except (RuntimeError, TimeoutError) as error:
+            raise TimeoutError(
+                f"Not every worker joined within {timeout_s:.0f} s: process "
+                f"{resolver.process_id} of {resolver.num_processes} waited at "
+                f"the coordinator {resolver.coordinator_address}. Check that "
+                "every worker was started with the same cluster description "
+                "and can reach the coordinator; raise "
+                "CommunicationOptions(timeout_seconds=...) for slow starts. "
+                f"Cause: {error}") from error

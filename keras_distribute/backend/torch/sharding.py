@@ -1,0 +1,377 @@
+"""Sharded variable layouts on the torch backend, through DTensor.
+
+With a `layout_map` that shards variables, a torch strategy lays its mesh
+over the processes of the job, one process per device. The first mesh axis
+is the batch axis: each position on it is one replica, data parallel with
+the others (gradients averaged over it, as DDP would). The processes along
+the other (model) axes hold one replica between them (tensor parallelism):
+a layer with a sharded variable holds all its variables as
+`torch.distributed.tensor.DTensor`s on that model sub-mesh — sharded where
+the map says, replicated otherwise. Inside such a layer DTensor's own
+collectives do the work; its inputs enter as replicated DTensors and its
+outputs leave as whole tensors (`full_tensor()`), so the rest of Keras —
+losses, metrics, callbacks — only ever sees ordinary tensors. A gradient is
+brought back to its variable's placement as it is accumulated; optimizer
+slots take their variable's placement. Reading a sharded variable whole
+(`get_weights`, `numpy()`) is a collective: every process must do it.
+
+Sharding a variable over the batch axis (FSDP-style) is not supported here
+yet: it raises, pointing to the JAX backend.
+"""
+
+import contextlib
+import math
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+import keras
+from keras.distribution import DeviceMesh
+from keras.distribution import TensorLayout
+
+from keras_distribute.backend import interface
+from keras_distribute.common import keras_services
+from keras_distribute.backend.torch import peers as torch_peers
+from keras_distribute.backend.torch.engine import TorchEngine
+from keras_distribute.backend.torch.variables import whole_value
+from keras_distribute.common.layouts import warn_unmatched_keys
+from keras_distribute.common.layouts import check_layout_fits
+from keras_distribute.common.layouts import check_layout_map
+from keras_distribute.common.layouts import axis_names
+from keras_distribute.common.layouts import layout_axes
+
+
+def check_mesh(layout_map: Any, world_size: int) -> None:
+    """Raises unless the mesh and its layouts fit a torch job of
+    `world_size` processes."""
+    mesh = layout_map.device_mesh
+    size = math.prod(mesh.shape)
+    if len(mesh.shape) > 1 and mesh.shape[0] > 1:
+        batch_axis = mesh.axis_names[0]
+        for key, layout in layout_map.items():
+            if batch_axis in layout_axes(layout):
+                raise NotImplementedError(
+                    f"The layout for {key!r} shards a variable over the batch "
+                    f"axis {batch_axis!r} (FSDP-style); on the torch backend "
+                    "variables may be sharded over the model axes only, and "
+                    "are replicated over the batch axis. Received: layout "
+                    f"axes={tuple(layout.axes)}, mesh shape "
+                    f"{tuple(mesh.shape)}. Use None for the batch axis, a "
+                    "batch axis of size 1, or the JAX backend.")
+    for key, layout in layout_map.items():
+        named = [name for axis in layout.axes for name in axis_names(axis)]
+        twice = sorted({name for name in named if named.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"The layout for {key!r} shards two dimensions over mesh "
+                f"axis {twice[0]!r}; a mesh axis can cut one dimension of a "
+                f"variable. Received: layout axes={tuple(layout.axes)}. Name "
+                "each mesh axis at most once per layout.")
+    if size != world_size:
+        raise ValueError(
+            f"On the torch backend each process is one device of the mesh, "
+            f"so a mesh of shape {tuple(mesh.shape)} ({size} devices) needs "
+            f"{size} processes. Received: {world_size} process(es). Launch "
+            f"{size} processes (kd.launch(fn, num_processes={size}), "
+            "torchrun), or build the mesh for the processes you have.")
+
+
+_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+
+def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
+    """The rank of the process at each position of `device_mesh`.
+
+    A torch mesh names its processes as Keras' torch backend does: the index
+    of a device name is the rank of its process (`"cpu:3"`, `"gpu:3"`: rank
+    3), each rank once, of this process's device type, the ranks
+    increasing along every mesh axis (torch's groups are ordered by rank).
+
+    Args:
+        device_mesh: A `keras.distribution.DeviceMesh`.
+        device: This process's `torch.device`.
+        world_size: The number of processes of the job.
+
+    Returns:
+        The ranks as an array of the mesh's shape.
+
+    Raises:
+        ValueError: A device name without an index, a rank outside the job
+            or named twice, another device type than this process's, or
+            ranks that decrease along a mesh axis.
+
+    Example:
+
+    >>> mesh = keras.distribution.DeviceMesh(
+    ...     (2, 2), ["batch", "model"], ["cpu:0", "cpu:2", "cpu:1", "cpu:3"])
+    >>> mesh_ranks(mesh, torch.device("cpu"), 4).tolist()
+    [[0, 2], [1, 3]]
+    """
+    names = [str(d) for d in np.asarray(device_mesh.devices).flat]
+    expected = device.type
+    prefix = "gpu" if expected == "cuda" else expected  # Keras' spelling
+    ranks = []
+    for name in names:
+        kind, _, index = name.lower().rpartition(":")
+        if _DEVICE_TYPES.get(kind) != expected or not index.isdigit():
+            raise ValueError(
+                f"On the torch backend each device of the mesh is one "
+                f"process, named by its device type ({expected!r}) and rank, "
+                f"e.g. '{prefix}:0'. Received: device {name!r} in devices "
+                f"{names}. Build the mesh with "
+                "devices=keras.distribution.list_devices() or "
+                f"[f'{prefix}:{{r}}' for r in range({world_size})].")
+        ranks.append(int(index))
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(
+            f"The mesh's devices must name each rank of the job "
+            f"(0..{world_size - 1}) once. Received: ranks {ranks} (devices "
+            f"{names}). Build the mesh with "
+            "devices=keras.distribution.list_devices(), or list each "
+            "process once.")
+    grid = np.asarray(ranks).reshape(tuple(device_mesh.shape))
+    for dim, axis in enumerate(device_mesh.axis_names):
+        if not np.all(np.diff(grid, axis=dim) > 0):
+            raise ValueError(
+                f"Along each mesh axis the ranks must increase: torch orders "
+                f"the processes of a group by rank (`new_group` sorts them) "
+                f"and DTensor's collectives follow that order, so a shard "
+                f"would land on another process than its position says. "
+                f"Received: ranks {grid.tolist()} along axis {axis!r} "
+                f"(devices {names}). List the devices so that each axis "
+                "counts up, e.g. keras.distribution.list_devices() in order.")
+    return grid
+
+
+class ShardedTorchEngine(TorchEngine):
+    # Layers' forward passes run on their sharded values.
+    contract = (interface.ShardedForwardEngine,)
+    """Variables laid out by a LayoutMap over a (batch, model...) mesh.
+
+    The first mesh axis is the batch axis: each of its positions is one
+    replica (an input pipeline), data parallel with the others; the
+    processes along the other (model) axes hold one replica between them,
+    its sharded variables as DTensors on that model sub-mesh. A 1-D mesh is
+    all model axis: one replica over every process.
+    """
+
+    collective_reads = True  # reading a sharded variable whole is collective
+
+    def __init__(self, device: Any, layout_map: Any):
+        super().__init__(device)
+        check_layout_map(layout_map)
+        check_mesh(layout_map, self.world_size)
+        keras_services.get().install_torch_sharding()
+        mesh = layout_map.device_mesh
+        self.layout_map = layout_map
+        self.device_mesh = mesh
+        # DTensors inside the sharded layers only (module docstring), not
+        # Keras 3.16's ModelParallel, whose dispatch mode makes every tensor
+        # of the step a DTensor (docs/keras_versions.md).
+        self.distribution = None
+        self.keras_mesh = mesh
+        if len(mesh.shape) == 1:  # all model: a batch axis of size 1 first
+            self.keras_mesh = DeviceMesh(
+                (1, mesh.shape[0]), ["kd_replica"] + list(mesh.axis_names),
+                devices=np.reshape(mesh.devices, (1, mesh.shape[0])))
+        shape = tuple(self.keras_mesh.shape)
+        names = list(self.keras_mesh.axis_names)
+        self.model_axes = names[1:]
+        ranks = mesh_ranks(self.keras_mesh, device, self.world_size)
+        # Keras 3.16 makes the torch mesh of a keras.distribution mesh, and
+        # the placements of its layouts, itself: the engine uses Keras' own
+        # (`placements`). Keras 3.15's torch backend has no distribution.
+        self.torch_mesh = keras_services.get().keras_torch_mesh(
+            self.keras_mesh)
+        self.keras_layouts = self.torch_mesh is not None
+        if self.torch_mesh is None:
+            self.torch_mesh = TorchDeviceMesh(device.type, ranks,
+                                              mesh_dim_names=tuple(names))
+        self.model_mesh = self.torch_mesh[tuple(self.model_axes)] if len(
+            self.model_axes) > 1 else self.torch_mesh[self.model_axes[0]]
+        replica = self.torch_mesh.get_coordinate()[0]
+        # One replica per position on the batch axis (data parallel).
+        self.num_replicas = shape[0]
+        self.local_replica_ids = (replica,)
+        self.num_input_pipelines, self.input_pipeline_id = shape[0], replica
+        self.replica_group = self.torch_mesh[names[0]].get_group()
+        self._keys_checked = weakref.WeakSet()
+
+    # ------------------------------------------------------------ variables
+    def placements(self, layout: Optional[Any]) -> list:
+        """The torch placement on each model-mesh dimension of a layout."""
+        axes = list(layout.axes) if layout is not None else []
+        if self.keras_layouts:
+            # Keras' placements over the whole mesh; the first (batch) axis
+            # is always replicated here (`check_mesh`).
+            whole = TensorLayout(axes, self.keras_mesh).backend_layout
+            return list(whole.placements)[1:]
+        placements = []
+        for name in self.model_axes:
+            dims = [d for d, axis in enumerate(axes)
+                    if name in axis_names(axis)]
+            placements.append(Shard(dims[0]) if dims else Replicate())
+        return placements
+
+    def shard_layer(self, layer: Any) -> None:
+        """Makes the variables of `layer` DTensors when the map shards one.
+
+        Called once a layer is built, before Keras tracks its variables as
+        torch parameters.
+        """
+        own = [v for v in list(getattr(layer, "_trainable_variables", []))
+               + list(getattr(layer, "_non_trainable_variables", []))
+               if getattr(v, "_kd_engine", None) is self
+               and v._value is not None and not isinstance(v._value, DTensor)]
+        layouts = [self.layout_map[v.path] for v in own]
+        if not any(layout is not None and layout_axes(layout)
+                   for layout in layouts):
+            return
+        # Values equal everywhere before they are cut (the sub-meshes of
+        # other replicas distribute their own first process's values).
+        self.broadcast_new_variables(only=own)
+        for variable, layout in zip(own, layouts):
+            if layout is not None:
+                check_layout_fits(layout, variable.path, variable.shape)
+            else:
+                layout = TensorLayout([None] * len(variable.shape),
+                                      self.device_mesh)
+            self._to_dtensor(variable, layout, self.placements(layout))
+        object.__setattr__(layer, "_kd_sharded_engine", self)
+        if hasattr(layer, "_torch_params"):  # tracked already: track again
+            layer._track_variables()
+
+    def shard_like(self, variable: Any, reference: Any) -> None:
+        """Lays `variable` (an optimizer slot) out as `reference`."""
+        value = getattr(reference, "_value", None)
+        if isinstance(value, DTensor) and not isinstance(variable._value,
+                                                         DTensor):
+            self._to_dtensor(variable, getattr(reference, "_layout", None),
+                             list(value.placements))
+
+    def _to_dtensor(self, variable: Any, layout: Any, placements: list):
+        local = variable._value.detach()
+        # Every process of the model sub-mesh takes its part of the value
+        # of the sub-mesh's first process (the same in every sub-mesh: the
+        # values were broadcast from rank 0 first, or are optimizer zeros).
+        value = distribute_tensor(local, self.model_mesh, placements,
+                                  src_data_rank=0)
+        parameter = torch.nn.Parameter(value,
+                                       requires_grad=variable.trainable)
+        if variable.trainable:
+            parameter.register_post_accumulate_grad_hook(_align_gradient)
+        variable._value = parameter
+        object.__setattr__(variable, "_layout", layout)
+
+    @torch_peers.collective
+    def broadcast_new_variables(self, only: Optional[list] = None) -> None:
+        """Rank 0's values for new plain variables (DTensors were cut from
+        them), or for the variables `only` (before they are cut)."""
+        if only is not None:
+            with torch.no_grad():
+                for variable in only:
+                    dist.broadcast(variable._value.data, src=0)
+            done = {id(v) for v in only}
+            self._created = [ref for ref in self._created
+                             if id(ref()) not in done]
+            return
+        self._created = [ref for ref in self._created if not isinstance(
+            getattr(ref(), "_value", None), DTensor)]
+        super().broadcast_new_variables()
+
+    def variable_layout(self, variable: Any) -> tuple:
+        value = variable._value
+        itemsize = np.dtype(variable.dtype).itemsize if (
+            variable.dtype != "bfloat16") else 2
+        if isinstance(value, DTensor):
+            axes = tuple(getattr(variable, "_layout").axes)
+            return axes, value.to_local().numel() * itemsize
+        return (None,) * len(variable.shape), int(
+            np.prod(variable.shape)) * itemsize
+
+    # ------------------------------------------------------------ training
+    uses_keras_ddp = False  # DTensor's collectives replace DDP's
+
+    def ddp(self, model: Any) -> Any:
+        return model  # DTensor's collectives replace DDP's all-reduce
+
+    @torch_peers.collective
+    def sync_gradients(self, variables: Sequence[Any]) -> None:
+        """Averages every gradient over the replicas (the batch axis): one
+        flat all-reduce of this process's parts, as DDP would."""
+        if self.num_replicas == 1:
+            return
+        grads = [v.value.grad for v in variables if v.value.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return
+        flat = torch.cat([t.reshape(-1) for t in local])
+        flat = self.compress_gradients(flat / self.num_replicas)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_group)
+        offset = 0
+        with torch.no_grad():
+            for tensor in local:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(
+                    tensor))
+                offset += tensor.numel()
+
+    def train_step(self, model: Any, data: Any) -> Any:
+        from keras_distribute.backend.torch import training as torch_training
+
+        with implicit_replication():  # plain scalars next to DTensor slots
+            return torch_training.train_step(self, model, data)
+
+    @contextlib.contextmanager
+    def global_metric_states(self, variables: Sequence[Any]):
+        """Metric values summed over the replicas (the processes of one
+        replica hold the same values)."""
+        if self.num_replicas == 1:
+            yield
+            return
+        with super().global_metric_states(variables):
+            yield
+
+    def call_trainer(self, method: Callable, model: Any, args: tuple,
+                     kwargs: dict) -> Any:
+        if model.built and model not in self._keys_checked:
+            warn_unmatched_keys(self.layout_map, model)
+            self._keys_checked.add(model)
+        return super().call_trainer(method, model, args, kwargs)
+
+    def sharded_forward(self, forward: Callable, layer: Any, args: tuple,
+                        kwargs: dict) -> Any:
+        """Calls a sharded layer: replicated DTensors in, whole tensors out."""
+        def enter(leaf):
+            if isinstance(leaf, torch.Tensor) and not isinstance(
+                    leaf, DTensor) and leaf.device.type != "meta":
+                return DTensor.from_local(
+                    leaf, self.model_mesh,
+                    [Replicate()] * self.model_mesh.ndim, run_check=False)
+            return leaf
+
+        if not any(isinstance(leaf, torch.Tensor) and leaf.device.type !=
+                   "meta" for leaf in keras.tree.flatten((args, kwargs))):
+            return forward(layer, *args, **kwargs)  # symbolic call
+        args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
+        with implicit_replication():
+            outputs = forward(layer, *args, **kwargs)
+        return keras.tree.map_structure(whole_value, outputs)
+
+
+def _align_gradient(parameter: Any) -> None:
+    """Brings an accumulated gradient to its parameter's placement (e.g. a
+    partial sum of a replicated weight is all-reduced)."""
+    grad = parameter.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
+            parameter.placements):
+        parameter.grad = grad.redistribute(parameter.device_mesh,
+                                           parameter.placements)

@@ -1,0 +1,172 @@
+"""`kd.callbacks.ShardedCheckpoint`: the latest (and, with `monitor`, the
+best) sharded checkpoints of a run, on every backend and in multi-process
+jobs (every process writes its shards; the chief commits and deletes).
+"""
+
+import os
+from typing import Any, List, Optional
+
+from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
+from keras_distribute.checkpoint.committed import checkpoints_in
+from keras_distribute.checkpoint.committed import read_metadata
+from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.callbacks.training_state_callback import TrainingStateCallback
+from keras_distribute.callbacks.training_state import link_checkpoint
+
+
+class ShardedCheckpoint(TrainingStateCallback):
+    """Saves sharded checkpoints of the training state during `fit`.
+
+    The sharded counterpart of `keras.callbacks.ModelCheckpoint`: model,
+    optimizer, metric state, RNG and the other callbacks' progress go to
+    `<directory>/ckpt-<global step>`, the latest `max_to_keep` kept. With a
+    `monitor`, the best `max_to_keep` checkpoints (by that metric) are also
+    kept, apart, in `<directory>/best/`; with `save_best_only=True` only
+    those are written. Asynchronous by default: `fit` waits only while
+    values are copied to host memory; a failed write is raised by the next
+    save or at the end of `fit`.
+
+    Args:
+        directory: Where the checkpoints go.
+        save_freq: `"epoch"`, or save every that many batches.
+        max_to_keep: How many latest (and how many best) to keep.
+        async_save: Write in the background.
+        monitor: A logged metric (e.g. `"val_loss"`) ranking the best ones.
+        save_best_only: Write only checkpoints that improve on `monitor`.
+        mode: `"min"`, `"max"` or `"auto"` (`"max"` for accuracy-like names).
+
+    Raises:
+        ValueError: for a bad `save_freq`, `max_to_keep` or `mode`, or
+            `save_best_only` without `monitor`.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=10, callbacks=[
+        kd.callbacks.ShardedCheckpoint("/tmp/run", monitor="val_loss")])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    checkpoint.read(kd.checkpoint.latest_checkpoint("/tmp/run/best"))
+    ```
+    """
+
+    def __init__(self, directory: str, save_freq: Any = "epoch",
+                 max_to_keep: Optional[int] = 5, async_save: bool = True,
+                 monitor: Optional[str] = None, save_best_only: bool = False,
+                 mode: str = "auto"):
+        super().__init__(directory, save_freq, async_save)
+        if save_best_only and monitor is None:
+            raise ValueError(
+                "save_best_only=True needs a metric to compare: pass monitor= "
+                "(e.g. monitor='val_loss').")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(
+                f"mode must be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
+        if max_to_keep is not None and (not isinstance(max_to_keep, int)
+                                        or max_to_keep < 1):
+            raise ValueError(
+                "max_to_keep must be a positive integer or None. Received: "
+                f"max_to_keep={max_to_keep!r}.")
+        if mode == "auto":
+            mode = "max" if monitor is not None and any(
+                word in monitor for word in ("acc", "auc", "precision",
+                                             "recall", "f1")) else "min"
+        self.max_to_keep = max_to_keep
+        self.monitor = monitor
+        self.save_best_only = save_best_only
+        self.mode = mode
+        self._latest: Optional[CheckpointManager] = None
+        self._global_step = 0
+
+    @property
+    def best_directory(self) -> str:
+        """Where the best checkpoints are kept (`<directory>/best`)."""
+        return os.path.join(self.directory, "best")
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._latest = CheckpointManager(
+            self._checkpoint, self.directory, max_to_keep=self.max_to_keep)
+        latest = self._latest.latest_checkpoint
+        self._global_step = int(os.path.basename(latest).rsplit("-", 1)[1]
+                                ) if latest else 0
+        self._checkpoint.save_counter = self._global_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._global_step += 1 + batch - self._steps_in_epoch
+        super().on_train_batch_end(batch, logs)
+
+    def _value(self, logs) -> Optional[float]:
+        if self.monitor is None:
+            return None
+        value = (logs or {}).get(self.monitor)
+        if value is None:
+            raise ValueError(
+                f"kd.callbacks.ShardedCheckpoint monitors {self.monitor!r}, "
+                f"which is not in the logs. Received logs: "
+                f"{sorted(logs or {})}. Pass monitor= one of them (val_* "
+                "metrics need validation_data, and save_freq='epoch').")
+        return float(value)
+
+    def _best_ranked(self) -> List[tuple]:
+        ranked = []
+        for path in checkpoints_in(self.best_directory):
+            try:
+                value = read_metadata(path).get("monitor_value")
+            except CheckpointError:  # removed meanwhile by a background save
+                continue
+            if value is not None:
+                ranked.append((value, path))
+        return sorted(ranked, reverse=self.mode == "max")
+
+    def _improves(self, value: float) -> bool:
+        values = [v for v, _ in self._best_ranked()]  # best first
+        if self.save_best_only:
+            return not values or self._better(value, values[0])
+        return (self.max_to_keep is None or len(values) < self.max_to_keep
+                or self._better(value, values[-1]))
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def _save(self, epoch: int, step: int, logs) -> None:
+        value = self._value(logs)
+        metadata = dict(self._metadata(epoch, step, logs),
+                        monitor=self.monitor, monitor_value=value)
+        keep_best = value is not None and self._improves(value)
+        if self.save_best_only and not keep_best:
+            return
+        number = self._global_step
+        if self.save_best_only:
+            path = os.path.join(self.best_directory, f"ckpt-{number}")
+            self._checkpoint.write(path, self._options(), metadata)
+            self._after_best(path)
+            return
+        if self._latest.latest_checkpoint and os.path.basename(
+                self._latest.latest_checkpoint) == f"ckpt-{number}":
+            return  # already saved at this step (e.g. batch and epoch end)
+        path = self._latest.save(checkpoint_number=number,
+                                 options=self._options(), metadata=metadata)
+        if keep_best:
+            self._after_best(path)
+
+    def _after_best(self, path: str) -> None:
+        """Links `path` into `best/` once committed; trims `best/`."""
+        checkpoint = self._checkpoint
+        is_chief = checkpoint._engine().process_id == 0
+
+        def keep():
+            if not is_chief:
+                return
+            best = os.path.join(self.best_directory, os.path.basename(path))
+            if os.path.dirname(path) != self.best_directory:
+                link_checkpoint(path, best)
+            ranked = self._best_ranked()
+            if self.max_to_keep is not None:
+                for _, old in ranked[self.max_to_keep:]:
+                    ckpt_format.remove(old)
+
+        checkpoint._then(keep)
+
+    def on_train_end(self, logs=None):
+        self._checkpoint.sync()  # a failed background save is raised here

@@ -1,0 +1,279 @@
+"""Which process a job lost, said by the processes that waited for it.
+
+When a peer dies, freezes or hangs, the engines fail (or block) the
+processes waiting for it with text that names no process: gloo's "Timed out
+waiting 20000ms for recv operation", "Connection closed by peer"; JAX waits
+in native code without end for a peer that is alive but never reaches the
+collective. Each process of a job kd joined therefore keeps a heartbeat on
+the job's key-value store (torch's c10d store, JAX's coordination service):
+a thread sets `keras_distribute/beat/<rank>` to "<beats> <steps>" every
+tenth of the timeout, where `<steps>` counts the train steps, `run` calls
+and kd collectives the process began. `PeerBoard.explain` reads the board
+twice and tells apart
+
+- a peer whose heartbeat stopped (frozen — SIGSTOP, a debugger —, killed,
+  or on a machine that went away),
+- a peer that left the job (it marks its heartbeat "ended" at exit),
+- a peer that is alive but behind (stuck in work of its own between steps:
+  a callback or a save only it runs, its input pipeline, a breakpoint).
+
+Torch raises `kd.WorkerLostError` naming that rank when a collective
+fails; on JAX, where nothing fails, a watchdog ends a process whose own
+steps stalled for the timeout while a live peer lags (`on_stall`).
+
+Framework-free: each backend hands in its store (`set`, `get`).
+"""
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+_ENDED = "ended"
+_PREFIX = "keras_distribute/beat/"
+
+
+class PeerBoard:
+    """The heartbeats of a job's processes on its key-value store.
+
+    Args:
+        store: an object with `set(key, text)` and `get(key)` (the text, or
+            `None` when the key is not there); called from a thread of its
+            own.
+        rank: this process's rank.
+        world_size: the number of processes.
+        timeout_s: the job's communication timeout; a heartbeat goes out
+            every tenth of it (between 0.2 and 2 s).
+        on_stall: optional; called as `on_stall(rank, why)` from the
+            heartbeat thread when this process's steps did not advance for
+            `timeout_s` while it was `busy()` and a peer is named as the
+            cause.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int,
+                 timeout_s: float,
+                 on_stall: Optional[Callable[[int, str], None]] = None):
+        self._store = store
+        self.rank, self.world_size = rank, world_size
+        self.steps = 0  # advanced by the engine; read by the beat thread
+        self.busy_depth = 0  # > 0 while a fit/evaluate/predict/run runs
+        self.timeout_s = timeout_s
+        self.interval_s = min(2.0, max(0.2, timeout_s / 10.0))
+        self._on_stall = on_stall
+        self._beats = 0
+        # What the last `explain` found: "ended", "silent" (a frozen or
+        # dead peer), "behind" (a live peer that lags), "hangs", "store"
+        # (the store's host does not answer) or "unknown".
+        self.verdict = "unknown"
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name="keras_distribute-heartbeat", daemon=True)
+        self._thread.start()
+        if on_stall is not None:
+            threading.Thread(target=self._watch, daemon=True,
+                             name="keras_distribute-peer-watchdog").start()
+
+    def advance(self) -> None:
+        """Counts one more step (or `run`, or collective) of this process."""
+        self.steps += 1
+
+    def _beat(self) -> None:
+        while not self._stopped.is_set():
+            self._beats += 1
+            try:
+                self._store.set(f"{_PREFIX}{self.rank}",
+                                f"{self._beats} {self.steps}")
+            except Exception:  # the store's host is gone: nothing to tell
+                return
+            self._stopped.wait(self.interval_s)
+
+    def _watch(self) -> None:
+        """The watchdog (a thread of its own: the heartbeat must go on
+        while it explains, or two stalled processes call each other
+        silent)."""
+        seen_steps, since = self.steps, time.monotonic()
+        while not self._stopped.wait(self.interval_s):
+            if self.steps != seen_steps or not self.busy_depth:
+                seen_steps, since = self.steps, time.monotonic()
+            elif time.monotonic() - since > self.timeout_s:
+                # Only a live peer that lags: JAX ends a process whose
+                # peer died or froze itself, and a peer that ended may have
+                # left a job this process still runs alone (its own work).
+                rank, why = self.explain()
+                if self.verdict == "behind" and not self._stopped.is_set() \
+                        and self.steps == seen_steps:
+                    self._on_stall(rank, why)
+                since = time.monotonic()  # a long step of its own: look again
+
+    def close(self) -> None:
+        """Stops the heartbeat and marks this process as ended (normal
+        exit: its peers then know it left rather than froze)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.interval_s + 1.0)
+        try:
+            self._store.set(f"{_PREFIX}{self.rank}", _ENDED)
+        except Exception as error:  # the store's host left first: its
+            # peers then see this heartbeat stop, which names it as well
+            logging.getLogger("keras_distribute").debug(
+                "could not mark process %d as ended: %s", self.rank, error)
+
+    def _read_all(self) -> dict:
+        """Every other process's heartbeat text (none yet: `None`)."""
+        return {rank: self._store.get(f"{_PREFIX}{rank}")
+                for rank in range(self.world_size) if rank != self.rank}
+
+    def _read_bounded(self, wait_s: float) -> Optional[dict]:
+        """`_read_all` in a thread; `None` when the store does not answer
+        within `wait_s` (its host is itself frozen or gone)."""
+        box = []
+        reader = threading.Thread(target=lambda: box.append(self._read_all()),
+                                  daemon=True)
+        reader.start()
+        reader.join(wait_s)
+        return box[0] if box else None
+
+    def explain(self) -> tuple:
+        """Why this process waits in vain: `(rank, text)` naming the peer
+        that froze, left or lags, or `(None, text)` when the board cannot
+        tell (then `text` says what it saw)."""
+        watch_s = 2.5 * self.interval_s
+        first = self._read_bounded(watch_s + 1.0)
+        self.verdict = "unknown"
+        if first is None:
+            self.verdict = "store"
+            return (0 if self.rank != 0 else None), (
+                "the job's store (hosted by process 0, or by the launcher's "
+                f"agent) did not answer within {watch_s + 1.0:.1f} s: that "
+                "process is frozen, ended or unreachable")
+        time.sleep(watch_s)
+        second = self._read_bounded(watch_s + 1.0) or {}
+        count = self.world_size
+        for rank in sorted(first):
+            before, after = first[rank], second.get(rank)
+            if _ENDED in (before, after):
+                self.verdict = "ended"
+                return rank, (f"process {rank} of {count} has left the job "
+                              "(it ended) while this process still needed it")
+            if before is None or after is None or before == after:
+                self.verdict = "silent"
+                return rank, (
+                    f"process {rank} of {count} stopped answering: its "
+                    f"heartbeat did not change in the {watch_s:.1f} s this "
+                    "process watched it (it is frozen — stopped by SIGSTOP "
+                    "or a debugger —, was killed, or its machine is "
+                    "unreachable)")
+        laggards = sorted((int(second[r].split()[1]), r) for r in second
+                          if int(second[r].split()[1]) < self.steps)
+        if laggards:
+            steps, rank = laggards[0]
+            self.verdict = "behind"
+            return rank, (
+                f"process {rank} of {count} is alive but behind: it "
+                f"reached {steps} of the job's steps and collectives where "
+                f"this process reached {self.steps}; it is stuck in work of "
+                "its own between them (a callback or a save only it runs, its "
+                "input pipeline, a breakpoint)")
+        if count == 2:
+            # This process waits in the exchange; the other is alive at the
+            # same point, so it never reached it (the watchdog acts only on
+            # "behind": a step merely long on both is not this).
+            (rank,) = first
+            self.verdict = "hangs"
+            return rank, (
+                f"process {rank} of 2 is alive and began the same step or "
+                f"collective ({self.steps}) but never reached its exchange: "
+                "it hangs inside it")
+        return None, ("every process is alive and began the same step or "
+                      f"collective ({self.steps})")
+
+
+_board: Optional[PeerBoard] = None
+
+
+def start(store: Any, rank: int, world_size: int, timeout_s: float,
+          on_stall: Optional[Callable[[int, str], None]] = None) -> None:
+    """Starts this process's heartbeat (once, for a job of several)."""
+    global _board
+    if _board is None and world_size > 1:
+        _board = PeerBoard(store, rank, world_size, timeout_s, on_stall)
+
+
+def board() -> Optional[PeerBoard]:
+    """This process's board, if kd joined its job."""
+    return _board
+
+
+def advance() -> None:
+    """Counts a step (or `run`, or collective) this process begins."""
+    if _board is not None:
+        _board.advance()
+
+
+class busy:
+    """While a `fit`/`evaluate`/`predict`/`run` of the job runs (a context):
+    only then does a stall of this process's steps mean a lost peer."""
+
+    def __enter__(self):
+        if _board is not None:
+            _board.busy_depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        if _board is not None:
+            _board.busy_depth = max(0, _board.busy_depth - 1)
+
+
+def counting_epochs(callbacks: Any) -> Any:
+    """`fit`'s `callbacks` with one more, last, that counts the ends and
+    beginnings of epochs on the board: a process stuck in a callback of its
+    own has not counted its epoch's end (its peers name it). Unchanged
+    without a board, or for a `CallbackList` (not extended)."""
+    if _board is None or not isinstance(callbacks, (list, tuple, type(None))):
+        return callbacks
+    import keras
+
+    class CountEpochs(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            advance()
+
+        def on_epoch_end(self, epoch, logs=None):
+            advance()
+
+    return [*(callbacks or []), CountEpochs()]
+
+
+def stop() -> None:
+    """Marks this process as ended and stops its heartbeat."""
+    global _board
+    if _board is not None:
+        _board.close()
+        _board = None
+
+
+def ending_this_process(engine: str) -> Callable[[int, str], None]:
+    """An `on_stall` for engines that wait in native code without end (JAX,
+    TensorFlow): says which peer hangs (stderr, and the note the launcher
+    reports), then ends this process with exit code 1 — no Python exception
+    can reach a thread waiting in the engine."""
+
+    def end(lost: int, why: str) -> None:
+        from keras_distribute.job import process_notes
+
+        board = _board
+        process_notes.write_lost_peer(lost, why)
+        print(f"keras_distribute: Process {board.rank} of {board.world_size} "
+              f"waited {board.timeout_s:.0f} s for a collective that cannot "
+              f"complete: {why}. {engine} waits in native code without end, "
+              "so keras_distribute ends this process (exit code 1). Check "
+              "that process's own log; a restart resumes from the last "
+              "checkpoint (BackupAndRestore). Raise "
+              "CommunicationOptions(timeout_seconds=...) for steps or saves "
+              "that take longer.", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    return end

@@ -1,0 +1,14 @@
+"""Starting a job's processes on this host.
+
+- `launcher`: `kd.launch` and `kd.notebook_launcher` run a function in N
+  local processes that form a group, and return what each returned.
+- `script`: `python -m keras_distribute.launch --nproc N script.py args`
+  runs a script in N processes, forwards signals, restarts a preempted job.
+
+May import: `common`, `job`, `cluster_resolver` (nothing that imports a
+framework at module level).
+"""
+
+from keras_distribute.launch.launcher import LaunchError  # noqa: F401
+from keras_distribute.launch.launcher import launch  # noqa: F401
+from keras_distribute.launch.launcher import notebook_launcher  # noqa: F401
