@@ -17,6 +17,10 @@ if [ "$workers" != "0" ]; then
   parallel="-n $workers --dist loadfile"
 fi
 rm -f .venv/bad-inputs-*.json*
+# The type check (config in pyproject.toml): the whole package, strictly on
+# the engine contract (backend/interface.py) and the lowest layer (common/).
+echo "=== type check: mypy -p keras_distribute ==="
+.venv/bin/python -m mypy -p keras_distribute || status=1
 for backend in $backends; do
   echo "=== KERAS_BACKEND=$backend ==="
   # Every bad input a test tries is recorded for docs/bad_inputs.md.

@@ -36,6 +36,16 @@ def test_device_assignment_becomes_a_replica_by_model_mesh():
     assert built.num_logical_devices == 2
 
 
+def test_device_assignment_takes_device_names():
+    # Names ("cpu:3") as well as jax.Device objects: found by the type check
+    # (make_tpu_engine called a function its module did not have).
+    names = [f"cpu:{i}" for i in range(4)]
+    strategy = kd.TPUStrategy(device_assignment=kd.DeviceAssignment(
+        2, computation_shape=2, devices=names))
+    assert strategy.num_replicas_in_sync == 2
+    assert [str(d) for d in strategy.device_mesh.devices.flatten()] == names
+
+
 @pytest.mark.parametrize("args, match", [
     ((0, 2), "positive int"),
     ((4, [2, 0]), "positive int"),

@@ -240,8 +240,9 @@ def broadcast_text_by(broadcast_array: Callable[[Any], Any],
     size = int(np.asarray(broadcast_array(
         np.array([data.size], np.int32)))[0])
     payload = data if data.size == size else np.zeros(size, np.int32)
-    return np.asarray(broadcast_array(payload)).astype(
-        np.uint8).tobytes().decode()
+    received: bytes = np.asarray(broadcast_array(payload)).astype(
+        np.uint8).tobytes()
+    return received.decode()
 
 
 

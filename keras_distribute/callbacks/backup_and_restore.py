@@ -17,6 +17,7 @@ from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
 from keras_distribute.integration import training as integration_training
 from keras_distribute.callbacks.training_state_callback import TrainingStateCallback
+from keras_distribute.callbacks.training_state_callback import made_at_train_begin
 from keras_distribute.callbacks.training_state import restore_rng
 
 
@@ -88,19 +89,24 @@ class BackupAndRestore(TrainingStateCallback):
         self._resume_path: Optional[str] = None
         self._completed = False
 
+    @property
+    def _backups(self) -> CheckpointManager:
+        """The manager of this run's checkpoints, made by `on_train_begin`."""
+        return made_at_train_begin(self._manager, "checkpoint manager", self)
+
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._completed = False
-        if self._checkpoint._engine().process_id == 0:
+        if self._state._engine().process_id == 0:
             ownership.make_directory(self.directory, BACKUP_OWNER)
         self._manager = CheckpointManager(
-            self._checkpoint, self.directory, max_to_keep=self.max_to_keep,
+            self._state, self.directory, max_to_keep=self.max_to_keep,
             checkpoint_name=BACKUP_STEM, owner=BACKUP_OWNER)
         self._resume = None
         latest = self._restore_newest_readable()
         if latest is None:
             return
-        self._checkpoint.save_counter = int(self._resume["save_counter"])
+        self._state.save_counter = int(self._resume["save_counter"])
         self._resume_path = latest
         integration_training.set_initial_epoch(self.model,
                                                self._resume["epoch"])
@@ -122,11 +128,11 @@ class BackupAndRestore(TrainingStateCallback):
         # Model and optimizer now; the metric state only when resuming
         # mid-epoch (fit resets it at each epoch's start), the other
         # callbacks' state once they reset it (at their train begin).
-        objects = dict(self._checkpoint._objects)
+        objects = dict(self._state._objects)
         objects.pop("metrics")
         objects.pop("callback_arrays")
         failures = []
-        for path in reversed(self._manager.checkpoints):
+        for path in reversed(self._backups.checkpoints):
             try:
                 # Every variable is assigned again from an older backup, so
                 # a partial read of a corrupt one leaves nothing behind.
@@ -141,8 +147,8 @@ class BackupAndRestore(TrainingStateCallback):
                     "pass another directory.") from None
             except CheckpointError as error:
                 failures.append(f"{path}: {error}")
-                self._manager.forget(path)
-                if self._checkpoint._engine().process_id == 0:
+                self._backups.forget(path)
+                if self._state._engine().process_id == 0:
                     ckpt_format.move_aside(path, _CORRUPT)
                 continue
             if failures:
@@ -168,7 +174,7 @@ class BackupAndRestore(TrainingStateCallback):
             skip = int(resume.get("step", 0))
             restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
             self._restore_callback_states(resume.get("callbacks", {}))
-            _Checkpoint(callback_arrays=self._checkpoint._objects[
+            _Checkpoint(callback_arrays=self._state._objects[
                 "callback_arrays"]).read(self._resume_path).expect_partial()
             if skip:
                 # The order of the epoch's batches comes from the RNG at its
@@ -205,23 +211,26 @@ class BackupAndRestore(TrainingStateCallback):
         """
         # The metric variables that exist now (compiled metrics not built
         # yet are restored by `_metrics_builder` from the first batch).
-        metrics = _Checkpoint(metrics=self._checkpoint._objects["metrics"])
-        saved = reading.read_index(self._resume_path)["variables"]
+        path = self._resume_path
+        if path is None:
+            return  # nothing to resume from
+        metrics = _Checkpoint(metrics=self._state._objects["metrics"])
+        saved = reading.read_index(path)["variables"]
         variables = metrics._variables_by_object()["metrics"]
-        restoring = getattr(self._checkpoint._engine(),
+        restoring = getattr(self._state._engine(),
                             "restoring_metric_states", None)
         with (restoring(list(variables.values())) if restoring is not None
               else contextlib.nullcontext()):
-            metrics._restore(self._resume_path, saved, variables)
+            metrics._restore(path, saved, variables)
 
     def _save(self, epoch: int, step: int, logs) -> None:
-        self._manager.save(options=self._options(),
+        self._backups.save(options=self._options(),
                            metadata=self._metadata(epoch, step, logs))
 
     def on_train_end(self, logs=None):
-        self._checkpoint.sync()
+        self._state.sync()
         integration_training.set_initial_epoch(self.model, None)
-        engine = self._checkpoint._engine()
+        engine = self._state._engine()
         # Every process has seen the last backup committed before the chief
         # deletes it (the others failed, reading a deleted backup).
         engine.barrier("keras_distribute.BackupAndRestore.end")

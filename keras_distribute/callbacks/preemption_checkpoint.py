@@ -108,14 +108,14 @@ class PreemptionCheckpoint(BackupAndRestore):
         if self._batches_since_check < self.check_every:
             return
         self._batches_since_check = 0
-        if not self._signals.anyone(self._checkpoint._engine()):
+        if not self._signals.anyone(self._state._engine()):
             return
         self.preempted = True
         self._sync_model_state()
         with self._global_metric_states():
             self._save(self._epoch, self._steps_in_epoch, logs)
-        self._checkpoint.sync()  # committed before anyone leaves
-        engine = self._checkpoint._engine()
+        self._state.sync()  # committed before anyone leaves
+        engine = self._state._engine()
         engine.barrier("keras_distribute.PreemptionCheckpoint.saved")
         self._signals.uninstall()
         if self.exit_code is None:
@@ -137,6 +137,6 @@ class PreemptionCheckpoint(BackupAndRestore):
         if self.preempted:
             # Stopped for a signal (exit_code=None): the backup stays for
             # the next run.
-            self._checkpoint.sync()
+            self._state.sync()
             return
         super().on_train_end(logs)

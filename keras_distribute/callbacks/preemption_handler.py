@@ -11,11 +11,13 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 
+from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
+from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
@@ -47,7 +49,7 @@ class PreemptionSignals:
         self.signals = _checked_signals(signals)
         self.watcher_fn = watcher_fn
         self.received: Optional[int] = None
-        self._previous = {}
+        self._previous: Dict[int, Any] = {}
 
     def _record(self, signum, frame) -> None:
         self.received = signum
@@ -70,7 +72,7 @@ class PreemptionSignals:
             signum, handler = self._previous.popitem()
             signal.signal(signum, handler)
 
-    def anyone(self, engine: Any) -> bool:
+    def anyone(self, engine: ReplicaEngine) -> bool:
         """Whether any process of `engine`'s job was signalled (a
         collective: every process calls it at the same step)."""
         if self.received is None and self.watcher_fn is not None and (
@@ -221,20 +223,22 @@ class PreemptionCheckpointHandler:
         self.save_checkpoint_if_preempted()
         return result
 
-    def save_checkpoint_if_preempted(self, *args, **kwargs) -> None:
+    def save_checkpoint_if_preempted(
+            self, options: Optional[CheckpointOptions] = None,
+            metadata: Optional[Dict[str, Any]] = None) -> None:
         """Saves and exits if any worker was preempted (a collective: call
         it at the same point on every worker). Arguments are those of
-        `CheckpointManager.save` after `checkpoint_number`."""
+        `CheckpointManager.save`: `options`, `metadata`."""
         engine = self._manager.checkpoint._engine()
         if not self._signals.anyone(engine):
             return
         if self._config.save_fn is not None:
             self._config.save_fn()
         else:
-            kwargs.setdefault("metadata", {})["total_run_calls"] = (
-                self._total_run_calls)
-            self._manager.save(self._total_run_calls, *args,
-                               check_interval=False, **kwargs)
+            metadata = dict(metadata or {},
+                            total_run_calls=self._total_run_calls)
+            self._manager.save(self._total_run_calls, options=options,
+                               metadata=metadata, check_interval=False)
             self._manager.sync()
         engine.barrier("keras_distribute.PreemptionCheckpointHandler.saved")
         self._signals.uninstall()

@@ -18,6 +18,7 @@ import os
 import tempfile
 from typing import Any, Optional
 
+from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import read_metadata
@@ -104,7 +105,7 @@ class RayReport(BackupAndRestore):
 
     # --------------------------------------------------------------- resume
     def _restore_newest_readable(self) -> Optional[str]:
-        checkpoint = self._checkpoint
+        checkpoint = self._state
         engine = checkpoint._engine()
         # Ray's checkpoint is the one to resume from: what an earlier attempt
         # left here was either reported (Ray has it) or never committed.
@@ -128,7 +129,7 @@ class RayReport(BackupAndRestore):
         self._resume = read_metadata(path)
         return path
 
-    def _local_path(self, reported: Any, engine: Any) -> str:
+    def _local_path(self, reported: Any, engine: ReplicaEngine) -> str:
         """The directory of Ray's checkpoint on this node: its own path on a
         local file system, else a copy the chief downloads."""
         import pyarrow.fs
@@ -151,7 +152,7 @@ class RayReport(BackupAndRestore):
             self._report(epoch + 1, 0, logs, path=None)
 
     def _save(self, epoch: int, step: int, logs) -> None:
-        path = self._manager.save(options=self._options(),
+        path = self._backups.save(options=self._options(),
                                   metadata=self._metadata(epoch, step, logs))
         self._report(epoch, step, logs, path)
 
@@ -162,7 +163,7 @@ class RayReport(BackupAndRestore):
                    for name, value in (logs or {}).items()}
         metrics.update(epoch=epoch, step=step)
         checkpoint = None
-        if path is not None and self._checkpoint._engine().process_id == 0:
+        if path is not None and self._state._engine().process_id == 0:
             checkpoint = ray.train.Checkpoint.from_directory(path)
         ray.train.report(metrics, checkpoint=checkpoint,
                          delete_local_checkpoint_after_upload=False)

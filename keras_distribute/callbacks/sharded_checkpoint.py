@@ -12,6 +12,7 @@ from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.callbacks.training_state_callback import TrainingStateCallback
+from keras_distribute.callbacks.training_state_callback import made_at_train_begin
 from keras_distribute.callbacks.training_state import link_checkpoint
 
 
@@ -83,14 +84,19 @@ class ShardedCheckpoint(TrainingStateCallback):
         """Where the best checkpoints are kept (`<directory>/best`)."""
         return os.path.join(self.directory, "best")
 
+    @property
+    def _latest_manager(self) -> CheckpointManager:
+        """The manager of this run's checkpoints, made by `on_train_begin`."""
+        return made_at_train_begin(self._latest, "checkpoint manager", self)
+
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._latest = CheckpointManager(
-            self._checkpoint, self.directory, max_to_keep=self.max_to_keep)
-        latest = self._latest.latest_checkpoint
+            self._state, self.directory, max_to_keep=self.max_to_keep)
+        latest = self._latest_manager.latest_checkpoint
         self._global_step = int(os.path.basename(latest).rsplit("-", 1)[1]
                                 ) if latest else 0
-        self._checkpoint.save_counter = self._global_step
+        self._state.save_counter = self._global_step
 
     def on_train_batch_end(self, batch, logs=None):
         self._global_step += 1 + batch - self._steps_in_epoch
@@ -139,20 +145,21 @@ class ShardedCheckpoint(TrainingStateCallback):
         number = self._global_step
         if self.save_best_only:
             path = os.path.join(self.best_directory, f"ckpt-{number}")
-            self._checkpoint.write(path, self._options(), metadata)
+            self._state.write(path, self._options(), metadata)
             self._after_best(path)
             return
-        if self._latest.latest_checkpoint and os.path.basename(
-                self._latest.latest_checkpoint) == f"ckpt-{number}":
+        if self._latest_manager.latest_checkpoint and os.path.basename(
+                self._latest_manager.latest_checkpoint) == f"ckpt-{number}":
             return  # already saved at this step (e.g. batch and epoch end)
-        path = self._latest.save(checkpoint_number=number,
-                                 options=self._options(), metadata=metadata)
-        if keep_best:
-            self._after_best(path)
+        saved = self._latest_manager.save(
+            checkpoint_number=number, options=self._options(),
+            metadata=metadata)
+        if keep_best and saved is not None:
+            self._after_best(saved)
 
     def _after_best(self, path: str) -> None:
         """Links `path` into `best/` once committed; trims `best/`."""
-        checkpoint = self._checkpoint
+        checkpoint = self._state
         is_chief = checkpoint._engine().process_id == 0
 
         def keep():
@@ -169,4 +176,4 @@ class ShardedCheckpoint(TrainingStateCallback):
         checkpoint._then(keep)
 
     def on_train_end(self, logs=None):
-        self._checkpoint.sync()  # a failed background save is raised here
+        self._state.sync()  # a failed background save is raised here

@@ -16,7 +16,7 @@ first use of `kd.callbacks`.
 import contextlib
 import os
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TypeVar
 
 import keras
 
@@ -65,6 +65,11 @@ class TrainingStateCallback(keras.callbacks.Callback):
         self._data_epoch_offset: Optional[int] = None
 
     # --------------------------------------------------------------- state
+    @property
+    def _state(self) -> _Checkpoint:
+        """The checkpoint of `fit`'s state, made by `on_train_begin`."""
+        return made_at_train_begin(self._checkpoint, "checkpoint of fit's state", self)
+
     def _make_checkpoint(self) -> _Checkpoint:
         model = self.model
         if not model.built:
@@ -127,7 +132,7 @@ class TrainingStateCallback(keras.callbacks.Callback):
         for error in finish_background_saves():
             warnings.warn(f"A background checkpoint save of an earlier, "
                           f"interrupted fit failed: {error}", stacklevel=2)
-        self._checkpoint._engine().barrier("keras_distribute.callbacks.begin")
+        self._state._engine().barrier("keras_distribute.callbacks.begin")
         callback_list = integration_training.calling_callback_list(self)
         if callback_list is not None:
             self._others = [c for c in callback_list.callbacks
@@ -165,7 +170,7 @@ class TrainingStateCallback(keras.callbacks.Callback):
     def _global_metric_states(self):
         """While saving, metric variables hold their all-process values
         (torch processes each keep their own share; a collective)."""
-        states = getattr(self._checkpoint._engine(), "global_metric_states",
+        states = getattr(self._state._engine(), "global_metric_states",
                          None)
         if states is None:
             return contextlib.nullcontext()
@@ -176,3 +181,16 @@ class TrainingStateCallback(keras.callbacks.Callback):
 
     def _save(self, epoch: int, step: int, logs) -> None:
         raise NotImplementedError
+
+
+T = TypeVar("T")
+
+
+def made_at_train_begin(value: Optional[T], what: str, callback: Any) -> T:
+    """`value`, which `on_train_begin` made; an error if it has not run."""
+    if value is None:
+        raise RuntimeError(
+            f"{type(callback).__name__} has no {what} yet: it is made when "
+            "`fit` begins (`on_train_begin`). Received a call before it. "
+            "Pass the callback to `model.fit(callbacks=[...])`.")
+    return value

@@ -6,7 +6,8 @@ from that restore, as they are added; `nested_checkpoints` finds the
 checkpoints nested in an object, with the key prefix each is saved under.
 """
 
-from typing import Any
+import operator
+from typing import Any, Iterable, SupportsIndex
 
 from keras_distribute.checkpoint import saved_objects
 
@@ -45,12 +46,15 @@ class AttachedList(list):
         for item in items:
             self.append(item)
 
-    def __iadd__(self, items):
+    # list's `__iadd__` takes any iterable, as this one does; the types of
+    # `list` say it takes a list only.
+    def __iadd__(  # type: ignore[misc]
+            self, items: Iterable[Any]) -> "AttachedList":
         self.extend(items)
         return self
 
-    def insert(self, index: int, item: Any) -> None:
-        if index < len(self):
+    def insert(self, index: SupportsIndex, item: Any) -> None:
+        if operator.index(index) < len(self):
             raise TypeError(
                 "A list attached to a restored checkpoint restores items by "
                 "position: only append or extend it (an insert would shift "

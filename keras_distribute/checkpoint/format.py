@@ -359,7 +359,7 @@ def commit(path: str, process_count: int, metadata: Dict[str, Any],
                     "have failed, or the directory is not on a file system "
                     "every process shares). The previous checkpoint is kept.")
             time.sleep(0.02)
-        variables = {}
+        variables: Dict[str, Any] = {}
         for part in parts:
             with open(part) as f:
                 for key, record in json.load(f)["variables"].items():
@@ -547,7 +547,7 @@ def clean_unfinished(directory: str) -> List[str]:
     Returns:
         The paths removed.
     """
-    removed = []
+    removed: List[str] = []
     if not os.path.isdir(directory):
         return removed
     for name in os.listdir(directory):

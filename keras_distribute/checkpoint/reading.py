@@ -15,7 +15,7 @@ than the files justify. Every refusal is a `CheckpointError`.
 
 import os
 import stat
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -91,7 +91,7 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
         ValueError: for an `into` array that does not fit its region.
     """
     shape = tuple(record["shape"])
-    regions = [tuple(tuple(int(x) for x in r) for r in region)
+    regions = [tuple((int(lo), int(hi)) for lo, hi in region)
                for region in regions]
     for region in regions:
         if len(region) != len(shape) or any(
@@ -100,15 +100,18 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
                 f"Region {region} is outside the saved variable of shape "
                 f"{shape} in {path!r}.")
     dtype = numpy_dtype(record["dtype"])
-    plan = []  # (piece, stored slice, [(region number, overlap)])
+    # (piece, stored slice, [(region number, overlap)])
+    plan: List[Tuple[dict, Slice, List[Tuple[int, Slice]]]] = []
     for piece in record["pieces"]:
-        stored = tuple(tuple(r) for r in piece["slice"])
-        wanted = [(i, _overlap(stored, region))
-                  for i, region in enumerate(regions)]
-        wanted = [(i, o) for i, o in wanted if o is not None]
+        stored = tuple((int(lo), int(hi)) for lo, hi in piece["slice"])
+        wanted = []
+        for i, region in enumerate(regions):
+            overlap = _overlap(stored, region)
+            if overlap is not None:
+                wanted.append((i, overlap))
         if wanted:
             plan.append((piece, stored, wanted))
-    out = [np.empty([hi - lo for lo, hi in region], dtype)
+    out: List[Any] = [np.empty([hi - lo for lo, hi in region], dtype)
            if any(hi == lo for lo, hi in region) else None  # empty
            for region in regions]
     cast_into = {}  # region -> an `into` array of another dtype

@@ -87,7 +87,8 @@ def leaf_objects(objects: Dict[str, Any], checkpoint_class: type,
     for name, obj in objects.items():
         full = f"{prefix}{name}"
         if isinstance(obj, checkpoint_class):
-            flat.update(leaf_objects(obj._objects, checkpoint_class,
+            nested: Any = obj  # a ShardedCheckpoint (its class is given)
+            flat.update(leaf_objects(nested._objects, checkpoint_class,
                                      full + "/"))
         elif isinstance(obj, (list, tuple, dict)):
             items = obj.items() if isinstance(obj, dict) else enumerate(obj)

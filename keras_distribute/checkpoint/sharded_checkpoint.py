@@ -9,6 +9,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 
+from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common import keras_services
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
@@ -349,8 +350,8 @@ class ShardedCheckpoint:
 
     def _then(self, fn: Callable[[], None]) -> None:
         """Runs `fn` once the pending save succeeded (now if none is)."""
-        previous = self._pending
-        if previous is None:
+        previous, executor = self._pending, self._executor
+        if previous is None or executor is None:
             fn()
             return
 
@@ -358,7 +359,7 @@ class ShardedCheckpoint:
             previous.result()  # a failed save: raise that, skip `fn`
             fn()
 
-        self._pending = self._executor.submit(after)  # runs after `previous`
+        self._pending = executor.submit(after)  # runs after `previous`
 
     def sync(self) -> None:
         """Waits for a background save to finish.
@@ -567,6 +568,8 @@ class ShardedCheckpoint:
                           value: Any) -> None:
         """Restores `value`, attached as `<container><name>` after a read,
         from that read's checkpoint; deferred if not built yet."""
+        if self._restored_from is None:
+            return  # not restored: nothing to restore it from
         path, saved, paths, prefix = self._restored_from
         for inner, nested in attached_containers.nested_checkpoints(
                 value, f"{prefix}{container}{name}/", ShardedCheckpoint):
@@ -622,7 +625,7 @@ def _ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:
             and obj.built)
 
 
-def _chief_path(engine: Any, path: str) -> str:
+def _chief_path(engine: ReplicaEngine, path: str) -> str:
     """Where a multi-process save goes: the chief's `path`.
 
     As the tf.distribute multi-worker tutorials do, other processes may

@@ -36,9 +36,10 @@ def int_env(environ: Mapping[str, str], name: str, minimum: int = 0) -> int:
         ValueError: if it is missing, not an integer, or too small.
     """
     value = environ.get(name)
+    number: Optional[int]
     try:
-        number = int(value)
-    except (TypeError, ValueError):
+        number = int(value) if value is not None else None
+    except ValueError:
         number = None
     if number is None or number < minimum:
         raise ValueError(

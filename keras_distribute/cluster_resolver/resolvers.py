@@ -205,6 +205,6 @@ def resolve(environ: Optional[Mapping[str, str]] = None) -> ClusterResolver:
     for resolver in DETECTED_IN_ORDER:
         if resolver.detect(environ):
             if resolver is RayTrainClusterResolver:
-                return resolver.for_this_worker()
+                return RayTrainClusterResolver.for_this_worker()
             return resolver(environ)
     return SimpleClusterResolver([f"127.0.0.1:{DEFAULT_PORT}"], 0)

@@ -303,8 +303,8 @@ class SlurmClusterResolver(ClusterResolver):
 
     def __init__(self, environ: Optional[Mapping[str, str]] = None):
         env = os.environ if environ is None else environ
-        self._nodelist = (env.get("SLURM_JOB_NODELIST")
-                          or env.get("SLURM_NODELIST", ""))
+        self._nodelist: str = (env.get("SLURM_JOB_NODELIST")
+                               or env.get("SLURM_NODELIST") or "")
         first = next(iter_slurm_nodelist(self._nodelist), None)
         if first is None:
             raise ValueError("SLURM_JOB_NODELIST is empty; run inside a "

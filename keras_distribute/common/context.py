@@ -10,19 +10,22 @@ thread-local, like Keras' own global state.
 import contextlib
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from keras_distribute.common.reduce_op import ReduceOp
 
 _state = threading.local()
 _default_strategy_factory: Optional[Callable[[], Any]] = None
-_default_strategy = None
+_default_strategy: Any = None
+# (strategy, replica context or None): the innermost is current.
+_Entry = Tuple[Any, Optional["ReplicaContext"]]
 
 
-def _stack() -> list:
+def _stack() -> List[_Entry]:
     if not hasattr(_state, "stack"):
         _state.stack = []
-    return _state.stack
+    stack: List[_Entry] = _state.stack
+    return stack
 
 
 def _register_default_strategy_factory(factory: Callable[[], Any]) -> None:
@@ -30,15 +33,22 @@ def _register_default_strategy_factory(factory: Callable[[], Any]) -> None:
     _default_strategy_factory = factory
 
 
-def _get_default_strategy():
+def _get_default_strategy() -> Any:
     global _default_strategy
     if _default_strategy is None:
+        if _default_strategy_factory is None:
+            raise RuntimeError(
+                "The default strategy is made by `keras_distribute.strategies"
+                ".default`, which `import keras_distribute` registers. "
+                "Received a request for it before that import: import "
+                "keras_distribute first.")
         _default_strategy = _default_strategy_factory()
     return _default_strategy
 
 
 @contextlib.contextmanager
-def _enter(strategy, replica_context=None) -> Iterator[None]:
+def _enter(strategy: Any, replica_context: Optional["ReplicaContext"] = None
+           ) -> Iterator[None]:
     """Pushes `(strategy, replica_context)`; pops it on exit, always."""
     stack = _stack()
     stack.append((strategy, replica_context))
@@ -48,7 +58,7 @@ def _enter(strategy, replica_context=None) -> Iterator[None]:
         stack.pop()
 
 
-def _current_entry():
+def _current_entry() -> Optional[_Entry]:
     stack = _stack()
     return stack[-1] if stack else None
 
@@ -148,8 +158,39 @@ def get_replica_context() -> Optional["ReplicaContext"]:
     """
     entry = _current_entry()
     if entry is None:
-        return _get_default_strategy()._default_replica_context()
+        default: ReplicaContext = (
+            _get_default_strategy()._default_replica_context())
+        return default
     return entry[1]
+
+
+def replica_context_of(caller: str) -> "ReplicaContext":
+    """The current `ReplicaContext`, for a call that runs per replica.
+
+    Args:
+        caller: What needs it, for the error (e.g. `"apply_gradients"`).
+
+    Returns:
+        The `kd.ReplicaContext` of the replica running now.
+
+    Raises:
+        RuntimeError: in cross-replica context (in `strategy.scope()` but
+            outside `strategy.run`).
+
+    Example:
+
+    >>> import keras_distribute as kd
+    >>> from keras_distribute.common import context
+    >>> context.replica_context_of("example").replica_id_in_sync_group
+    0
+    """
+    replica_context = get_replica_context()
+    if replica_context is None:
+        raise RuntimeError(
+            f"{caller} runs once per replica: it was called in cross-replica "
+            "context (inside `strategy.scope()`, outside `strategy.run`). "
+            f"Call it from the function given to `strategy.run`.")
+    return replica_context
 
 
 class ValueContext:
@@ -213,19 +254,19 @@ class ReplicaContext:
         self._collectives = collectives
 
     @property
-    def strategy(self):
+    def strategy(self) -> Any:
         """The strategy that runs this replica."""
         return self._strategy
 
     @property
-    def replica_id_in_sync_group(self):
+    def replica_id_in_sync_group(self) -> Any:
         """This replica's id, in `[0, num_replicas_in_sync)`."""
         return self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas kept in sync."""
-        return self._strategy.num_replicas_in_sync
+        return int(self._strategy.num_replicas_in_sync)
 
     def all_reduce(self, reduce_op: "ReduceOp | str", value: Any) -> Any:
         """Combines `value` (a nested structure) across all replicas.

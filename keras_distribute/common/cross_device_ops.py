@@ -113,7 +113,7 @@ def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Expected `{name}` to be a positive integer. "
                          f"Received: {name}={value!r}.")
-    return value
+    return int(value)
 
 
 def communication_timeout_s(timeout_s: Optional[float] = None) -> float:
@@ -178,7 +178,7 @@ class CommunicationOptions:
     implementation: str = "AUTO"
     compression: Optional[str] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         CommunicationImplementation.from_value(self.implementation)  # checks
         timeout = self.timeout_seconds
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(

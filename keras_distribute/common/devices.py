@@ -8,7 +8,7 @@ backend module.
 
 import dataclasses
 import re
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 _KNOWN_TYPES = ("cpu", "gpu", "tpu", "cuda", "mps")
 _FIELD = re.compile(r"^(job|replica|task|device):(.*)$", re.IGNORECASE)
@@ -26,7 +26,7 @@ class DeviceSpec:
         return f"{self.device_type}:{self.index}"
 
 
-def _bad_name(name, why: str) -> ValueError:
+def _bad_name(name: Any, why: str) -> ValueError:
     return ValueError(
         f"Cannot parse the device name {name!r}: {why}. Expected a name such "
         "as 'GPU:0', '/gpu:1', 'cpu:0' or "
@@ -35,7 +35,7 @@ def _bad_name(name, why: str) -> ValueError:
     )
 
 
-def _parse_type_and_index(name, text: str):
+def _parse_type_and_index(name: Any, text: str) -> Tuple[str, int]:
     parts = text.split(":")
     if len(parts) > 2 or not parts[0]:
         raise _bad_name(name, "expected 'TYPE:INDEX'")
@@ -96,7 +96,8 @@ def parse_device_name(name: str) -> DeviceSpec:
             task = int(value)
     if device_part is None:
         raise _bad_name(name, "it names no device")
-    return DeviceSpec(*_parse_type_and_index(name, device_part), task=task)
+    device_type, index = _parse_type_and_index(name, device_part)
+    return DeviceSpec(device_type, index, task=task)
 
 
 def not_a_device(device: Any, native: str) -> ValueError:

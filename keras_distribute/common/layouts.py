@@ -34,14 +34,14 @@ def sharded_axes(layout_map: Any) -> List[str]:
     return axes
 
 
-def axis_size(mesh, axis) -> int:
+def axis_size(mesh: Any, axis: Any) -> int:
     size = 1
     for name in axis_names(axis):
         size *= mesh.shape[mesh.axis_names.index(name)]
     return size
 
 
-def check_layout_fits(layout, path: str, shape) -> None:
+def check_layout_fits(layout: Any, path: str, shape: Any) -> None:
     """Raises `ValueError` unless `layout` can lay out a `shape` tensor."""
     if len(layout.axes) != len(shape):
         raise ValueError(
@@ -64,7 +64,7 @@ def check_layout_fits(layout, path: str, shape) -> None:
                 "or pick sizes divisible by the axis.")
 
 
-def nested_layers(layer) -> list:
+def nested_layers(layer: Any) -> List[Any]:
     """`layer` and the layers it holds (`.layers`, as a Sequential or
     functional model has), at every depth, in order."""
     found = [layer]
@@ -73,7 +73,7 @@ def nested_layers(layer) -> list:
     return found
 
 
-def warn_unmatched_keys(layout_map, model) -> None:
+def warn_unmatched_keys(layout_map: Any, model: Any) -> None:
     """Warns, naming the key, for each layout key that matches none of
     `model`'s variables. As in Keras, such a key lays out nothing (a model
     may simply lack that variable: the keras-io distribution guide maps
@@ -97,7 +97,7 @@ def warn_unmatched_keys(layout_map, model) -> None:
                 stacklevel=4)
 
 
-def check_layout_map(layout_map) -> None:
+def check_layout_map(layout_map: Any) -> None:
     """Raises `ValueError` for a layout naming an axis the mesh lacks."""
     mesh = layout_map.device_mesh
     for key, layout in layout_map.items():

@@ -1,6 +1,7 @@
 """`ReduceOp`: how values from several replicas are combined."""
 
 import enum
+from typing import Any
 
 
 class ReduceOp(enum.Enum):
@@ -46,7 +47,7 @@ class ReduceOp(enum.Enum):
         )
 
 
-def check_reduce_axis(axis) -> None:
+def check_reduce_axis(axis: Any) -> None:
     """Raises `TypeError` unless `axis` (of `Strategy.reduce`) is `None` or
     an integer."""
     if axis is not None and (not isinstance(axis, int) or isinstance(

@@ -64,7 +64,7 @@ def to_numpy(value: Any) -> Any:
     """
     import keras
 
-    def convert(leaf):
+    def convert(leaf: Any) -> Any:
         if isinstance(leaf, DistributedValues):
             return tuple(convert(v) for v in leaf.values)
         if isinstance(leaf, keras.Variable):

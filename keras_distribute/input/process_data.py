@@ -11,7 +11,7 @@ process), shares the shuffling seed (`engine.shared_seed()`) and gathers rows
 
 import inspect
 import math
-from typing import Any, List
+from typing import Any, Iterator, List, Optional
 
 import numpy as np
 
@@ -123,7 +123,7 @@ class SourceShards(keras.utils.PyDataset):
         super().__init__()
         self._engine = engine
         self._source = source
-        self._iterator = None
+        self._iterator: Optional[Iterator[Any]] = None
         self._next_index = 0
         self.batch_sizes: List[int] = []
         self._length = _length(source)
@@ -138,12 +138,13 @@ class SourceShards(keras.utils.PyDataset):
         return self._length
 
     def __getitem__(self, index: int):
-        if index == 0 or self._iterator is None or index != self._next_index:
-            self._iterator = iterate_source(self._source)
+        iterator = self._iterator
+        if index == 0 or iterator is None or index != self._next_index:
+            iterator = self._iterator = iterate_source(self._source)
             self.batch_sizes = []
             for _ in range(index):
-                next(self._iterator)
-        element = next(self._iterator)
+                next(iterator)
+        element = next(iterator)
         self._next_index = index + 1
         leaves = [a for a in keras.tree.flatten(element) if a is not None]
         batch = leaves[0].shape[0]
@@ -225,7 +226,8 @@ def _fit(engine, method, model, params: dict) -> Any:
     x, y, sample_weight = (params.get(k) for k in ("x", "y", "sample_weight"))
     validation = params.get("validation_data")
     if isinstance(validation, (tuple, list)) and _is_arrays(validation):
-        check_cardinality(*validation[:3], what=" in `validation_data`")
+        x_val, y_val, w_val = (list(validation[:3]) + [None, None])[:3]
+        check_cardinality(x_val, y_val, w_val, what=" in `validation_data`")
     split = params.get("validation_split") or 0.0
     if split and params.get("validation_data") is None and _is_arrays(x):
         (x, y, sample_weight), params["validation_data"] = (

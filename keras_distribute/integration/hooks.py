@@ -150,8 +150,7 @@ def _wrap_trainer_method(name: str, original):
             _adopt_strays(self, strategy)
             return strategy._engine.call_trainer(original, self, args, kwargs)
 
-    method._kd_original = original
-    return method
+    return patching.wrapping(method, original)
 
 
 def _install_model_hooks() -> None:

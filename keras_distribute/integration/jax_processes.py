@@ -14,6 +14,8 @@ made one equality check, so the collective count is unchanged.
 import functools
 from typing import Any, Callable
 
+from keras_distribute.integration import patching
+
 
 def _spans_processes(layout: Any) -> bool:
     return not getattr(layout, "is_fully_addressable", True)
@@ -43,5 +45,4 @@ def chief_values(distribute_tensor: Callable) -> Callable:
         return jax.make_array_from_callback(
             value.shape, sharding, lambda index: value[index])
 
-    wrapper._kd_original = distribute_tensor
-    return wrapper
+    return patching.wrapping(wrapper, distribute_tensor)

@@ -5,8 +5,17 @@ puts everything back in reverse order. `hooks` and `tf_hooks` patch only
 through here, so `hooks.uninstall()` leaves Keras exactly as it was.
 """
 
+from typing import Any, Callable, List, Tuple
+
 # (owner, attribute name, original, whether it was in owner.__dict__)
-originals = []
+originals: List[Tuple[Any, str, Any, bool]] = []
+
+
+def wrapping(wrapper: Callable, original: Callable) -> Callable:
+    """`wrapper`, marked as kd's wrapper of `original` (`_kd_original`:
+    what tells a patched Keras function from Keras' own)."""
+    setattr(wrapper, "_kd_original", original)
+    return wrapper
 
 
 def patch(owner, name: str, replacement) -> None:

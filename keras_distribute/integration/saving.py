@@ -26,6 +26,7 @@ import threading
 from typing import Any, Callable, Dict
 
 from keras_distribute.common.context import model_strategy
+from keras_distribute.integration import patching
 
 _skipsets: Dict[str, Any] = {}
 _skipsets_lock = threading.Lock()
@@ -57,8 +58,7 @@ def outside_every_strategy(get_attr_skipset: Callable) -> Callable:
         with _skipsets_lock:
             return _skipsets.setdefault(obj_type, outcome["value"])
 
-    wrapper._kd_original = get_attr_skipset
-    return wrapper
+    return patching.wrapping(wrapper, get_attr_skipset)
 
 
 def atomic_save(original: Callable) -> Callable:
@@ -87,5 +87,4 @@ def atomic_save(original: Callable) -> Callable:
                 os.remove(writing)
         return result
 
-    method._kd_original = original
-    return method
+    return patching.wrapping(method, original)

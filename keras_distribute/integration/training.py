@@ -20,6 +20,7 @@ nothing to do there.
 """
 
 import sys
+import types
 from typing import Any, Callable, Optional
 
 import keras
@@ -37,7 +38,7 @@ _ROW = ("fit's local `epoch_iterator.data_adapter._epoch` (Keras 3.16: the "
 
 def _running_epoch_iterator(depth: int = 12) -> Optional[Any]:
     """The epoch iterator of the `fit` that is calling back (on the stack)."""
-    frame = sys._getframe(2)
+    frame: Optional[types.FrameType] = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
@@ -82,7 +83,7 @@ def set_initial_epoch(model: Any, epoch: Optional[int]) -> None:
 
 def calling_callback_list(callback: Any) -> Optional[Any]:
     """The `CallbackList` dispatching to `callback` (found on the stack)."""
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     for _ in range(6):
         if frame is None:
             return None

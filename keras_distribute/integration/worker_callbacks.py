@@ -11,7 +11,7 @@ the callbacks are restored when `fit` returns.
 import contextlib
 import os
 import tempfile
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, List, Sequence
 
 
 def _no_write(*args, **kwargs) -> None:
@@ -83,7 +83,7 @@ def chief_only_writes(callbacks: Sequence[Any], is_chief: bool,
     if is_chief or not callbacks or not isinstance(callbacks, (list, tuple)):
         yield
         return
-    saved = []
+    saved: List[Any] = []
     with tempfile.TemporaryDirectory(prefix="kd-worker-") as scratch:
         try:
             for callback in callbacks:

@@ -93,6 +93,9 @@ class PeerBoard:
         """The watchdog (a thread of its own: the heartbeat must go on
         while it explains, or two stalled processes call each other
         silent)."""
+        on_stall = self._on_stall
+        if on_stall is None:
+            return  # only the heartbeat: nothing to do on a stall
         seen_steps, since = self.steps, time.monotonic()
         while not self._stopped.wait(self.interval_s):
             if self.steps != seen_steps or not self.busy_depth:
@@ -104,7 +107,7 @@ class PeerBoard:
                 rank, why = self.explain()
                 if self.verdict == "behind" and not self._stopped.is_set() \
                         and self.steps == seen_steps:
-                    self._on_stall(rank, why)
+                    on_stall(rank, why)
                 since = time.monotonic()  # a long step of its own: look again
 
     def close(self) -> None:
@@ -265,6 +268,8 @@ def ending_this_process(engine: str) -> Callable[[int, str], None]:
         from keras_distribute.job import process_notes
 
         board = _board
+        if board is None:
+            return  # the board stopped: the job is ending anyway
         process_notes.write_lost_peer(lost, why)
         print(f"keras_distribute: Process {board.rank} of {board.world_size} "
               f"waited {board.timeout_s:.0f} s for a collective that cannot "

@@ -15,7 +15,7 @@ Framework-free: the launcher imports it.
 """
 
 import os
-from typing import Optional
+from typing import Any, Dict, Optional
 
 NOTES_VARIABLE = "KERAS_DISTRIBUTE_NOTES_DIR"
 
@@ -34,7 +34,7 @@ def _own_rank() -> Optional[int]:
 
 # Without a launcher: the directory and rank `watch_until_exit` set up, and
 # the pipe to its watcher (closed after "exit" when this process exits).
-_own = {"directory": None, "rank": None, "watcher": None}
+_own: Dict[str, Any] = {"directory": None, "rank": None, "watcher": None}
 
 _WATCHER = """
 import os, shutil, signal, sys
@@ -82,11 +82,13 @@ def watch_until_exit(rank: int) -> None:
         [sys.executable, "-c", _WATCHER, str(int(rank)), directory],
         stdin=subprocess.PIPE)
     _own.update(directory=directory, rank=int(rank), watcher=watcher)
+    stdin = watcher.stdin
+    assert stdin is not None  # made with stdin=PIPE
 
     def exiting() -> None:
         try:
-            watcher.stdin.write(b"exit")
-            watcher.stdin.close()
+            stdin.write(b"exit")
+            stdin.close()
         except OSError:
             pass  # the watcher is gone: nothing to tell it
         watcher.wait()

@@ -9,7 +9,7 @@ import math
 import os
 import signal
 import socket
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from keras_distribute.job import process_notes
 
@@ -39,7 +39,7 @@ class SignalForwarder:
     def __init__(self, send: Callable[[int], None]):
         self._send = send
         self.received: List[int] = []
-        self._previous = {}
+        self._previous: Dict[int, Any] = {}
 
     def __enter__(self):
         import threading
@@ -69,7 +69,7 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> List[int]:
-    ports = set()
+    ports: Set[int] = set()
     while len(ports) < count:
         ports.add(free_port())
     return sorted(ports)
@@ -189,11 +189,21 @@ def frozen_message(rank: int, count: int) -> str:
             "SIGTSTP or a debugger) and never answered")
 
 
+def attach_notes(process: Any, notes_dir: str) -> None:
+    """Remembers on a started process where its notes are written."""
+    setattr(process, "kd_notes", notes_dir)
+
+
+def notes_of(process: Any) -> Optional[str]:
+    """The notes directory `attach_notes` gave `process`, or `None`."""
+    return getattr(process, "kd_notes", None)
+
+
 def blamed_peer(processes, rank: int) -> Optional[int]:
     """The peer process `rank` named as lost, if any (see
     `process_notes.named_lost_peer`)."""
     return process_notes.named_lost_peer(
-        getattr(processes[rank], "kd_notes", None), rank, len(processes))
+        notes_of(processes[rank]), rank, len(processes))
 
 
 def last_note(processes, rank: int, exitcode: Optional[int]) -> str:
@@ -201,7 +211,7 @@ def last_note(processes, rank: int, exitcode: Optional[int]) -> str:
     runtime's abort leaves no Python traceback to report)."""
     if exitcode is None or exitcode >= 0:
         return ""
-    note = process_notes.read(getattr(processes[rank], "kd_notes", None), rank)
+    note = process_notes.read(notes_of(processes[rank]), rank)
     return f" while {note}" if note else ""
 
 

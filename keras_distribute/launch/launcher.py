@@ -19,15 +19,17 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from keras_distribute.job import process_notes
 from keras_distribute.job.processes import DEFAULT_SIGNAL_GRACE_S
 from keras_distribute.job.processes import DEFAULT_TIMEOUT_S
 from keras_distribute.job.processes import GRACE_S
 from keras_distribute.job.processes import SignalForwarder
+from keras_distribute.job.processes import attach_notes
 from keras_distribute.job.processes import blamed_peer
 from keras_distribute.job.processes import check_num_processes
+from keras_distribute.job.processes import notes_of
 from keras_distribute.job.processes import check_timeout
 from keras_distribute.job.processes import first_frozen
 from keras_distribute.job.processes import free_port
@@ -178,7 +180,7 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
         for rank in range(num_processes)
     ]
     for process in processes:
-        process.kd_notes = notes_dir
+        attach_notes(process, notes_dir)
     def send(signum):
         for process in processes:
             if process.is_alive():
@@ -199,8 +201,9 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
 
 def _collect(processes, results, timeout: float,
              forwarder: Optional[SignalForwarder] = None) -> List[Any]:
-    values, deadline = {}, time.monotonic() + timeout
-    exited_at = {}
+    values: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    exited_at: Dict[int, float] = {}
     while len(values) < len(processes):
         if forwarder is not None and forwarder.received:
             signum = forwarder.received[0]
@@ -250,7 +253,7 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
             f"Process {lost} of {len(processes)} was lost (named by process "
             f"{rank}, which then failed){_gone(values)}:\n{trace}", lost)
     deadline = time.monotonic() + 2.0  # a dead peer's exit code lands soon
-    dead = []
+    dead: List[Any] = []
     while time.monotonic() < deadline and not dead:
         dead = [r for r, p in enumerate(processes)
                 if r != rank and r not in values and p.exitcode not in (None, 0)]
@@ -292,7 +295,7 @@ def _check_dead(processes, values, exited_at) -> None:
         # (The named peer may be gone by now: a JAX job's processes abort
         # once the one hosting its coordinator ended.)
         if process.exitcode != 0 and lost is not None and lost not in values:
-            why = process_notes.reason(getattr(process, "kd_notes", None), rank)
+            why = process_notes.reason(notes_of(process), rank)
             raise LaunchError(
                 f"Process {lost} of {len(processes)} was lost (named by "
                 f"process {rank}, which then exited with code "

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from keras_distribute.job.processes import DEFAULT_SIGNAL_GRACE_S
 from keras_distribute.job.processes import DEFAULT_TIMEOUT_S
 from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
+from keras_distribute.job.processes import attach_notes
 from keras_distribute.job.processes import GRACE_S
 from keras_distribute.job.processes import SignalForwarder
 from keras_distribute.job.processes import first_frozen
@@ -90,7 +91,7 @@ def _run_script_once(script, script_args, num_processes, deadline, timeout,
                                              job_ports, notes_dir))
         processes.append(subprocess.Popen(
             [sys.executable, script, *script_args], env=env))
-        processes[-1].kd_notes = notes_dir
+        attach_notes(processes[-1], notes_dir)
     def send(signum):
         for process in processes:
             if process.poll() is None:

@@ -1,7 +1,7 @@
 """`MirroredStrategy`: synchronous data parallelism over one host's devices."""
 
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from keras_distribute.backend import get_backend
 from keras_distribute.common.devices import parse_device_name
@@ -28,7 +28,7 @@ def _resolve_devices(backend, devices: Sequence[Any]) -> list:
         )
         for d in devices
     ]
-    seen = {}
+    seen: Dict[Any, Any] = {}
     for given, device in zip(devices, resolved):
         if device in seen:
             raise ValueError(

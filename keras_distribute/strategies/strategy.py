@@ -544,8 +544,10 @@ class Strategy:
 
 
 def _bytes(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else (
-                f"{count:.1f} {unit}")
-        count /= 1024
+    size = float(count)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else (
+                f"{size:.1f} {unit}")
+        size /= 1024
+    return f"{size:.1f} GiB"

@@ -6,10 +6,11 @@ parallelism) and the logical-device operations become sharding constraints.
 """
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from keras_distribute.common import context
 from keras_distribute.backend import get_backend
+from keras_distribute.backend import interface
 from keras_distribute.strategies.strategy import Strategy
 
 
@@ -133,9 +134,15 @@ class TPUStrategy(Strategy):
                               layout_map))
 
     @property
+    def _tpu_engine(self) -> interface.TpuEngine:
+        # `make_tpu_engine` declares it (its `contract`); the base class
+        # types its engine as the plain `ReplicaEngine`.
+        return cast(interface.TpuEngine, self._engine)
+
+    @property
     def num_logical_devices(self) -> int:
         """Logical devices (cores) per replica."""
-        return self._engine.num_logical_devices
+        return self._tpu_engine.num_logical_devices
 
     def experimental_split_to_logical_devices(self, tensor: Any,
                                               partition_dimensions: Sequence[
@@ -187,7 +194,7 @@ class TPUStrategy(Strategy):
 
         if isinstance(tensor, keras.KerasTensor):
             return tensor  # symbolic: only real tensors have a layout
-        return self._engine.constrain(tensor, parts, self._in_replica())
+        return self._tpu_engine.constrain(tensor, parts, self._in_replica())
 
     def experimental_replicate_to_logical_devices(self, tensor: Any) -> Any:
         """Replicates `tensor` on every logical device of its replica.

@@ -23,6 +23,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common.layouts import nested_layers
 
 
@@ -92,7 +93,7 @@ def _first_difference(mine: List[list], chief: List[list]) -> Optional[str]:
     return None
 
 
-def check_same_training(engine: Any, model: Any) -> None:
+def check_same_training(engine: ReplicaEngine, model: Any) -> None:
     """Raises, in every process, unless every process would train the same
     model (a collective: every process calls it before `fit`).
 

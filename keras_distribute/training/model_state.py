@@ -23,15 +23,17 @@ from typing import Any, List
 
 import numpy as np
 
+from keras_distribute.backend.interface import ReplicaEngine
 
-def _needs_agreement(engine: Any) -> bool:
+
+def _needs_agreement(engine: ReplicaEngine) -> bool:
     from keras_distribute.backend import get_backend
 
     return (getattr(engine, "process_count", 1) > 1
             and get_backend().name != "jax")
 
 
-def take_chief_values(engine: Any, model: Any) -> None:
+def take_chief_values(engine: ReplicaEngine, model: Any) -> None:
     """Gives `model`'s non-trainable variables process 0's values, in
     every process (one all-gather of their bytes; a collective).
 
@@ -64,7 +66,7 @@ def take_chief_values(engine: Any, model: Any) -> None:
             variable.assign(piece.view(array.dtype).reshape(array.shape))
 
 
-def with_chief_state(engine: Any, callbacks: Any) -> Any:
+def with_chief_state(engine: ReplicaEngine, callbacks: Any) -> Any:
     """`fit`'s `callbacks` with one more, first, that gives the model the
     chief's non-trainable values at the end of every epoch, before the
     other callbacks read or save them. Unchanged where not needed or for a

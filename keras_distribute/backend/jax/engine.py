@@ -13,7 +13,7 @@ barrier.
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,8 @@ class JaxEngine(SpmdRun):
 
     # Its `fit` runs per process in a multi-process job; `constrain` lays
     # tensors out over the model axes (a TPU engine adds `TpuEngine`).
-    contract = (interface.ProcessDataEngine, interface.LayoutEngine)
+    contract: Tuple[type, ...] = (interface.ProcessDataEngine, interface.LayoutEngine)
+    num_logical_devices = 1  # per replica; a TPU engine's may be more
 
     def __init__(self, devices: Sequence[Any], layout_map: Any = None):
         self.devices = tuple(devices)
@@ -80,8 +81,8 @@ class JaxEngine(SpmdRun):
         self.sync_metrics_each_step = True
         self.mesh = self.device_mesh.backend_mesh
         self._device_set = frozenset(self.mesh.devices.flat)
-        self._keys_checked = weakref.WeakSet()  # models whose keys matched
-        self._eager_warned = weakref.WeakSet()  # models warned about
+        self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose keys matched
+        self._eager_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models warned about
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._replica_of_device = {}
         batch_index = self.device_mesh.axis_names.index(self.batch_axis)
@@ -102,12 +103,12 @@ class JaxEngine(SpmdRun):
             for position, replica in enumerate(self.local_replica_ids)}
         self.local_replica_devices = tuple(
             self.replica_devices[i] for i in self.local_replica_ids)
-        self._run_cache = {}
+        self._run_cache: Dict[Any, Any] = {}
         # `CommunicationOptions(compression=...)`: the dtype gradients are
         # all-reduced in (None: their own), and what the last traced
         # training step handed to that all-reduce (`(dtype, bytes)`).
         self.gradient_compression = None
-        self.traced_gradient_reductions = []
+        self.traced_gradient_reductions: List[Any] = []
 
     def set_gradient_compression(self, name: str) -> None:
         """All-reduces the gradients of `fit` and of `kd.train_step` in
@@ -247,7 +248,7 @@ class JaxEngine(SpmdRun):
                     "dimension only on JAX. Received: partition_dimensions="
                     f"{list(parts)}. Split one dimension, or call it in a "
                     "fit/evaluate step.")
-            spec = [None] * len(parts)
+            spec: List[Any] = [None] * len(parts)
             for dim in cut:
                 spec[dim] = "model"
             return jax.lax.with_sharding_constraint(
@@ -354,8 +355,9 @@ class JaxEngine(SpmdRun):
         """This process's replicas' parts of a global array, in order."""
         parts = [None] * len(self.local_replica_ids)
         for shard in array.addressable_shards:
-            position = self._local_position.get(
-                self._replica_of_device.get(shard.device))
+            replica = self._replica_of_device.get(shard.device)
+            position = (None if replica is None
+                        else self._local_position.get(replica))
             if position is not None and parts[position] is None:
                 parts[position] = shard.data
         return tuple(parts)

@@ -12,6 +12,8 @@ from keras.distribution import DeviceMesh
 from keras_distribute.common import keras_services
 from keras_distribute.backend import interface
 from keras_distribute.backend.jax import engine as jax_backend
+from keras_distribute.backend.jax.devices import resolve_device
+from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 
 
@@ -91,8 +93,8 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     from keras.distribution import LayoutMap
 
     if assignment is not None and assignment.devices is not None:
-        devices = [d if isinstance(d, jax.Device)
-                   else jax_backend.resolve_device(d)
+        devices = [d if isinstance(d, jax.Device) else resolve_device(
+                       parse_device_name(d) if isinstance(d, str) else d)
                    for d in assignment.devices]
     elif jax.default_backend() == "tpu":
         devices = list(jax.devices())

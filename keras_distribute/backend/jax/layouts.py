@@ -6,6 +6,7 @@ classes and checks make them errors, and lay out a short last batch
 replicated so that it never fails to divide over the replicas.
 """
 
+from typing import Any, Dict
 from keras.distribution import DataParallel
 from keras.distribution import ModelParallel
 from keras.distribution import TensorLayout
@@ -28,7 +29,7 @@ class StrategyLayouts:
 
     def _init_layout_cache(self, batch_shards: int):
         self._batch_shards = batch_shards
-        self._data_layouts = {}
+        self._data_layouts: Dict[Any, Any] = {}
         # Several processes: set by the engine for each batch it splits.
         self.batch_given_whole = None
 

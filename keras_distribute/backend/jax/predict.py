@@ -1,7 +1,7 @@
 """JAX `predict` in a job of several processes: process-local rows."""
 
 import contextlib
-from typing import Any
+from typing import Any, Dict
 
 import jax
 import numpy as np
@@ -13,7 +13,7 @@ def process_rows(array: Any) -> Any:
         return array
     if array.is_fully_replicated:
         return array.addressable_data(0)
-    rows = {}
+    rows: Dict[Any, Any] = {}
     for shard in array.addressable_shards:
         rows.setdefault(shard.index[0].start or 0, shard.data)
     # The shards live on different devices: meet on the host.

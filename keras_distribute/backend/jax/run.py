@@ -166,5 +166,6 @@ def apply_gradients(optimizer: Any, grads: List[Any],
         engine.traced_gradient_reductions[:] = [
             (jnp.dtype(g.dtype).name, int(g.size) * g.dtype.itemsize)
             for g in grads]
-    grads = context.get_replica_context().all_reduce("sum", grads)
+    grads = context.replica_context_of("apply_gradients").all_reduce(
+        "sum", grads)
     optimizer.apply([g.astype(d) for g, d in zip(grads, dtypes)], variables)

@@ -4,7 +4,7 @@ it touches); per-replica inputs of unequal shape (a short last batch) run
 one thread per replica instead (`jax_collectives.run_in_threads`).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ class SpmdRun:
     """The `run` of `JaxEngine` (it supplies `mesh`, `batch_axis`,
     `local_replica_ids`, `multi_process`, `_run_cache`, `_stack`,
     `_replicate` and `_per_replica_shards`)."""
+
+    local_replica_ids: Sequence[int]
+    multi_process: bool
 
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
         if not self.multi_process:

@@ -26,6 +26,7 @@ from keras_distribute.backend.tensorflow.devices import resolve_device
 from keras_distribute.backend.tensorflow.engine import TfEngine
 from keras_distribute.backend.tensorflow.fit import apply_gradients  # noqa: F401
 from keras_distribute.backend.tensorflow.fit import value_and_gradients  # noqa: F401
+from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.layouts import layout_axes
 
@@ -42,6 +43,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                              layout_map: Any = None) -> "TfEngine":
     """A `tf.distribute.MultiWorkerMirroredStrategy` over `resolver`'s job."""
     _refuse_sharded(layout_map)
+    timeout_s = communication_timeout_s(timeout_s)
     spec = resolver.cluster_spec()
     addresses = [a for job in ("chief", "worker") for a in spec.get(job, [])]
     if len(set(addresses)) != len(addresses):

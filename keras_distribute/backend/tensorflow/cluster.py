@@ -85,7 +85,9 @@ class _JoinWatchdog:
         from keras_distribute.job import process_notes
 
         process_notes.write("")
-        self._watcher.stdin.close()  # readable (EOF): the watcher exits
+        stdin = self._watcher.stdin
+        if stdin is not None:  # made with stdin=PIPE
+            stdin.close()  # readable (EOF): the watcher exits
         self._watcher.wait()
 
 

@@ -5,7 +5,7 @@ TPU strategy the backend module made) for `run`, `reduce`, `gather`, the
 scope and the input pipeline; the backend module (`backend/tensorflow/__init__.py`) builds it.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -83,11 +83,16 @@ class TfEngine:
     """The per-strategy TensorFlow engine (see `interface.ReplicaEngine`)."""
 
     # `constrain` lays tensors out (a TPU engine adds `TpuEngine`).
-    contract = (interface.LogicalDeviceEngine,)
+    contract: Tuple[type, ...] = (interface.LogicalDeviceEngine,)
+    num_logical_devices = 1  # per replica; a TPU engine's may be more
 
     def __init__(self, devices: Optional[Sequence[Any]], *,
                  tf_strategy: Any = None, resolver: Any = None):
         if tf_strategy is None:
+            if devices is None:
+                raise ValueError(
+                    "A TfEngine is made over `devices` or an existing "
+                    "`tf_strategy`. Received neither: pass one of them.")
             self.tf_strategy = _new_mirrored_strategy(devices)
         else:
             self.tf_strategy = tf_strategy
@@ -99,7 +104,7 @@ class TfEngine:
         # all-reduced in (None: their own), and the `(dtype, bytes)` of the
         # gradients the last traced step handed to the all-reduce.
         self.gradient_compression = None
-        self.traced_gradient_reductions = []
+        self.traced_gradient_reductions: List[Any] = []
         self.multi_worker = resolver is not None
         self.is_chief = resolver.is_chief if resolver is not None else True
         worker_devices = self.tf_strategy.extended.worker_devices

@@ -19,7 +19,7 @@ from tensorflow.python.distribute import values as tf_values
 # kd's tf.distribute strategies -> their kd engine (weakly both ways: the
 # engine holds its tf.distribute strategy). The state of a strategy's
 # `fit` and gradient compression lives on the engine (`TfEngine`).
-_engines = weakref.WeakKeyDictionary()
+_engines: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def register_engine(tf_strategy: Any, engine: Any) -> None:

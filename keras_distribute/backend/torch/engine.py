@@ -11,7 +11,7 @@ every global batch. In a plain single process there is one replica.
 import contextlib
 import hashlib
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ class TorchEngine:
     """The per-strategy torch engine (see `interface.ReplicaEngine`)."""
 
     # One process per replica, Keras' torch trainer stepping through it.
-    contract = (interface.TorchDdpEngine,)
+    contract: Tuple[type, ...] = (interface.TorchDdpEngine,)
 
     def __init__(self, device: Any):
         self.in_group = ensure_process_group()
@@ -74,11 +74,12 @@ class TorchEngine:
                 shape=(self.world_size,), axis_names=["batch"],
                 devices=[f"{device.type}:{r}"
                          for r in range(self.world_size)])
-        self._created = []  # variables created in scope, not yet broadcast
+        self._created: List[Any] = []  # variables created in scope, not yet broadcast
         # Variables aggregated by "sum" / "mean" (metric states, moving
         # statistics): combined over processes after each `run`.
-        self._aggregated = []
-        self._ddp = weakref.WeakKeyDictionary()
+        self._aggregated: List[Any] = []
+        self._ddp: "weakref.WeakKeyDictionary[Any, Any]" = (
+            weakref.WeakKeyDictionary())
         # `CommunicationOptions(compression=...)`: the dtype gradients are
         # all-reduced in (None: their own), and the bytes handed to those
         # all-reduces so far (what goes on the wire, per process).
@@ -353,7 +354,7 @@ class TorchEngine:
         dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
         if int(probe[0]) == digest == -int(probe[1]):
             return variables
-        every = [None] * dist.get_world_size(group)
+        every: List[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, keys, group=group)
         common = set(every[0]).intersection(*every[1:])
         return [v for key, v in sorted(zip(keys, variables),
@@ -435,7 +436,7 @@ class TorchEngine:
 class _EngineScope:
     """Records the variables created in scope, for the rank-0 broadcast."""
 
-    _active = []
+    _active: List[Any] = []
 
     def __init__(self, engine: TorchEngine):
         self._engine = engine

@@ -22,7 +22,7 @@ yet: it raises, pointing to the JAX backend.
 import contextlib
 import math
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -154,7 +154,7 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
 
 class ShardedTorchEngine(TorchEngine):
     # Layers' forward passes run on their sharded values.
-    contract = (interface.ShardedForwardEngine,)
+    contract: Tuple[type, ...] = (interface.ShardedForwardEngine,)
     """Variables laid out by a LayoutMap over a (batch, model...) mesh.
 
     The first mesh axis is the batch axis: each of its positions is one
@@ -204,7 +204,7 @@ class ShardedTorchEngine(TorchEngine):
         self.local_replica_ids = (replica,)
         self.num_input_pipelines, self.input_pipeline_id = shape[0], replica
         self.replica_group = self.torch_mesh[names[0]].get_group()
-        self._keys_checked = weakref.WeakSet()
+        self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     # ------------------------------------------------------------ variables
     def placements(self, layout: Optional[Any]) -> list:

@@ -130,7 +130,7 @@ def apply_gradients(optimizer: Any, grads: Sequence[Any],
     compress = getattr(context.get_strategy()._engine, "compress_gradients",
                        None) or (lambda g: g)
     dtypes = [g.dtype for g in grads]
-    grads = context.get_replica_context().all_reduce(
+    grads = context.replica_context_of("apply_gradients").all_reduce(
         "sum", [compress(g) for g in grads])
     grads = [g.to(dtype) for g, dtype in zip(grads, dtypes)]
     with torch.no_grad():

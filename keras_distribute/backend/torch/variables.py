@@ -8,7 +8,7 @@ writes to a checkpoint and the region it restores, and keeping torch's
 nothing of the engine modules at load time.
 """
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ def on_layer_built(layer: Any) -> None:
     turns its variables into DTensors."""
     own = list(getattr(layer, "_trainable_variables", ())) + list(
         getattr(layer, "_non_trainable_variables", ()))
-    engines = {id(e): e for e in (getattr(v, "_kd_engine", None) for v in own)
+    engines: Dict[int, Any] = {id(e): e for e in (getattr(v, "_kd_engine", None) for v in own)
                if hasattr(e, "shard_layer")}
     for engine in engines.values():
         engine.shard_layer(layer)
@@ -48,7 +48,8 @@ def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
     """`[(region, array)]` this process writes: its unique shard of a
     DTensor; a plain (replicated) variable whole, in process `writer`
     only."""
-    value = variable._value if isinstance(variable, keras.Variable) else None
+    value: Any = (variable._value if isinstance(variable, keras.Variable)
+                  else None)
     if _is_dtensor(value):
         if not writes_piece(variable._kd_engine, value):
             return []  # another replica's, or another process's of this one
@@ -78,7 +79,8 @@ def checkpoint_snapshot(variable: Any) -> Callable[[], None]:
     """`put_back()` for a variable's current value (this process's part of
     a sharded one): a copy, since a restore reads straight into a plain
     CPU variable's memory."""
-    value = variable._value if isinstance(variable, keras.Variable) else None
+    value: Any = (variable._value if isinstance(variable, keras.Variable)
+                  else None)
     if _is_dtensor(value):
         local = value.to_local().detach().clone()
         return lambda: assign_piece(variable, local)
