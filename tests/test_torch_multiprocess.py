@@ -772,3 +772,36 @@ def test_a_tf_data_pipeline_of_unknown_length_trains():
         assert unknown[0] == known[0] and unknown[1] == known[1]
         for a, b in zip(known[2], unknown[2]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_group_of_one_binds_no_port(tmp_path):
+    # A one-worker MultiWorkerMirroredStrategy with no cluster named (the
+    # multi_worker.md block) bound the default port 29500, and failed with
+    # EADDRINUSE when another job held it: a group of one needs no port.
+    script = tmp_path / "alone.py"
+    script.write_text(textwrap.dedent("""
+        import socket
+        held = socket.socket()
+        try:
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        except OSError:
+            pass  # someone else holds it: as good for this test
+        import numpy as np
+        import keras
+        import keras_distribute as kd
+        strategy = kd.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)),
+                                      keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+        print("replicas", strategy.num_replicas_in_sync)
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                        "TF_CONFIG")}
+    result = subprocess.run([sys.executable, str(script)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas 1" in result.stdout

@@ -45,14 +45,19 @@ def _destroy_own_group() -> None:
 def _init_process_group(address: str, rank: int, world_size: int,
                         timeout_s: float, store: Any = None,
                         backend: str = "gloo") -> None:
-    """`dist.init_process_group` on a store kd holds (torch's own when
-    `store` is `None`: a TCP store at `address` hosted by rank 0), with the
+    """`dist.init_process_group` on a store kd holds (when `store` is
+    `None`: a TCP store at `address` hosted by rank 0, or an in-process
+    one for a group of one), with the
     heartbeat that names a lost peer (`torch_peers`), ended at interpreter
     exit (once)."""
     import atexit
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
+    if store is None and world_size == 1:
+        # Alone: nobody to meet, so no port to bind (the default 29500 may
+        # be another job's, e.g. a test run beside this one).
+        store = dist.HashStore()
+    elif store is None:
         host, _, port = address.rpartition(":")
         store = dist.TCPStore(host.strip("[]"), int(port), world_size,
                               is_master=rank == 0, timeout=timeout,
