@@ -39,7 +39,7 @@ from keras_distribute.input.iterator import OutOfRangeError
 from keras_distribute.common.errors import WorkerLostError
 from keras_distribute.input.datasets import AutoShardPolicy
 from keras_distribute.input.datasets import DistributedDataset
-from keras_distribute.input.datasets import InputContext
+from keras_distribute.common.input_context import InputContext
 from keras_distribute.input.datasets import InputOptions
 from keras_distribute.input.datasets import InputReplicationMode
 from keras_distribute.launch.launcher import LaunchError

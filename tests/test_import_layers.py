@@ -143,22 +143,6 @@ PACKAGE_ORDER = ("common", "job", "cluster_resolver", "backend", "training",
                  "input", "checkpoint", "integration", "strategies",
                  "callbacks", "launch", "root")
 ROOT_MODULES = {"keras_distribute", "keras_distribute.experimental"}
-# The upward imports left, each to be removed (then removed from here):
-# the engines' `call_trainer` still calls the per-process `fit` and the
-# model-state rules (the fit path bounces), and a distributed iterator's
-# state is read by the checkpoint's iterator module.
-KNOWN_UPWARD = {
-    ("keras_distribute.backend.jax.engine", "keras_distribute.input.process_data"),
-    ("keras_distribute.backend.torch.engine", "keras_distribute.input.process_data"),
-    ("keras_distribute.backend.tensorflow.engine", "keras_distribute.input.datasets"),
-    ("keras_distribute.backend.tensorflow.engine", "keras_distribute.training.model_state"),
-    ("keras_distribute.backend.tensorflow.engine",
-     "keras_distribute.training.config"),
-    ("keras_distribute.input.iterator",
-     "keras_distribute.checkpoint.iterator_state"),
-}
-
-
 def _package(module: str) -> str:
     return "root" if module in ROOT_MODULES else module.split(".")[1]
 
@@ -181,6 +165,4 @@ def test_packages_import_only_the_packages_before_them(graph):
             if name in files and PACKAGE_ORDER.index(
                     _package(name)) > PACKAGE_ORDER.index(_package(module)):
                 upward.add((module, name))
-    assert upward - KNOWN_UPWARD == set(), "new upward imports"
-    assert KNOWN_UPWARD - upward == set(), (
-        "these upward imports are gone: remove them from KNOWN_UPWARD")
+    assert upward == set()

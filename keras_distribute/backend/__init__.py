@@ -1,4 +1,16 @@
-"""Chooses the backend module for the active Keras backend, once."""
+"""The engines: one package per framework behind one contract.
+
+- `interface`: the engine contract, as `typing.Protocol`s, and what every
+  backend module provides (`BackendModule`).
+- `jax/`, `tensorflow/`, `torch/`: each a backend module (its `__init__`)
+  over that framework's engine, devices, collectives and checkpoint view.
+
+`get_backend()` chooses the backend module for the active Keras backend,
+once. May import: `common`, `job`, `cluster_resolver`, and its framework.
+Never `training`, `input`, `checkpoint`, `integration` or anything above
+them: what an engine needs from above is handed to it (see
+`call_trainer`).
+"""
 
 import importlib
 

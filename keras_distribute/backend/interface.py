@@ -37,6 +37,10 @@ class ReplicaEngine(Protocol):
     # `CommunicationOptions(compression=...)` as the engine holds it (None:
     # gradients are all-reduced in their own dtype).
     gradient_compression: Any
+    # `fit` runs in each process on that process's rows of every global
+    # batch (`input/process_data.py`): torch in a group, JAX over several
+    # processes. Otherwise the framework's own distribution feeds it.
+    fit_per_process: bool
 
     def scope(self) -> ContextManager[None]:
         """Makes variables created inside follow the strategy's layout."""
@@ -97,7 +101,13 @@ class ReplicaEngine(Protocol):
 
     def call_trainer(self, method: Callable, model: Any, args: tuple,
                      kwargs: dict) -> Any:
-        """Calls a Keras `fit`/`evaluate`/... method under the engine."""
+        """Calls a Keras `fit`/`evaluate`/... method under the engine.
+
+        `method` comes with the neutral layer's rules already around it
+        (`process_data.with_process_rules`: each process's rows, one model
+        state in every process): the engine adds only its own framework's
+        part (contexts, compression, a step function), and calls no layer
+        above it."""
 
 
 @runtime_checkable

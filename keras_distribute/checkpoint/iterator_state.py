@@ -18,15 +18,12 @@ from keras_distribute.backend.interface import whole_region
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import signing
 from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.input import tf_data_state
 
 _PROCESS_KEY = "{name}/process-{process_id:05d}"
 # Each state's signature (`signing`): kd restores only states it can prove
 # it wrote, since tf.data's deserializer does not withstand crafted bytes.
 _SIGNATURE_KEY = "{name}/signature-{process_id:05d}"
-
-# tf.data's ExternalStatePolicy values (WARN, IGNORE, FAIL).
-_POLICY_VALUES = {"WARN": 0, "IGNORE": 1, "FAIL": 2}
-
 
 def is_data_iterator(obj: Any) -> bool:
     """Whether `obj` is an input iterator a checkpoint can hold: a `tf.data`
@@ -35,18 +32,14 @@ def is_data_iterator(obj: Any) -> bool:
     Tested without importing TensorFlow: a process that never imported it
     holds no `tf.data` iterator.
     """
-    return _is_tf_data_iterator(obj) or hasattr(obj, "_save_input_state")
-
-
-def _is_tf_data_iterator(obj: Any) -> bool:
-    return (type(obj).__module__.startswith("tensorflow.")
-            and hasattr(obj, "_iterator_resource"))
+    return (tf_data_state.is_tf_data_iterator(obj)
+            or hasattr(obj, "_save_input_state"))
 
 
 def save(iterator: Any) -> np.ndarray:
     """The state of an input iterator (`is_data_iterator`) as bytes."""
-    if _is_tf_data_iterator(iterator):
-        return _serialize_tf(iterator)
+    if tf_data_state.is_tf_data_iterator(iterator):
+        return tf_data_state.save(iterator)
     return iterator._save_input_state()
 
 
@@ -56,11 +49,11 @@ def load(iterator: Any, state: np.ndarray, name: str) -> None:
     Raises:
         CheckpointError: if the state does not fit the iterator.
     """
-    if _is_tf_data_iterator(iterator):
-        _restore_tf(iterator, state, name)
-        return
     try:
-        iterator._restore_input_state(state, name)
+        if tf_data_state.is_tf_data_iterator(iterator):
+            tf_data_state.load(iterator, state, name)
+        else:
+            iterator._restore_input_state(state, name)
     except ValueError as error:
         raise CheckpointError(str(error)) from error
 
@@ -75,48 +68,6 @@ def snapshot(iterator: Any):
 def state_key(name: str, process_id: int) -> str:
     """The checkpoint key of process `process_id`'s iterator `name`."""
     return _PROCESS_KEY.format(name=name, process_id=process_id)
-
-
-def _serialize_tf(iterator: Any) -> np.ndarray:
-    """The iterator's state as a `uint8` array.
-
-    The dataset's `experimental_external_state_policy` is honoured (as in
-    `tf.train.Checkpoint`): with `FAIL`, a pipeline holding state tf.data
-    cannot save (e.g. a `py_function`) raises here.
-    """
-    import tensorflow as tf
-
-    policy = _POLICY_VALUES["WARN"]
-    dataset = getattr(iterator, "_dataset", None)
-    if dataset is not None:
-        chosen = dataset.options().experimental_external_state_policy
-        if chosen is not None:
-            policy = chosen.value
-    state = tf.raw_ops.SerializeIterator(
-        resource_handle=iterator._iterator_resource,
-        external_state_policy=policy)
-    data = tf.io.serialize_tensor(state).numpy()
-    return np.frombuffer(data, dtype=np.uint8).copy()
-
-
-def _restore_tf(iterator: Any, state: np.ndarray, name: str) -> None:
-    """Puts `iterator` where the saved `state` was.
-
-    Raises:
-        CheckpointError: if the state does not fit this iterator's dataset.
-    """
-    import tensorflow as tf
-
-    try:
-        variant = tf.io.parse_tensor(np.asarray(state, np.uint8).tobytes(),
-                                     out_type=tf.variant)
-        tf.raw_ops.DeserializeIterator(
-            resource_handle=iterator._iterator_resource, serialized=variant)
-    except (tf.errors.OpError, ValueError) as error:
-        raise CheckpointError(
-            f"The checkpoint's iterator {name!r} does not fit the iterator "
-            f"given: {error}. Pass an iterator of the same dataset pipeline "
-            "as when saving.") from error
 
 
 def saved_processes(saved: Dict[str, Any], name: str) -> int:

@@ -6,6 +6,8 @@
   cross-device-ops and communication options (names, checked arguments).
 - `devices`, `layouts`: device names and the mesh axes a layout shards.
 - `errors`: `WorkerLostError`.
+- `input_context`: `InputContext`, which pipeline a `dataset_fn` builds.
+- `batches`: how a global batch divides among the input pipelines.
 - `keras_services`: the typed services the integration layer hands down.
 - `simulate`: several CPU devices for tests.
 

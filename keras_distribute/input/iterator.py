@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 
+from keras_distribute.input import tf_data_state
+
 
 class OutOfRangeError(Exception):
     """`get_next()` past the end of a distributed dataset (the counterpart
@@ -122,13 +124,11 @@ class DistributedIterator:
     def _save_input_state(self) -> np.ndarray:
         """The position (tf.data's own serialisation) and split state as
         bytes: a JSON header line, then tf.data's state."""
-        from keras_distribute.checkpoint import iterator_state
-
         self._check_saveable("iterator")
         header = json.dumps(self._split_state).encode() + b"\n"
         return np.concatenate([
             np.frombuffer(header, dtype=np.uint8),
-            iterator_state.save(self._data_iterator)])
+            tf_data_state.save(self._data_iterator)])
 
     def _check_saveable(self, name: str) -> None:
         """Raises `ValueError` unless this iterator reads a `tf.data`
@@ -142,8 +142,6 @@ class DistributedIterator:
                 "restore.")
 
     def _restore_input_state(self, state: np.ndarray, name: str) -> None:
-        from keras_distribute.checkpoint import iterator_state
-
         raw = np.asarray(state, np.uint8)
         newline = int(np.argmax(raw == ord("\n")))
         header = raw[:newline].tobytes()
@@ -157,7 +155,7 @@ class DistributedIterator:
                 "distributed tf.data.Dataset, or this iterator is not one. "
                 "Pass the iterator of the same distributed pipeline as when "
                 "saving.")
-        iterator_state.load(self._data_iterator, raw[newline + 1:], name)
+        tf_data_state.load(self._data_iterator, raw[newline + 1:], name)
         self._split_state.clear()
         self._split_state.update(split_state)
 

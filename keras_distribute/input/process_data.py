@@ -9,29 +9,21 @@ process), shares the shuffling seed (`engine.shared_seed()`) and gathers rows
 (`engine.gather_rows(array)`). No framework is imported here.
 """
 
+import functools
 import inspect
 import math
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 
 import keras
 
+from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common import keras_services
 from keras_distribute.training import model_state
 from keras_distribute.job import peer_board
 from keras_distribute.training import config as training_config
 from keras_distribute.input.data_sources import iterate_source
-
-
-def balanced_bounds(batch: int, rank: int, world_size: int):
-    """Rows `[start, stop)` of a `batch`-row batch that `rank` takes.
-
-    Sizes differ by at most one row between processes.
-    """
-    base, extra = divmod(batch, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def _is_arrays(x: Any) -> bool:
@@ -195,6 +187,64 @@ def _bind(method, model, args, kwargs) -> dict:
     params.pop(next(iter(params)))  # self
     params.update(params.pop("kwargs", {}))
     return params
+
+
+def with_process_rules(engine: ReplicaEngine, method: Callable) -> Callable:
+    """`method` (a Keras trainer method: `fit`, `evaluate`, ...) with what
+    keeps a job's processes alike around it, for `engine.call_trainer`.
+
+    Where `fit` runs in each process on its own rows (`engine
+    .fit_per_process`: torch, JAX over several processes), each process is
+    handed its share of the data (`call_sharded`). Where the framework feeds
+    the replicas itself (TensorFlow, JAX in one process), every process
+    trains the same model, takes the chief's non-trainable state after
+    `fit` and before `evaluate`/`predict`, and only the chief's callbacks
+    write files. In a single process both come to calling `method`.
+
+    Args:
+        engine: The strategy's engine.
+        method: The unbound Keras method (`keras.Model.fit`, ...).
+
+    Returns:
+        A callable with `method`'s name and signature.
+
+    Example:
+
+    ```python
+    fit = process_data.with_process_rules(strategy._engine, keras.Model.fit)
+    strategy._engine.call_trainer(fit, model, (x, y), {"epochs": 2})
+    ```
+    """
+    if engine.fit_per_process:
+        def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+            return call_sharded(engine, method, model, args, kwargs)
+    else:
+        def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+            return _call_in_every_process(engine, method, model, args,
+                                          kwargs)
+    functools.update_wrapper(call, method)
+    return call
+
+
+def _call_in_every_process(engine: ReplicaEngine, method: Callable,
+                           model: Any, args: tuple, kwargs: dict) -> Any:
+    """`method` on the whole data in every process (the framework splits
+    it), with one model state and the chief's files."""
+    name = method.__name__
+    callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
+    if name == "fit":
+        training_config.check_same_training(engine, model)
+    if name == "fit" and len(args) <= 5:
+        kwargs = dict(kwargs, callbacks=model_state.with_chief_state(
+            engine, peer_board.counting_epochs(callbacks)))
+    if name in ("evaluate", "predict"):
+        model_state.take_chief_values(engine, model)
+    with keras_services.get().chief_only_writes(
+            callbacks if name == "fit" else None, engine.process_id == 0):
+        result = method(model, *args, **kwargs)
+    if name == "fit":
+        model_state.take_chief_values(engine, model)
+    return result
 
 
 def call_sharded(engine, method, model, args, kwargs) -> Any:

@@ -35,6 +35,7 @@ import threading
 
 import keras
 
+from keras_distribute.input import process_data
 from keras_distribute.common import context
 from keras_distribute.job import peer_board
 from keras_distribute.integration import registry
@@ -148,7 +149,10 @@ def _wrap_trainer_method(name: str, original):
         args, kwargs = _global_batches(strategy, name, args, kwargs)
         with strategy.scope():
             _adopt_strays(self, strategy)
-            return strategy._engine.call_trainer(original, self, args, kwargs)
+            engine = strategy._engine
+            return engine.call_trainer(
+                process_data.with_process_rules(engine, original), self,
+                args, kwargs)
 
     return patching.wrapping(method, original)
 

@@ -3,6 +3,7 @@
 import contextlib
 from typing import Any, Callable, Iterator, Optional
 
+from keras_distribute.common.input_context import InputContext
 from keras_distribute.common import context
 from keras_distribute.input import datasets as input_lib
 from keras_distribute.backend.interface import ReplicaEngine
@@ -452,7 +453,7 @@ class Strategy:
                 f"dataset_fn={dataset_fn!r}."
             )
         options = self._check_options(options)
-        input_context = input_lib.InputContext(
+        input_context = InputContext(
             num_input_pipelines=self._num_input_pipelines(),
             input_pipeline_id=self._input_pipeline_id(),
             num_replicas_in_sync=self.num_replicas_in_sync,

@@ -225,15 +225,17 @@ class JaxEngine(SpmdRun):
             "with jit_compile=True (Keras' default on JAX), or run the "
             "eager program on one device to debug it.", stacklevel=4)
 
+    @property
+    def fit_per_process(self) -> bool:
+        return self.multi_process
+
     def _call_trainer(self, method: Callable, model: Any, args: tuple,
                       kwargs: dict) -> Any:
         if self.multi_process:
             from keras_distribute.job import peer_board
-            from keras_distribute.input import process_data
 
             with process_local_predictions(model), peer_board.busy():
-                return process_data.call_sharded(self, method, model, args,
-                                                 kwargs)
+                return method(model, *args, **kwargs)
         return method(model, *args, **kwargs)
 
     def constrain(self, tensor: Any, parts: Sequence[int],

@@ -13,16 +13,14 @@ import tensorflow as tf
 from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
-from keras_distribute.common import keras_services
 from keras_distribute.backend import interface
 from keras_distribute.common import context
-from keras_distribute.training import model_state
 from keras_distribute.job import peer_board
-from keras_distribute.training import config as training_config
 from keras_distribute.backend.tensorflow import fit as tf_fit
 from keras_distribute.backend.tensorflow.devices import device_name
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.reduce_op import ReduceOp
+from keras_distribute.common.input_context import InputContext
 from keras_distribute.common.values import PerReplica
 
 # `isinstance(value, kd.PerReplica)` holds for tf.distribute's own values.
@@ -84,6 +82,8 @@ class TfEngine:
 
     # `constrain` lays tensors out (a TPU engine adds `TpuEngine`).
     contract: Tuple[type, ...] = (interface.LogicalDeviceEngine,)
+    # tf.distribute feeds each worker's replicas itself.
+    fit_per_process = False
     num_logical_devices = 1  # per replica; a TPU engine's may be more
 
     def __init__(self, devices: Optional[Sequence[Any]], *,
@@ -251,22 +251,9 @@ class TfEngine:
             args, kwargs, self.num_replicas)
         if even:
             self.even_fit = True
-        callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
-        if method.__name__ == "fit" and self.multi_worker:
-            training_config.check_same_training(self, model)
-        if method.__name__ == "fit" and len(args) <= 5:
-            kwargs = dict(kwargs, callbacks=model_state.with_chief_state(
-                self, peer_board.counting_epochs(callbacks)))
-        if method.__name__ in ("evaluate", "predict"):
-            model_state.take_chief_values(self, model)
         try:
-            with keras_services.get().chief_only_writes(
-                    callbacks if method.__name__ == "fit" else None,
-                    self.is_chief), peer_board.busy():
-                result = method(model, *args, **kwargs)
-            if method.__name__ == "fit":
-                model_state.take_chief_values(self, model)
-            return result
+            with peer_board.busy():
+                return method(model, *args, **kwargs)
         finally:
             self.even_fit = False
 
@@ -306,8 +293,6 @@ class TfEngine:
     def distribute_datasets_from_function(self, dataset_fn: Callable,
                                           options: Any,
                                           input_context: Any) -> Any:
-        from keras_distribute.input.datasets import InputContext
-
         if not isinstance(dataset_fn(input_context), tf.data.Dataset):
             return None  # arrays, a list of batches: kd's own pipeline
 

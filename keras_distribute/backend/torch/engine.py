@@ -10,6 +10,7 @@ every global batch. In a plain single process there is one replica.
 
 import contextlib
 import hashlib
+import threading
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -22,6 +23,7 @@ from keras.distribution import DeviceMesh
 
 from keras_distribute.common import keras_services
 from keras_distribute.backend import interface
+from keras_distribute.common.batches import balanced_bounds
 from keras_distribute.common import context
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
@@ -157,17 +159,16 @@ class TorchEngine:
                      kwargs: dict) -> Any:
         if not self.in_group:
             return method(model, *args, **kwargs)
-        from keras_distribute.input import process_data
-
         with torch_peers.naming_a_lost_peer():
-            return process_data.call_sharded(self, method, model, args,
-                                             kwargs)
+            return method(model, *args, **kwargs)
+
+    @property
+    def fit_per_process(self) -> bool:
+        return self.in_group
 
     def split_rows(self, batch: int, pipeline: Optional[int] = None):
         """The rows of a global batch an input pipeline (this process's by
         default) takes: balanced slices."""
-        from keras_distribute.input.process_data import balanced_bounds
-
         return balanced_bounds(
             batch, self.input_pipeline_id if pipeline is None else pipeline,
             self.num_input_pipelines)
@@ -434,15 +435,25 @@ class TorchEngine:
 
 
 class _EngineScope:
-    """Records the variables created in scope, for the rank-0 broadcast."""
+    """Records the variables created in scope, for the rank-0 broadcast.
 
-    _active: List[Any] = []
+    The engines whose scope is open form a stack per thread, like kd's
+    strategy contexts and Keras' own global state."""
+
+    _threads = threading.local()
+
+    @classmethod
+    def _active(cls) -> List[TorchEngine]:
+        if not hasattr(cls._threads, "engines"):
+            cls._threads.engines = []
+        engines: List[TorchEngine] = cls._threads.engines
+        return engines
 
     def __init__(self, engine: TorchEngine):
         self._engine = engine
 
     def __enter__(self):
-        _EngineScope._active.append(self._engine)
+        _EngineScope._active().append(self._engine)
         # Keras 3.16's torch trainer reads the current distribution.
         distribution = self._engine.distribution
         self._distribution_scope = contextlib.nullcontext() if (
@@ -452,7 +463,7 @@ class _EngineScope:
 
     def __exit__(self, *exc):
         self._distribution_scope.__exit__(*exc)
-        _EngineScope._active.pop()
+        _EngineScope._active().pop()
         if self._engine.in_group and not any(exc) and (
             context.get_replica_context() is None
         ):
@@ -461,7 +472,8 @@ class _EngineScope:
 
     @classmethod
     def current(cls) -> Optional[TorchEngine]:
-        return cls._active[-1] if cls._active else None
+        active = cls._active()
+        return active[-1] if active else None
 
 
 def on_variable_created(variable: Any) -> None:
