@@ -95,7 +95,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.format, "_write_shards", broken)
+    monkeypatch.setattr(ckpt.writing, "_write_shards", broken)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.write(path)
     assert open(os.path.join(path, "index.json")).read() == before
@@ -108,7 +108,7 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
     # process's part by name and read it while it was still empty.
     import threading
 
-    fmt = ckpt.format
+    fmt = ckpt.writing
     path = str(tmp_path / "c")
     temporary = fmt.prepare(path)
     piece = ((2,), "float32", (None,), [(((0, 2),), np.ones(2, "f4"))], "w")

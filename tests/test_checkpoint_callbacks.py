@@ -422,7 +422,7 @@ def test_checkpoint_objects_are_attributes(tmp_path):
 
 def test_async_save_returns_after_the_copy_and_reraises_failures(
         tmp_path, monkeypatch):
-    from keras_distribute.checkpoint import format as ckpt_format
+    from keras_distribute.checkpoint import writing as ckpt_writing
 
     model = trained()
     checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
@@ -441,7 +441,7 @@ def test_async_save_returns_after_the_copy_and_reraises_failures(
     def broken_disk(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ckpt_format, "_write_shards", broken_disk)
+    monkeypatch.setattr(ckpt_writing, "_write_shards", broken_disk)
     checkpoint.save(str(tmp_path / "c"), options=options)  # returns
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save(str(tmp_path / "c"), options=options)
@@ -487,7 +487,7 @@ def test_async_saves_reuse_their_host_buffers(tmp_path):
 
 def test_manager_forgets_a_background_save_that_failed(tmp_path,
                                                       monkeypatch):
-    from keras_distribute.checkpoint import format as ckpt_format
+    from keras_distribute.checkpoint import writing as ckpt_writing
 
     model = trained()
     checkpoint = ckpt.ShardedCheckpoint(model=model)
@@ -498,7 +498,7 @@ def test_manager_forgets_a_background_save_that_failed(tmp_path,
     def broken_disk(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ckpt_format, "_write_shards", broken_disk)
+    monkeypatch.setattr(ckpt_writing, "_write_shards", broken_disk)
     manager.save(options=options)  # returns; fails in the background
     with pytest.raises(OSError, match="No space left"):
         manager.sync()

@@ -19,6 +19,7 @@ import pytest
 import keras
 import keras_distribute as kd
 from keras_distribute.checkpoint import format as fmt
+from keras_distribute.checkpoint import writing as ckpt_writing
 
 ckpt = kd.checkpoint
 CheckpointError = ckpt.CheckpointError
@@ -40,7 +41,7 @@ def original_arrays():
 def write_checkpoint(path):
     """A two-process checkpoint written through the format layer itself."""
     arrays = original_arrays()
-    temporary = fmt.prepare(path)
+    temporary = ckpt_writing.prepare(path)
     entries = [{}, {}]
     for key, array in arrays.items():
         dtype = array.dtype.name
@@ -53,8 +54,8 @@ def write_checkpoint(path):
             entries[0][key] = (array.shape, dtype, [None] * array.ndim,
                                [(region, array)], key)
     for process in (0, 1):
-        fmt.write_process_shards(temporary, entries[process], process)
-    fmt.commit(path, 2, {"backend": "none"})
+        ckpt_writing.write_process_shards(temporary, entries[process], process)
+    ckpt_writing.commit(path, 2, {"backend": "none"})
     return arrays
 
 
@@ -443,7 +444,7 @@ def test_write_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):
         checkpoint.write(str(tmp_path / "d"))
     assert (tmp_path / "c.tmp" / "keep.txt").exists()
     assert (tmp_path / "d.old" / "keep.txt").exists()
-    assert not ckpt.format.clean_unfinished(str(tmp_path))
+    assert not ckpt.writing.clean_unfinished(str(tmp_path))
     assert (tmp_path / "c.tmp" / "keep.txt").exists()
 
 

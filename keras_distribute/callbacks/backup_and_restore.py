@@ -7,7 +7,8 @@ import contextlib
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from keras_distribute.checkpoint import format as ckpt_format
+
+from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
@@ -149,7 +150,7 @@ class BackupAndRestore(TrainingStateCallback):
                 failures.append(f"{path}: {error}")
                 self._backups.forget(path)
                 if self._state._engine().process_id == 0:
-                    ckpt_format.move_aside(path, _CORRUPT)
+                    ckpt_writing.move_aside(path, _CORRUPT)
                 continue
             if failures:
                 warnings.warn(
@@ -251,5 +252,5 @@ class BackupAndRestore(TrainingStateCallback):
         for path in ownership.owned_checkpoints(
                 self.directory, BACKUP_STEM, BACKUP_OWNER,
                 moved_aside=_CORRUPT):
-            ckpt_format.remove(path)
+            ckpt_writing.remove(path)
         ownership.remove_directory(self.directory, BACKUP_OWNER)

@@ -6,7 +6,8 @@ jobs (every process writes its shards; the chief commits and deletes).
 import os
 from typing import Any, List, Optional
 
-from keras_distribute.checkpoint import format as ckpt_format
+
+from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
@@ -171,7 +172,7 @@ class ShardedCheckpoint(TrainingStateCallback):
             ranked = self._best_ranked()
             if self.max_to_keep is not None:
                 for _, old in ranked[self.max_to_keep:]:
-                    ckpt_format.remove(old)
+                    ckpt_writing.remove(old)
 
         checkpoint._then(keep)
 

@@ -14,6 +14,8 @@ import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
 
+from keras_distribute.checkpoint import writing as ckpt_writing
+
 
 class MetricVariables:
     """A model's metric state for `ShardedCheckpoint`, read when saved (on
@@ -117,8 +119,8 @@ def restore_rng(state: Dict[str, Any]) -> None:
 def link_checkpoint(source: str, target: str) -> None:
     """Puts a copy of a committed checkpoint at `target` (hard links when
     the file system allows), atomically."""
-    ckpt_format.refuse_foreign(target)
-    temporary = ckpt_format.make_temporary(target)
+    ckpt_writing.refuse_foreign(target)
+    temporary = ckpt_writing.make_temporary(target)
     try:
         for name in os.listdir(source):
             try:
@@ -128,7 +130,7 @@ def link_checkpoint(source: str, target: str) -> None:
                 shutil.copy2(os.path.join(source, name),
                              os.path.join(temporary, name))
         os.remove(os.path.join(temporary, ckpt_format.TEMPORARY_MARKER))
-        ckpt_format._commit(temporary, target)
+        ckpt_writing._commit(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

@@ -1,4 +1,21 @@
-"""Sharded checkpoints: a JSON index plus HDF5 shards, reshardable, portable."""
+"""Sharded checkpoints: a JSON index plus HDF5 shards, reshardable, portable.
+
+In layers, lowest first (each module uses only the ones before it):
+
+- `format`: the on-disk schema, dtypes, checksums, `CheckpointError`;
+  `validation`, `reading`, `parallel_io`: an index and its shards read as
+  untrusted input; `signing`: iterator states kd can prove it wrote.
+- `writing`: temporaries, each process's shards, the atomic commit, removal
+  of what kd wrote only; `ownership`: who wrote which checkpoint.
+- `saved_objects`, `object_paths`, `iterator_state`, `attached_containers`:
+  what a checkpoint holds of the objects given to it.
+- `sharded_checkpoint`: `ShardedCheckpoint` (barriers, the chief's path,
+  background saves, all-or-nothing restores); `checkpoint_manager`,
+  `committed`, `export`: on top of it.
+
+May import: `common`, `job`, `cluster_resolver`, `backend` (its contract),
+`training`, `input`. Never the strategies or the integration layer.
+"""
 
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import CheckpointReader

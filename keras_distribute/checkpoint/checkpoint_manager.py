@@ -3,7 +3,8 @@
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from keras_distribute.checkpoint import format as ckpt_format
+
+from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
@@ -114,7 +115,7 @@ class CheckpointManager:
         self._is_chief = checkpoint._engine().process_id == 0
         if self._is_chief:
             os.makedirs(self.directory, exist_ok=True)
-            ckpt_format.clean_unfinished(self.directory)
+            ckpt_writing.clean_unfinished(self.directory)
         existing = [p for p in checkpoints_in(self.directory)
                     if os.path.basename(p).rsplit("-", 1)[0]
                     == checkpoint_name]

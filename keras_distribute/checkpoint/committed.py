@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
+
+from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import numpy_dtype
 
@@ -48,7 +50,7 @@ def checkpoints_in(directory: str) -> List[str]:
         return []
     for name in os.listdir(directory):
         if name.endswith(".old"):  # a commit died between its renames
-            ckpt_format.recover(os.path.join(directory, name[:-len(".old")]))
+            ckpt_writing.recover(os.path.join(directory, name[:-len(".old")]))
     found = []
     for name in os.listdir(directory):
         match = re.fullmatch(r".*-(\d+)", name)

@@ -22,6 +22,8 @@ from typing import List, Optional
 
 from keras_distribute.checkpoint import format as ckpt_format
 
+from keras_distribute.checkpoint import writing as ckpt_writing
+
 # Written into a directory kd created for checkpoints; names its owner.
 DIRECTORY_MARKER = ".keras_distribute-directory"
 
@@ -89,7 +91,7 @@ def remove_owned(path: str, owner: str) -> bool:
     """
     if owner_of(path) != owner:
         return False
-    ckpt_format.remove(path)
+    ckpt_writing.remove(path)
     return True
 
 

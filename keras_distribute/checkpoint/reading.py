@@ -29,7 +29,7 @@ from keras_distribute.checkpoint.format import Slice
 from keras_distribute.checkpoint.format import load_index_json
 from keras_distribute.checkpoint.format import new_digest
 from keras_distribute.checkpoint.format import numpy_dtype
-from keras_distribute.checkpoint.format import recover
+from keras_distribute.checkpoint.writing import recover
 from keras_distribute.checkpoint.format import storable_dtype
 
 

@@ -15,6 +15,7 @@ from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import attached_containers
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import object_paths
@@ -264,7 +265,7 @@ class ShardedCheckpoint:
         if process_count > 1:
             path = _chief_path(engine, path)
         if process_id == 0:
-            ckpt_format.prepare(path)
+            ckpt_writing.prepare(path)
         engine.barrier("keras_distribute.checkpoint.prepare")
 
         backend = get_backend()
@@ -646,20 +647,20 @@ def _finish_save(path: str, entries: dict, process_id: int,
                  started: float) -> None:
     """Writes this process's shards; the chief then commits."""
     timeout_s = options.timeout_seconds
-    temporary = ckpt_format.temporary_path(path)
+    temporary = ckpt_writing.temporary_path(path)
     try:
-        ckpt_format.write_process_shards(temporary, entries, process_id)
+        ckpt_writing.write_process_shards(temporary, entries, process_id)
     except BaseException as error:
-        ckpt_format.report_failure(temporary, process_id, error)
+        ckpt_writing.report_failure(temporary, process_id, error)
         if process_id == 0:
-            ckpt_format.abandon(path)
+            ckpt_writing.abandon(path)
         raise
     if process_id == 0:
-        ckpt_format.commit(path, process_count, metadata, timeout_s)
+        ckpt_writing.commit(path, process_count, metadata, timeout_s)
         if on_commit is not None:
             on_commit()
     else:
-        ckpt_format.wait_committed(path, timeout_s)
+        ckpt_writing.wait_committed(path, timeout_s)
         if not os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
             raise CheckpointError(
                 f"Saving {path!r} failed on the chief (process 0); see its "
