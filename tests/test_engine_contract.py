@@ -141,3 +141,30 @@ def test_the_strategy_engine_of_this_backend_follows_its_contract():
 def _declared_module_functions():
     return set(vars(interface.BackendModule)) | set(
         interface.BackendModule.__annotations__)
+
+
+def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():
+    # The integration hook hands `engine.call_trainer` Keras' method wrapped
+    # in the neutral layer's rules (`with_process_rules`): the engine sees
+    # the method's name and signature (it picks its work by name), and in
+    # one process the rules call it with exactly what they were given.
+    import types
+
+    import keras
+
+    from keras_distribute.input import process_data
+
+    engine = types.SimpleNamespace(fit_per_process=False, process_count=1,
+                                   process_id=0)
+    wrapped = process_data.with_process_rules(engine, keras.Model.evaluate)
+    assert wrapped.__name__ == "evaluate"
+    assert inspect.signature(wrapped) == inspect.signature(
+        keras.Model.evaluate)
+
+    def fit(model, x=None, epochs=1, callbacks=None):
+        return model, x, epochs, callbacks
+
+    rules = process_data.with_process_rules(engine, fit)
+    assert rules("model", 1, epochs=3) == ("model", 1, 3, None)
+    marker = [object()]
+    assert rules("model", x=2, callbacks=marker) == ("model", 2, 1, marker)

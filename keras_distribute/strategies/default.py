@@ -34,6 +34,7 @@ class _InPlaceEngine:
     process_count, process_id = 1, 0
     device_mesh = None
     distribution = None
+    fit_per_process = False  # one process: nothing to split
 
     def scope(self):
         return contextlib.nullcontext()
