@@ -464,7 +464,7 @@ def test_async_saves_reuse_their_host_buffers(tmp_path):
 
     def buffer_addresses():
         return {key: buffer.ctypes.data for key, buffer
-                in checkpoint._host_buffers._buffers.items()}
+                in checkpoint._checkpointer.host_buffers._buffers.items()}
 
     paths, states = [], []
     for _ in range(2):

@@ -22,7 +22,7 @@ import keras
 
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
-from keras_distribute.checkpoint.sharded_checkpoint import finish_background_saves
+from keras_distribute.checkpoint.checkpointer import finish_background_saves
 from keras_distribute.integration import training as integration_training
 from keras_distribute.callbacks.training_state import CallbackArrays
 from keras_distribute.callbacks.training_state import MetricVariables

@@ -9,9 +9,12 @@ In layers, lowest first (each module uses only the ones before it):
   of what kd wrote only; `ownership`: who wrote which checkpoint.
 - `saved_objects`, `object_paths`, `iterator_state`, `attached_containers`:
   what a checkpoint holds of the objects given to it.
-- `sharded_checkpoint`: `ShardedCheckpoint` (barriers, the chief's path,
-  background saves, all-or-nothing restores); `checkpoint_manager`,
-  `committed`, `export`: on top of it.
+- `checkpointer`: how a save runs across processes (barriers, the chief's
+  path, background saves, one at a time); `restoring`: all-or-nothing
+  assignment, restores deferred until the variables exist.
+- `sharded_checkpoint`: `ShardedCheckpoint`, the object-graph API (what is
+  saved, under which keys; attaching objects after a restore);
+  `checkpoint_manager`, `committed`, `export`: on top of it.
 
 May import: `common`, `job`, `cluster_resolver`, `backend` (its contract),
 `training`, `input`. Never the strategies or the integration layer.

@@ -213,8 +213,9 @@ class CheckpointManager:
                 path, options, metadata, on_commit=self._deleter(to_delete),
                 owner=self.owner)
             self._last_saved_step = step
-            if self.checkpoint._pending is not None:  # in the background
-                self._in_flight = (path, kept_before, self.checkpoint._pending)
+            pending = self.checkpoint._checkpointer.pending
+            if pending is not None:  # in the background
+                self._in_flight = (path, kept_before, pending)
             return written
         except BaseException:
             self.checkpoint.save_counter = counter

@@ -1,47 +1,25 @@
 """`ShardedCheckpoint`: save and restore Keras state, reshardable, portable."""
 
-import concurrent.futures
-import functools
 import os
 import threading
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-
-from keras_distribute.backend.interface import ReplicaEngine
-from keras_distribute.common import keras_services
-from keras_distribute.backend.interface import assign_whole
-from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import attached_containers
+from keras_distribute.checkpoint import checkpointer
 from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import reading
+from keras_distribute.checkpoint import restoring
 from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import object_paths
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import progress
 from keras_distribute.checkpoint import saved_objects
-from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.input.iterator import DistributedIterator
-
-
-# Checkpoints with restores waiting for their variables to be created.
-_waiting: "weakref.WeakSet[ShardedCheckpoint]" = weakref.WeakSet()
-
-
-def apply_deferred_restores() -> None:
-    """Restores every deferred object whose variables now exist.
-
-    Called by the Keras hooks after a layer or optimizer is built and before
-    `fit` & co. start; a user rarely needs it.
-    """
-    for checkpoint in list(_waiting):
-        checkpoint._apply_deferred()
 
 
 class ShardedCheckpoint:
@@ -109,14 +87,12 @@ class ShardedCheckpoint:
             saved_objects.check_object(name, obj, ShardedCheckpoint)
         self._objects = objects
         self.save_counter = 0
-        self._pending: Optional[concurrent.futures.Future] = None
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # Runs the saves: one at a time, barriers, the chief, background.
+        self._checkpointer = checkpointer.Checkpointer()
         # object name -> (checkpoint path, its parsed variables index)
         self._deferred: Dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._bytes_read = 0  # by the current read (its progress line)
-        # Asynchronous saves copy into these, reused from save to save.
-        self._host_buffers = saved_objects.HostBuffers()
         # After a read: (path, saved variables, object paths, this
         # checkpoint's prefix in the one read), for objects attached later.
         self._restored_from: Optional[tuple] = None
@@ -253,59 +229,45 @@ class ShardedCheckpoint:
         """`write`; the chief calls `on_commit()` once `path` is committed.
         `owner`: recorded in the index (see `ownership`): who may delete
         the checkpoint later."""
-        from keras_distribute.backend import get_backend
-
         started = time.perf_counter()
         options = options or CheckpointOptions()
         ckpt_format.check_metadata(metadata)
-        self.sync()  # one save at a time; re-raises a failed background one
-        path = os.path.abspath(path)
         engine = self._engine()
-        process_id, process_count = engine.process_id, engine.process_count
-        if process_count > 1:
-            path = _chief_path(engine, path)
-        if process_id == 0:
-            ckpt_writing.prepare(path)
-        engine.barrier("keras_distribute.checkpoint.prepare")
 
-        backend = get_backend()
-        buffers = None
-        if options.enable_async:  # training goes on while it writes
-            buffers = self._host_buffers
-            buffers.begin()
-        variables = self._variables()
-        entries = saved_objects.variable_entries(
-            variables, backend, process_id, process_count, buffers)
-        if buffers is not None:
-            buffers.end()
-        entries.update(saved_objects.host_array_entries(
-            self._host_array_holders(), process_id))
-        entries.update(iterator_state.entries(self._iterators(), process_id))
-        mesh = getattr(engine, "device_mesh", None)
-        index_metadata = {
-            "save_counter": self.save_counter,
-            "backend": backend.name,
-            "mesh_shape": list(mesh.shape) if mesh is not None else None,
-            "metadata": dict(metadata or {}),
-        }
-        if owner is not None:
-            index_metadata["owner"] = owner
-        if process_id == 0:  # the chief writes the index
-            index_metadata["object_paths"] = object_paths.saved_object_paths(
-                self._leaf_objects(),
-                {id(variable): key for key, variable in variables.items()})
-        finish = functools.partial(
-            _finish_save, path, entries, process_id, process_count,
-            index_metadata, options, on_commit, started)
-        if options.enable_async:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="kd-checkpoint")
-            self._pending = self._executor.submit(finish)
-            _in_flight.add(self)
-        else:
-            finish()
-        return path
+        def gather(buffers: Optional[saved_objects.HostBuffers]):
+            """This process's entries and the index metadata, gathered
+            after the chief prepared the directory."""
+            from keras_distribute.backend import get_backend
+
+            process_id = engine.process_id
+            backend = get_backend()
+            variables = self._variables()
+            entries = saved_objects.variable_entries(
+                variables, backend, process_id, engine.process_count,
+                buffers)
+            entries.update(saved_objects.host_array_entries(
+                self._host_array_holders(), process_id))
+            entries.update(iterator_state.entries(self._iterators(),
+                                                  process_id))
+            mesh = getattr(engine, "device_mesh", None)
+            index_metadata = {
+                "save_counter": self.save_counter,
+                "backend": backend.name,
+                "mesh_shape": list(mesh.shape) if mesh is not None else None,
+                "metadata": dict(metadata or {}),
+            }
+            if owner is not None:
+                index_metadata["owner"] = owner
+            if process_id == 0:  # the chief writes the index
+                index_metadata["object_paths"] = (
+                    object_paths.saved_object_paths(
+                        self._leaf_objects(),
+                        {id(variable): key
+                         for key, variable in variables.items()}))
+            return entries, index_metadata
+
+        return self._checkpointer.write(engine, path, gather, options,
+                                        on_commit, started)
 
     def save(self, file_prefix: str,
              options: Optional[CheckpointOptions] = None,
@@ -351,16 +313,7 @@ class ShardedCheckpoint:
 
     def _then(self, fn: Callable[[], None]) -> None:
         """Runs `fn` once the pending save succeeded (now if none is)."""
-        previous, executor = self._pending, self._executor
-        if previous is None or executor is None:
-            fn()
-            return
-
-        def after():
-            previous.result()  # a failed save: raise that, skip `fn`
-            fn()
-
-        self._pending = executor.submit(after)  # runs after `previous`
+        self._checkpointer.then(fn)
 
     def sync(self) -> None:
         """Waits for a background save to finish.
@@ -369,9 +322,7 @@ class ShardedCheckpoint:
             Exception: the one the background save raised, if it failed
                 (raised once).
         """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        self._checkpointer.sync()
 
     # ----------------------------------------------------------------- read
     def read(self, path: str,
@@ -421,7 +372,7 @@ class ShardedCheckpoint:
         leaves = self._leaf_objects()
         ready, deferred = {}, []
         for name, variables in by_object.items():
-            if _ready(leaves[name], variables,
+            if restoring.ready(leaves[name], variables,
                       saved_objects.saved_keys_of(saved, name)):
                 ready.update(variables)
             else:
@@ -463,8 +414,7 @@ class ShardedCheckpoint:
             self._deferred[name] = (path, saved, paths, "")
         self._remember_restored(path, saved, paths, "")
         if deferred:
-            _waiting.add(self)
-            _install_deferred_hooks()
+            restoring.defer(self)
         deferred_keys = {key for name in self._deferred
                          for key in saved_objects.saved_keys_of(saved, name)}
         progress.report(options.verbose, "restored",
@@ -476,55 +426,10 @@ class ShardedCheckpoint:
 
     def _restore(self, path: str, saved: dict, variables: Dict[str, Any],
                  then: Optional[Callable[[], None]] = None) -> None:
-        """Assigns `variables` their saved values, all or nothing.
-
-        Every shape is checked before anything is assigned; each variable's
-        value is held (the backend's `checkpoint_snapshot`) before it is
-        assigned, and on any failure — a corrupt piece, a truncated file,
-        an error of `then()` (run last, inside the same all-or-nothing) —
-        every variable assigned so far is put back, so the objects are
-        exactly as before and the error says so.
-
-        Raises:
-            CheckpointMismatchError: if a variable's shape differs from the
-                saved one (nothing is assigned).
-            CheckpointError: if a piece cannot be read or verified.
-        """
-        from keras_distribute.backend import get_backend
-
-        planned = []
-        for key, variable in variables.items():
-            record = saved.get(key)
-            if record is None:
-                continue
-            if tuple(record["shape"]) != tuple(variable.shape):
-                raise CheckpointMismatchError(
-                    f"The checkpoint's {key!r} ({record.get('path')}) has "
-                    f"shape {tuple(record['shape'])} but the variable "
-                    f"{variable.path!r} has {tuple(variable.shape)}: the "
-                    "model differs from the one saved. Nothing was "
-                    "restored. Build the model as it was when saved.")
-            planned.append((variable, record))
-        backend = get_backend()
-        assign = getattr(backend, "checkpoint_assign", assign_whole)
-        snapshot = getattr(backend, "checkpoint_snapshot", snapshot_whole)
-        undo = []
-        try:
-            for variable, record in planned:
-                undo.append(snapshot(variable))
-                assign(variable, lambda regions, into=None, record=record: (
-                    self._count_read(reading.read_regions(path, record,
-                                                          regions, into))))
-            if then is not None:
-                then()
-        except BaseException as error:
-            for put_back in reversed(undo):
-                put_back()
-            if isinstance(error, CheckpointError):
-                raise type(error)(
-                    f"{error} Nothing was restored from {path!r}: every "
-                    "object holds the values it had before.") from None
-            raise
+        """Assigns `variables` their saved values, all or nothing
+        (`restoring.assign_all_or_nothing`, counting the bytes read)."""
+        restoring.assign_all_or_nothing(path, saved, variables,
+                                        self._count_read, then)
 
     def _count_read(self, arrays: List[Any]) -> List[Any]:
         self._bytes_read += sum(array.nbytes for array in arrays)
@@ -543,13 +448,13 @@ class ShardedCheckpoint:
                     continue
                 variables = self._variables_by_object(
                     {name: leaves[name]})[name]
-                if _ready(leaves[name], variables,
+                if restoring.ready(leaves[name], variables,
                           saved_objects.saved_keys_of(saved, name)):
                     del self._deferred[name]
                     self._restore(path, saved, object_paths.match(
                         saved, paths, variables, {name: leaves[name]}))
             if not self._deferred:
-                _waiting.discard(self)
+                restoring.waiting.discard(self)
 
     def _remember_restored(self, path: str, saved: dict, paths: dict,
                            prefix: str) -> None:
@@ -579,14 +484,13 @@ class ShardedCheckpoint:
             {name: value}, ShardedCheckpoint, prefix + container)
         by_object = self._variables_by_object(leaves)
         for leaf, variables in by_object.items():
-            if _ready(leaves[leaf], variables,
+            if restoring.ready(leaves[leaf], variables,
                       saved_objects.saved_keys_of(saved, leaf)):
                 self._restore(path, saved, object_paths.match(
                     saved, paths, variables, {leaf: leaves[leaf]}))
             else:
                 self._deferred[leaf] = (path, saved, paths, prefix)
-                _waiting.add(self)
-                _install_deferred_hooks()
+                restoring.defer(self)
 
     def restore(self, save_path: str,
                 options: Optional[CheckpointOptions] = None) -> LoadStatus:
@@ -606,95 +510,3 @@ class ShardedCheckpoint:
         self.save_counter = int(reading.read_index(save_path).get(
             "save_counter", 0))
         return status
-
-
-def _ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:
-    """Whether `obj`'s variables exist, so a restore can be applied now.
-
-    An object holding fewer variables than the checkpoint saved for it is
-    waited for while it is not built (a subclassed model before its first
-    call, an optimizer before its first step). A built one is restored now,
-    key by key, and what it lacks is reported by the `LoadStatus` (as
-    `tf.train.Checkpoint` restores a model with fewer layers partially).
-    """
-    import keras
-
-    if isinstance(obj, keras.Variable) or len(variables) >= len(wanted):
-        return True
-    # An optimizer is `built` while it still makes its slots: count those.
-    return (isinstance(obj, keras.layers.Layer) and bool(variables)
-            and obj.built)
-
-
-def _chief_path(engine: ReplicaEngine, path: str) -> str:
-    """Where a multi-process save goes: the chief's `path`.
-
-    As the tf.distribute multi-worker tutorials do, other processes may
-    pass their own (temporary) directory: their part of the checkpoint
-    goes into the chief's, and their own directory is only created (the
-    tutorials delete it after each save).
-    """
-    chief_path = engine.broadcast_text(path)
-    if chief_path != path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    return chief_path
-
-
-def _finish_save(path: str, entries: dict, process_id: int,
-                 process_count: int, metadata: dict,
-                 options: CheckpointOptions,
-                 on_commit: Optional[Callable[[], None]],
-                 started: float) -> None:
-    """Writes this process's shards; the chief then commits."""
-    timeout_s = options.timeout_seconds
-    temporary = ckpt_writing.temporary_path(path)
-    try:
-        ckpt_writing.write_process_shards(temporary, entries, process_id)
-    except BaseException as error:
-        ckpt_writing.report_failure(temporary, process_id, error)
-        if process_id == 0:
-            ckpt_writing.abandon(path)
-        raise
-    if process_id == 0:
-        ckpt_writing.commit(path, process_count, metadata, timeout_s)
-        if on_commit is not None:
-            on_commit()
-    else:
-        ckpt_writing.wait_committed(path, timeout_s)
-        if not os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
-            raise CheckpointError(
-                f"Saving {path!r} failed on the chief (process 0); see its "
-                "error. The previous checkpoint is kept.")
-    progress.report(options.verbose, "saved", path, sum(
-        array.nbytes for entry in entries.values() for _, array in entry[3]),
-        started, process_id, process_count)
-
-
-def _install_deferred_hooks() -> None:
-    keras_services.get().install_deferred_restores()
-
-
-# Checkpoints with a background save that may still run (weakly held).
-_in_flight: "weakref.WeakSet[ShardedCheckpoint]" = weakref.WeakSet()
-
-
-def finish_background_saves() -> List[BaseException]:
-    """Waits for every background save of this process still running.
-
-    A `fit` stopped by an exception (an interrupt in a notebook) leaves its
-    last asynchronous save running; a new `fit` resuming from the same
-    directory must not read the directory before that save is committed or
-    abandoned. Failures are returned, not raised: they belong to the run
-    that was stopped, whose previous checkpoint is kept.
-
-    Returns:
-        The exceptions of the saves that failed.
-    """
-    failures = []
-    for checkpoint in list(_in_flight):
-        try:
-            checkpoint.sync()
-        except BaseException as error:  # noqa: BLE001 - reported to caller
-            failures.append(error)
-        _in_flight.discard(checkpoint)
-    return failures

@@ -239,14 +239,14 @@ def install_checkpoint_hooks() -> None:
     optimizer_class = registry.resolve("BaseOptimizer")
     base_trainer = registry.resolve("BaseTrainer")
 
-    from keras_distribute.checkpoint import sharded_checkpoint
+    from keras_distribute.checkpoint import restoring
 
     with _lock:
         if _checkpoint_hooks_installed:
             return
         _checkpoint_hooks_installed = True
-        apply = sharded_checkpoint.apply_deferred_restores
-        waiting = sharded_checkpoint._waiting
+        apply = restoring.apply_deferred_restores
+        waiting = restoring.waiting
 
         def after(original):
             @functools.wraps(original)
