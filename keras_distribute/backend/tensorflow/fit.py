@@ -16,25 +16,23 @@ import keras
 import tensorflow as tf
 from tensorflow.python.distribute import values as tf_values
 
-# kd's tf.distribute strategies -> their kd engine (weakly both ways: the
-# engine holds its tf.distribute strategy). The state of a strategy's
-# `fit` and gradient compression lives on the engine (`TfEngine`).
-_engines: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# The attribute of a tf.distribute strategy kd made that refers (weakly: the
+# engine holds its strategy) to its kd engine, where the state of the
+# strategy's `fit` and gradient compression lives (`TfEngine`). No
+# module-level table: the link goes with the strategy object.
+_ENGINE_ATTRIBUTE = "_keras_distribute_engine"
 
 
 def register_engine(tf_strategy: Any, engine: Any) -> None:
     """Records `engine` as the kd engine of `tf_strategy`."""
-    _engines[tf_strategy] = weakref.ref(engine)
+    setattr(tf_strategy, _ENGINE_ATTRIBUTE, weakref.ref(engine))
 
 
 def engine_of(tf_strategy: Any) -> Any:
     """The kd engine of a tf.distribute strategy, or `None` for one kd did
     not make (e.g. the user's own `tf.distribute.MirroredStrategy`)."""
-    try:
-        reference = _engines.get(tf_strategy)
-    except TypeError:  # None, or another object that takes no weak reference
-        return None
-    return reference() if reference is not None else None
+    reference = getattr(tf_strategy, _ENGINE_ATTRIBUTE, None)
+    return reference() if isinstance(reference, weakref.ref) else None
 
 
 def current_engine() -> Any:
