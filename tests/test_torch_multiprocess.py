@@ -632,6 +632,30 @@ def test_counting_metrics_are_global_with_one_ddp_and_one_reduction():
             "ddp_group_is_the_mesh_group": True}
 
 
+def test_a_compiled_step_matches_one_process_and_never_recompiles():
+    # #32: `jit_compile=True` runs Keras' step through torch.compile under
+    # the held DDP. kd's per-step Python state (the watchdog's step count,
+    # the DDP lookup) ran inside the traced step: a guard that failed at
+    # every step, so each step recompiled until dynamo gave up (8 times)
+    # and ran it eagerly. Now no frame compiles after the first epoch.
+    results = kd.launch(workers.compiled_fit, num_processes=2,
+                        timeout=TIMEOUT)
+    x, y = workers.make_data()
+    model = workers.make_model(workers.initial_weights())
+    history = model.fit(x, y, batch_size=workers.BATCH, epochs=3,
+                        shuffle=False, verbose=0).history
+    for result in results:
+        assert result["jit_compile"] is True
+        first_epoch, third_epoch = result["compiled"]
+        assert first_epoch == third_epoch, result["compiled"]
+        np.testing.assert_allclose(result["loss"], history["loss"],
+                                   rtol=1e-5)
+        for a, b, c in zip(result["weights"], results[0]["weights"],
+                           model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_equals_one_process_and_skips_together(policy):
     # #16: parity under a mixed policy (tolerance of the compute dtype),

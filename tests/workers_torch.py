@@ -996,3 +996,34 @@ def unknown_cardinality():
             dataset, verbose=0), [keras.ops.convert_to_numpy(w)
                                   for w in model.weights]))
     return results
+
+
+def compiled_fit():
+    """`jit_compile=True` (Keras' step through `torch.compile`) under the
+    strategy: the history, the weights, and how many frames dynamo compiled
+    by the end of the first epoch and of the third (the same when no step
+    recompiles)."""
+    _setup()
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    x, y = make_data()
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model(initial_weights())
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"], jit_compile=True)
+    counters = torch._dynamo.utils.counters["frames"]
+    first = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0).history
+    compiled_after_one = counters["total"]
+    rest = model.fit(x, y, batch_size=BATCH, epochs=3, initial_epoch=1,
+                     shuffle=False, verbose=0).history
+    return {"loss": first["loss"] + rest["loss"],
+            "weights": [w.tolist() for w in model.get_weights()],
+            "jit_compile": model.jit_compile,
+            "compiled": (compiled_after_one, counters["total"])}

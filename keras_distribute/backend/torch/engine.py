@@ -259,11 +259,23 @@ class TorchEngine:
         return held[0]
 
     # ------------------------------------------------------------ training
+    @torch.compiler.disable
+    def step_begins(self, model: Any) -> Any:
+        """Counts a training step (the watchdog reads the count) and returns
+        the DDP that wraps `model` (made at its first step).
+
+        Python state, kept out of a step `torch.compile` traces
+        (`jit_compile=True`): one graph break where the step begins, where
+        a traced counter or DDP lookup would be a guard failing at every
+        step (a recompile per step, then eager).
+        """
+        torch_peers.advance()
+        return self.ddp(model)
+
     def train_step(self, model: Any, data: Any) -> Any:
         """Keras' torch train step, forwarding through the held DDP."""
         from keras_distribute.backend.torch import training as torch_training
 
-        torch_peers.advance()
         return torch_training.train_step(self, model, data)
 
     def global_metric_states(self, variables: Sequence[Any]):

@@ -6,6 +6,8 @@ import contextlib
 import functools
 from typing import Any, Optional
 
+import torch
+
 from keras_distribute.job import peer_board
 from keras_distribute.job import process_notes
 from keras_distribute.common.errors import WorkerLostError
@@ -84,12 +86,16 @@ def collective(method):
     def counted(*args, **kwargs):
         if peer_board.board() is None:
             return method(*args, **kwargs)
-        peer_board.advance()
+        advance()
         with naming_a_lost_peer():
             return method(*args, **kwargs)
 
     return counted
 
 
-advance = peer_board.advance
+# Counting a step is Python state the watchdog reads: it runs as Python
+# even inside a step `torch.compile` traces (`jit_compile=True`), where a
+# traced counter would be a guard that fails at every step (a recompile per
+# step until dynamo gives up and runs the step eagerly).
+advance = torch.compiler.disable(peer_board.advance)
 stop = peer_board.stop

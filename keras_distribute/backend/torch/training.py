@@ -19,7 +19,7 @@ def train_step(engine, model: Any, data: Any) -> Any:
 
     tree = keras.tree
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    wrapper = engine.ddp(model)
+    wrapper = engine.step_begins(model)  # counted; the held DDP
     if model._call_has_training_arg:
         y_pred = wrapper(x, training=True)
     else:
