@@ -1,10 +1,16 @@
 """Steady-state training step time on 2 gloo processes: kd vs hand-written DDP.
 
-kd side: `model.fit` under `kd.MirroredStrategy()` in each process.
+kd side: `model.fit` under `kd.MirroredStrategy()` in each process, eager
+and with `jit_compile=True` (Keras' step through `torch.compile`).
 Native side: the same Keras model (a `torch.nn.Module`) wrapped in
 `DistributedDataParallel`, trained by a plain torch loop (forward, loss,
-backward, `torch.optim.Adam.step`) on the same per-rank batches. Trials
-alternate; medians compared. Prints one JSON object.
+backward, `torch.optim.Adam.step`) on the same per-rank batches. On a Keras
+that distributes torch itself (3.16), Keras' own `DataParallel` too: each
+process fits its rows of every global batch. Controls: single-process Keras
+`fit` and the plain torch loop on one per-rank batch, which give what
+distribution adds (kd over Keras alone, DDP over the loop alone). Every
+trial runs each side once, in turn; medians compared. Prints one JSON
+object.
 
 Usage:
     python benchmarks/bench_fit_torch.py [--steps 60] [--trials 3]
@@ -26,6 +32,11 @@ def parse_args(argv=None):
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument(
+        "--anchor-only", action="store_true",
+        help="time kd and the hand-written DDP loop only (the regression "
+             "guard's short run); the controls and the other rows need "
+             "the full run")
     return parser.parse_args(argv)
 
 
@@ -38,7 +49,7 @@ def _data(args):
             rng.integers(0, 10, size=(n,)))
 
 
-def kd_times(args, compression=None):
+def kd_times(args, compression=None, jit_compile="auto"):
     """`fit` under kd.MirroredStrategy: per-step times of the epochs after
     the first, and the gradient bytes all-reduced per step (counted by kd
     where it compresses, else `None`)."""
@@ -53,7 +64,7 @@ def kd_times(args, compression=None):
         communication_options=kd.CommunicationOptions(
             compression=compression))
     with strategy.scope():
-        model = make_model()
+        model = make_model(jit_compile)
     timer = EpochTimer()
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
               shuffle=False, verbose=0, callbacks=[timer])
@@ -122,6 +133,42 @@ def native_times(args):
     return _torch_loop_times(args, distributed=True)
 
 
+def kd_compiled_times(args):
+    """`fit` under kd.MirroredStrategy with `jit_compile=True`."""
+    return kd_times(args, jit_compile=True)[0]
+
+
+def keras_data_parallel_times(args):
+    """Keras' own torch `DataParallel` (Keras 3.16): each process fits its
+    rows of every global batch, Keras wrapping the model in its DDP."""
+    import keras
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from keras_distribute.backend.torch import ensure_process_group
+    from _common import EpochTimer, make_model
+
+    ensure_process_group()  # Keras' `initialize` on the launcher's group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Each process passes its own rows (as kd's fit takes them).
+    distribution = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices(), auto_shard_dataset=False)
+    keras.distribution.set_distribution(distribution)
+    x, y = _data(args)
+    local = args.batch_size // world
+    rows = np.concatenate([
+        np.arange(step * args.batch_size + rank * local,
+                  step * args.batch_size + (rank + 1) * local)
+        for step in range(args.steps)])
+    model = make_model()
+    timer = EpochTimer()
+    model.fit(x[rows], y[rows], batch_size=local, epochs=args.epochs,
+              shuffle=False, verbose=0, callbacks=[timer])
+    return timer.per_step[1:]
+
+
 def keras_single_times(args):
     """Control: plain Keras `fit` in one process on a per-rank batch."""
     import torch
@@ -143,35 +190,77 @@ def torch_single_times(args):
     return _torch_loop_times(args, distributed=False)
 
 
+def _keras_distributes_torch():
+    import keras
+
+    return keras.version() >= "3.16"
+
+
 def main():
+    import keras
     import numpy as np
 
     import keras_distribute as kd
 
     args = parse_args()
-    kd_all, native_all = [], []
-    for _ in range(args.trials):
-        kd_all += kd.launch(kd_times, num_processes=2, args=(args,))[0][0]
-        native_all += kd.launch(native_times, num_processes=2, args=(args,))[0]
-    kd_ms = 1000 * float(np.median(kd_all))
-    native_ms = 1000 * float(np.median(native_all))
-    keras_ms = 1000 * float(np.median(
-        kd.launch(keras_single_times, num_processes=1, args=(args,))[0]))
-    torch_ms = 1000 * float(np.median(
-        kd.launch(torch_single_times, num_processes=1, args=(args,))[0]))
-    record("fit_torch", {
+    sides = {"kd": lambda: kd.launch(kd_times, num_processes=2,
+                                     args=(args,))[0][0],
+             "native": lambda: kd.launch(native_times, num_processes=2,
+                                         args=(args,))[0],
+             "kd_compiled": lambda: kd.launch(
+                 kd_compiled_times, num_processes=2, args=(args,))[0],
+             "keras_single": lambda: kd.launch(
+                 keras_single_times, num_processes=1, args=(args,))[0],
+             "torch_single": lambda: kd.launch(
+                 torch_single_times, num_processes=1, args=(args,))[0]}
+    if args.anchor_only:
+        sides = {name: sides[name] for name in ("kd", "native")}
+    elif _keras_distributes_torch():
+        sides["keras_data_parallel"] = lambda: kd.launch(
+            keras_data_parallel_times, num_processes=2, args=(args,))[0]
+    times = {name: [] for name in sides}
+    for _ in range(args.trials):  # interleaved: each side once per trial
+        for name, run in sides.items():
+            times[name] += run()
+    ms = {name: 1000 * float(np.median(values))
+          for name, values in times.items()}
+    spread = {name: [round(1000 * float(min(values)), 3),
+                     round(1000 * float(max(values)), 3)]
+              for name, values in times.items()}
+    result = {
         "benchmark": "fit_step_time_torch",
+        "keras": keras.__version__,
         "processes": 2,
         "global_batch": args.batch_size,
-        "epochs_timed": len(kd_all),
-        "kd_mirrored_ms": round(kd_ms, 3),
-        "hand_written_ddp_ms": round(native_ms, 3),
-        "ratio": round(kd_ms / native_ms, 3),
+        "trials": args.trials,
+        "epochs_timed": len(times["kd"]),
+        "kd_mirrored_ms": round(ms["kd"], 3),
+        "hand_written_ddp_ms": round(ms["native"], 3),
+        "ratio": round(ms["kd"] / ms["native"], 3),
         "goal": "<= 1.05",
-        "control_single_process_keras_fit_ms": round(keras_ms, 3),
-        "control_single_process_torch_loop_ms": round(torch_ms, 3),
-        "control_keras_fit_overhead_ratio": round(keras_ms / torch_ms, 3),
+        "spread_ms": spread,
+    }
+    if args.anchor_only:
+        record("fit_torch_anchor_only", result)
+        return 0
+    result.update({
+        "kd_compiled_ms": round(ms["kd_compiled"], 3),
+        "kd_compiled_over_ddp": round(ms["kd_compiled"] / ms["native"], 3),
+        "control_single_process_keras_fit_ms": round(ms["keras_single"], 3),
+        "control_single_process_torch_loop_ms": round(ms["torch_single"], 3),
+        "control_keras_fit_overhead_ratio": round(
+            ms["keras_single"] / ms["torch_single"], 3),
+        # What distribution adds: kd over Keras alone on the per-rank
+        # batch, against DDP over the plain loop alone.
+        "kd_over_keras_single": round(ms["kd"] / ms["keras_single"], 3),
+        "ddp_over_torch_single": round(ms["native"] / ms["torch_single"], 3),
     })
+    if "keras_data_parallel" in ms:
+        result["keras_data_parallel_ms"] = round(ms["keras_data_parallel"], 3)
+        result["kd_over_keras_data_parallel"] = round(
+            ms["kd"] / ms["keras_data_parallel"], 3)
+    record("fit_torch_next" if "keras_data_parallel" in ms else "fit_torch",
+           result)
     return 0
 
 

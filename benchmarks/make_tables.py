@@ -51,6 +51,21 @@ def fit_table():
             f"| `{script}` ({setup.format(**r)}) | {_ms(r['kd_mirrored_ms'])}"
             f"/step | {native_name} {_ms(r[native_key])} | {r['ratio']:.3f} "
             f"| {r['goal'].replace('<=', '≤')} | {_run(entry)} |")
+        if "kd_compiled_ms" in r:
+            rows.append(
+                f"| `{script}` ({setup.format(**r)}), `jit_compile=True` "
+                f"(`torch.compile`) | {_ms(r['kd_compiled_ms'])}/step | "
+                f"{native_name} (eager) {_ms(r[native_key])} | "
+                f"{r['kd_compiled_over_ddp']:.3f} | ≤ 1.0 | {_run(entry)} |")
+    if os.path.exists(os.path.join(RESULTS, "fit_torch_next.json")):
+        entry = _load("fit_torch_next")
+        r = entry["result"]
+        rows.append(
+            f"| `bench_fit_torch.py` ({r['processes']} gloo processes), "
+            f"Keras {r['keras']} | {_ms(r['kd_mirrored_ms'])}/step | Keras' "
+            f"own torch `DataParallel` {_ms(r['keras_data_parallel_ms'])} | "
+            f"{r['kd_over_keras_data_parallel']:.3f} | < 1 (ahead) | "
+            f"{_run(entry)} |")
     for name, script, setup, unit in (
             ("model_parallel_jax", "bench_model_parallel_jax.py",
              "4 × 2 mesh", "device"),
@@ -74,6 +89,20 @@ def fit_table():
         f"{_ms(torch['control_single_process_torch_loop_ms'])} "
         f"({torch['control_keras_fit_overhead_ratio']:.2f}×): the part of "
         "the torch ratio that is Keras' own `fit` machinery.")
+    if "kd_over_keras_single" in torch:
+        rows.append("")
+        rows.append(
+            "What distribution adds, same run: kd's 2-process step over "
+            "single-process Keras `fit` on one per-rank batch "
+            f"{torch['kd_over_keras_single']:.3f}×, against DDP's over the "
+            f"plain loop alone {torch['ddp_over_torch_single']:.3f}× (on one "
+            "2-core machine both pay the all-reduce and two processes "
+            "sharing the cores); kd adds "
+            f"{torch['kd_over_keras_single'] / torch['ddp_over_torch_single']:.3f}"
+            "× what DDP itself adds. Medians of "
+            f"{torch['trials']} interleaved trials; min–max per side (ms): "
+            + ", ".join(f"{name} {low:.2f}–{high:.2f}" for name, (low, high)
+                        in torch["spread_ms"].items()) + ".")
     return "\n".join(rows)
 
 

@@ -34,6 +34,13 @@ if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
 fi
 echo "=== docs/benchmarks.md tables match benchmarks/results/ ==="
 .venv/bin/python benchmarks/make_tables.py --check || status=1
+# A short run of each fit benchmark (kd and its anchor interleaved): its
+# ratios go to this log, and it fails only on a gross slow-down (over 1.25x
+# the recorded ratio). KD_BENCH_GUARD=0 skips it (e.g. on a busy machine).
+if [ $# -eq 0 ] && [ "${KD_BENCH_GUARD:-1}" != "0" ]; then
+  echo "=== benchmarks: short-run regression guard ==="
+  .venv/bin/python benchmarks/regression_guard.py || status=1
+fi
 # The second stack: the pinned next Keras (constraints-next.txt) first on
 # the path. It must really be the one imported (else this proves nothing).
 next_version=$(sed -n 's/^keras-nightly==//p' constraints-next.txt)

@@ -1,0 +1,86 @@
+"""CI's guard against a gross slow-down of `fit`: short runs of the benchmarks.
+
+Runs each fit benchmark briefly (a few hundred steps, kd and its anchor
+interleaved, as the full scripts do), writing into a temporary directory so
+that the recorded results stay as they are, and prints each ratio next to
+the one recorded in `benchmarks/results/`. It fails only when a ratio grew
+by more than `--limit` (1.25×) over the recorded one: a short run on a
+shared 2-core machine moves by several percent, a regression that matters
+(a per-step cost that doubles kd's overhead) moves by more. The full
+benchmarks stay out of CI; their figures are in docs/benchmarks.md.
+
+Usage:
+    python benchmarks/regression_guard.py [--limit 1.25] [--only torch]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+# (backend, script, its short-run arguments, the file it writes, the one
+# recorded by the full run)
+RUNS = (
+    ("jax", "bench_fit_jax.py", ["--steps", "40", "--trials", "3"],
+     "fit_jax", "fit_jax"),
+    ("tensorflow", "bench_fit_tf.py", ["--steps", "40", "--trials", "3"],
+     "fit_tensorflow", "fit_tensorflow"),
+    ("torch", "bench_fit_torch.py",
+     ["--steps", "30", "--epochs", "3", "--trials", "2", "--anchor-only"],
+     "fit_torch_anchor_only", "fit_torch"),
+)
+
+
+def _ratio(directory: str, name: str) -> float:
+    with open(os.path.join(directory, f"{name}.json")) as file:
+        return float(json.load(file)["result"]["ratio"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=float, default=1.25,
+                        help="fail when a ratio exceeds the recorded one "
+                             "by more than this factor")
+    parser.add_argument("--only", choices=[run[0] for run in RUNS],
+                        action="append", help="the backends to run")
+    args = parser.parse_args(argv)
+    if args.limit <= 1.0:
+        parser.error(f"--limit must be above 1.0 (a factor over the recorded "
+                     f"ratio); received {args.limit}")
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="kd-bench-guard-") as directory:
+        for backend, script, options, written, recorded in RUNS:
+            if args.only and backend not in args.only:
+                continue
+            env = dict(os.environ, KD_BENCH_RESULTS=directory,
+                       KERAS_BACKEND=backend)
+            command = [sys.executable, os.path.join(HERE, script), *options]
+            run = subprocess.run(command, env=env, capture_output=True,
+                                 text=True, timeout=900)
+            if run.returncode != 0:
+                print(f"{script}: exited {run.returncode}\n{run.stderr[-4000:]}")
+                failed.append(script)
+                continue
+            now, before = _ratio(directory, written), _ratio(RESULTS, recorded)
+            growth = now / before
+            verdict = "ok" if growth <= args.limit else "REGRESSION"
+            print(f"{script} (short run): kd / anchor {now:.3f}; recorded "
+                  f"{before:.3f}; {growth:.2f}× the recorded ratio "
+                  f"(limit {args.limit:.2f}×): {verdict}")
+            if growth > args.limit:
+                failed.append(script)
+    if failed:
+        print(f"Slower than the recorded benchmarks allow: {failed}. Run the "
+              "full script (python benchmarks/<script>) on an idle machine to "
+              "confirm, and find the per-step cost the change added.")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
