@@ -255,7 +255,46 @@ def soak_table():
     return "\n".join(rows)
 
 
-TABLES = {"fit": fit_table, "soak": soak_table, "checkpoint": checkpoint_table,
+def _bar(value, largest, width=40):
+    return "█" * max(1, round(width * value / largest))
+
+
+def scaling_table():
+    entry = _load("scaling")
+    r = entry["result"]
+    rows = [f"Per-replica batch {r['per_replica_batch']} rows (the global "
+            f"batch grows with the replicas), {r['steps']} steps × "
+            f"{r['epochs']} epochs, median step of the epochs after the "
+            f"first; run {_run(entry)} ({entry['machine']}).", "",
+            "| backend | job | replicas | start-up | step | gradient bytes "
+            "all-reduced / step | sent per replica (ring) |",
+            "|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        job = (f"{row['processes']} process" + "es" * (row["processes"] > 1)
+               if "processes" in row else
+               f"1 process, {row['devices']} simulated devices")
+        rows.append(
+            f"| {row['backend']} | {job} | {row['replicas']} | "
+            f"{row['startup_s']:.1f} s | {_ms(row['step_ms'])} | "
+            f"{row['gradient_bytes_per_step']:,} | "
+            f"{row['ring_bytes_sent_per_replica']:,} |")
+    largest_step = max(row["step_ms"] for row in r["rows"])
+    largest_start = max(row["startup_s"] for row in r["rows"])
+    plot = ["", "```text", "step time (ms)                                  "
+            "start-up (s)"]
+    for row in r["rows"]:
+        label = (f"{row['backend']:5} {row['processes']} proc"
+                 if "processes" in row else
+                 f"jax   {row['devices']} dev ")
+        plot.append(f"{label:13} {_bar(row['step_ms'], largest_step, 28):28} "
+                    f"{row['step_ms']:6.1f}  "
+                    f"{_bar(row['startup_s'], largest_start, 20):20} "
+                    f"{row['startup_s']:5.1f}")
+    plot.append("```")
+    return "\n".join(rows + plot)
+
+
+TABLES = {"fit": fit_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
           "compression": compression_table,
