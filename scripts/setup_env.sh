@@ -13,7 +13,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # A CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
   .venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[jax,tensorflow,torch,test,examples,docs,hub,ray]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[jax,tensorflow-cpu,torch,test,examples,docs,hub,ray]"
   # keras-hub without its dependencies: tensorflow-text would pull the full
   # tensorflow wheel next to tensorflow-cpu (see pyproject.toml, extra "hub").
   .venv/bin/python -m pip install -q -c constraints.txt --no-deps keras-hub==0.32.0

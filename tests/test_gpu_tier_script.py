@@ -41,3 +41,25 @@ def test_the_gpu_check_command_skips_with_its_reason_without_a_gpu(tmp_path):
     assert int(suite.get("tests")) >= 5
     assert int(suite.get("skipped")) == int(suite.get("tests"))
     assert (tmp_path / "versions.txt").read_text().startswith("keras ")
+
+
+def test_the_extras_name_the_builds_users_install():
+    # #33: the `tensorflow` extra pulled `tensorflow-cpu`, which pip put next
+    # to a user's CUDA `tensorflow` (both write the `tensorflow` module).
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["tensorflow"] == ["tensorflow>=2.16"]
+    assert extras["tensorflow-cpu"] == ["tensorflow-cpu>=2.16"]
+    assert extras["tensorflow-cuda"] == ["tensorflow[and-cuda]>=2.16"]
+    assert extras["jax-cuda12"] == ["jax[cuda12]>=0.6"]
+    # The CPU machines' commands install the CPU builds, never both.
+    setup = (ROOT / "scripts" / "setup_env.sh").read_text()
+    installed = re.search(r'-e "\.\[([^\]]+)\]"', setup).group(1).split(",")
+    assert "tensorflow-cpu" in installed and "tensorflow" not in installed
+    # Every extra docs/gpu.md names exists.
+    named = re.findall(r'keras_distribute\[([\w-]+)\]',
+                       (ROOT / "docs" / "gpu.md").read_text())
+    assert named and set(named) <= set(extras), named
