@@ -18,7 +18,8 @@ if [ "$workers" != "0" ]; then
 fi
 rm -f .venv/bad-inputs-*.json*
 # The type check (config in pyproject.toml): the whole package, strictly on
-# the engine contract (backend/interface.py) and the lowest layer (common/).
+# the engine contract (backend/interface.py), the lowest layer (common/) and
+# the checkpoint's save and restore protocol (checkpointer, restoring).
 echo "=== type check: mypy -p keras_distribute ==="
 .venv/bin/python -m mypy -p keras_distribute || status=1
 for backend in $backends; do

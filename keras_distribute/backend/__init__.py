@@ -13,6 +13,7 @@ them: what an engine needs from above is handed to it (see
 """
 
 import importlib
+from typing import Any
 
 _SUPPORTED = {
     "jax": "keras_distribute.backend.jax",
@@ -28,7 +29,7 @@ def backend_name() -> str:
     return keras.backend.backend()
 
 
-def get_backend():
+def get_backend() -> Any:
     """Returns the backend module (see `interface.BackendModule`).
 
     Raises:

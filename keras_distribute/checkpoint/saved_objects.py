@@ -179,7 +179,7 @@ class HostBuffers:
     longer saved are let go.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buffers: Dict[tuple, np.ndarray] = {}
         self._used: Dict[tuple, np.ndarray] = {}
 
