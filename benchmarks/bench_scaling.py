@@ -82,8 +82,7 @@ def process_worker(backend: str, launched_at: float, steps: int,
               shuffle=False, verbose=0, callbacks=[timer])
     return {"ready_s": ready_s, "per_step": timer.per_step[1:],
             "replicas": replicas,
-            "parameters": int(sum(v.numpy().size
-                                  for v in model.trainable_variables))}
+            "parameters": model.count_params()}
 
 
 def measure_processes(args) -> dict:
@@ -126,8 +125,7 @@ def measure_devices(args) -> dict:
             "replicas": strategy.num_replicas_in_sync,
             "startup_s": round(ready_s, 2),
             "step_ms": round(1000 * float(np.median(timer.per_step[1:])), 2),
-            "parameters": int(sum(np.asarray(v.value).size
-                                  for v in model.trainable_variables))}
+            "parameters": model.count_params()}
 
 
 def _child(options) -> dict:
