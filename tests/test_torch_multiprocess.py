@@ -179,6 +179,44 @@ def test_a_hung_rank_that_still_runs_is_named_by_the_survivor():
     assert_hung_peer_is_named(kd.launch, workers.hang_on_rank_one)
 
 
+def test_launches_fork_from_a_server_that_imported_keras_once(
+        monkeypatch, capfd):
+    # Every launch but the first starts in well under a second (no import
+    # of Keras; docs/benchmarks.md has the figures): its processes are forks of one server (their parent) that imported Keras
+    # once; each still gets the launcher's environment and output of the
+    # moment, its own NumPy random state and Python's SIGINT handler.
+    from keras_distribute.launch import starting
+
+    first = kd.launch(workers.how_it_started, num_processes=2, args=("a",),
+                      timeout=TIMEOUT)
+    monkeypatch.setenv("KD_TEST_TAG", "changed after the server started")
+    capfd.readouterr()
+    second = kd.launch(workers.how_it_started, num_processes=2, args=("b",),
+                       timeout=TIMEOUT)
+    assert starting.start_method() == "forkserver"
+    server = {p["parent"] for p in first + second}
+    assert len(server) == 1 and os.getpid() not in server
+    assert all(p["keras_preloaded"] and p["sigint"] for p in first + second)
+    assert [p["tag"] for p in second] == ["changed after the server started"] * 2
+    assert second[0]["random"] != second[1]["random"]
+    out = capfd.readouterr().out
+    assert "launched process 0 says b" in out and "says a" not in out
+    # A variable imports read changed: the server's imports are stale, so
+    # the launch spawns (its processes are the launcher's children).
+    monkeypatch.setenv("KERAS_HOME", os.path.join(os.getcwd(), "other"))
+    assert starting.start_method() == "spawn"
+    spawned = kd.launch(workers.how_it_started, num_processes=1,
+                        args=("c",), timeout=TIMEOUT)
+    assert spawned[0]["parent"] == os.getpid()
+    monkeypatch.delenv("KERAS_HOME")
+    monkeypatch.setenv("KERAS_DISTRIBUTE_START_METHOD", "spawn")
+    assert starting.start_method() == "spawn"
+    monkeypatch.setenv("KERAS_DISTRIBUTE_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="Expected KERAS_DISTRIBUTE_START_"
+                       "METHOD to be one of.*Received: 'fork'"):
+        kd.launch(workers.rank_and_world, num_processes=1)
+
+
 def test_launch_argument_errors():
     with pytest.raises(ValueError, match="positive int"):
         kd.launch(workers.rank_and_world, num_processes=0)

@@ -261,6 +261,19 @@ def rank_and_world():
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+def how_it_started(tag):
+    """What a launched process took from the launcher (starting.py)."""
+    import signal
+    import sys
+
+    print(f"launched process {os.environ['RANK']} says {tag}", flush=True)
+    return {"parent": os.getppid(), "keras_preloaded": "keras" in sys.modules,
+            "tag": os.environ.get("KD_TEST_TAG"),
+            "random": float(np.random.rand()),
+            "sigint": signal.getsignal(signal.SIGINT)
+            is signal.default_int_handler}
+
+
 def fit_quiet():
     """fit with nothing reading batch logs: epoch logs must still be global."""
     _setup()

@@ -2,6 +2,8 @@
 
 - `launcher`: `kd.launch` and `kd.notebook_launcher` run a function in N
   local processes that form a group, and return what each returned.
+- `starting`: how those processes start (forked from a server that imported
+  Keras once, with the launcher's environment and output of the moment).
 - `script`: `python -m keras_distribute.launch --nproc N script.py args`
   runs a script in N processes, forwards signals, restarts a preempted job.
 

@@ -9,7 +9,6 @@ and the failure is raised with that rank's traceback.
     python -m keras_distribute.launch --nproc 2 train.py --epochs 3
 """
 
-import multiprocessing
 import os
 import pickle
 import queue as queue_module
@@ -39,6 +38,7 @@ from keras_distribute.job.processes import last_note
 from keras_distribute.job.processes import process_env
 from keras_distribute.job.processes import signal_name
 from keras_distribute.job.processes import stop_process
+from keras_distribute.launch import starting
 
 
 class LaunchError(RuntimeError):
@@ -80,7 +80,8 @@ def _check_main_guard() -> None:
 
 
 def _worker(payload: bytes, rank: int, world_size: int, port: int,
-            job_ports, results, notes_dir=None) -> None:
+            job_ports, results, notes_dir=None, launcher=None) -> None:
+    starting.become_launched(launcher)
     os.environ.update(process_env(rank, world_size, port, job_ports,
                                   notes_dir))
     try:
@@ -102,6 +103,7 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
         results.put((rank, False, traceback.format_exc()))
     finally:
         _destroy_process_group()
+        starting.leave_launched(launcher)
 
 
 def _destroy_process_group() -> None:
@@ -131,6 +133,11 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
 
     Functions defined in a script or a notebook both work: `fn` travels by
     value (cloudpickle). Return values must be picklable.
+
+    The processes are forked from a server that imported Keras once (see
+    `keras_distribute.launch.starting`): only the first launch of a
+    process pays for the import. `KERAS_DISTRIBUTE_START_METHOD=spawn`
+    starts a fresh interpreter per process instead.
 
     Args:
         fn: The function each process runs.
@@ -169,14 +176,15 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
         raise ValueError(f"Expected `fn` to be callable. Received: fn={fn!r}.")
     _check_main_guard()
     payload = cloudpickle.dumps((fn, tuple(args)))
-    context = multiprocessing.get_context("spawn")
+    context, forks = starting.context_for_launch()
+    launcher = starting.launcher_state() if forks else None
     results = context.Queue()
     port, job_ports = free_port(), free_ports(num_processes)
     notes_dir = tempfile.mkdtemp(prefix="keras_distribute-notes-")
     processes = [
         context.Process(target=_worker,
                         args=(payload, rank, num_processes, port, job_ports,
-                              results, notes_dir))
+                              results, notes_dir, launcher))
         for rank in range(num_processes)
     ]
     for process in processes:

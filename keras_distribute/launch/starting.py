@@ -1,0 +1,166 @@
+"""How `kd.launch` starts its processes: from a fork server that imported Keras once.
+
+A fresh Python process spends seconds importing Keras and its backend (about
+6 s of CPU for Keras on torch on a CI core), and `kd.launch` used to pay that
+in every process of every launch. The standard library's fork server
+(`multiprocessing`'s "forkserver" start method) is started once per
+launching process and imports `keras` and `keras_distribute` (and the main
+script, as "spawn" would) before it forks; each launched process is a fork of
+it, started in a fraction of a second. The server is a fresh interpreter,
+not a fork of the launcher: nothing of the launcher's state reaches the
+processes beyond what "spawn" sends (the function, `sys.path`, the working
+directory).
+
+What a forked process would otherwise inherit from the server rather than
+from the launcher at launch time is handed over explicitly, so a process
+starts as a spawned one would:
+
+- the launcher's current environment (the server's is the one it started
+  with); when a variable a framework reads as it is imported changed since
+  the server started (`KERAS_BACKEND`, `JAX_*`, `XLA_FLAGS`, `TF_*`, ...)
+  the imports the server holds are stale, and that launch spawns;
+- the launcher's current standard output and error (a notebook cell, a
+  test's captured output);
+- a fresh NumPy global random state (fork would copy the server's);
+- Python's default SIGINT handler (`KeyboardInterrupt`), and the `atexit`
+  handlers run at the end (a forked process leaves through `os._exit`).
+
+`KERAS_DISTRIBUTE_START_METHOD=spawn` restores a fresh interpreter per
+process; platforms without a fork server (Windows) always spawn.
+
+Imports: `multiprocessing`, the standard library.
+"""
+
+import atexit
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import reduction
+from typing import Any, Dict, Optional, Tuple
+
+START_METHOD_VARIABLE = "KERAS_DISTRIBUTE_START_METHOD"
+START_METHODS = ("forkserver", "spawn")
+
+# What the fork server imports before it forks ("__main__" as the standard
+# fork server does: the launching script, under its main guard).
+PRELOADED_MODULES = ("__main__", "keras", "keras_distribute")
+
+# Variables that Keras, the frameworks and their native libraries read as
+# they are imported: a change since the server started makes its imports
+# stale.
+IMPORT_TIME_PREFIXES = ("KERAS", "JAX", "XLA", "TF_", "TORCH", "PYTORCH",
+                        "CUDA", "NCCL", "OMP_", "MKL", "OPENBLAS", "PYTHON",
+                        "LD_", "TPU", "GRPC")
+
+# The environment the fork server was started with (None: not started here).
+_server: Dict[str, Optional[Dict[str, str]]] = {"import_env": None}
+
+
+def import_time_env(environ=None) -> Dict[str, str]:
+    """The variables of `environ` (default `os.environ`) that imports read."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items()
+            if name.upper().startswith(IMPORT_TIME_PREFIXES)}
+
+
+def start_method() -> str:
+    """The start method the next launch uses: "forkserver" or "spawn".
+
+    Returns:
+        "spawn" when `KERAS_DISTRIBUTE_START_METHOD=spawn`, when the platform
+        has no fork server, or when a variable imports read changed since
+        this process's fork server started; else "forkserver".
+
+    Raises:
+        ValueError: if `KERAS_DISTRIBUTE_START_METHOD` is set to something
+            other than "forkserver" or "spawn".
+
+    Example:
+
+    >>> os.environ["KERAS_DISTRIBUTE_START_METHOD"] = "spawn"
+    >>> start_method()
+    'spawn'
+    """
+    wanted = os.environ.get(START_METHOD_VARIABLE, "forkserver")
+    if wanted not in START_METHODS:
+        raise ValueError(
+            f"Expected {START_METHOD_VARIABLE} to be one of {START_METHODS}. "
+            f"Received: {wanted!r}. Unset it (processes are forked from a "
+            "server that imported Keras once) or set it to 'spawn' (a fresh "
+            "interpreter per process).")
+    if (wanted == "spawn"
+            or "forkserver" not in multiprocessing.get_all_start_methods()):
+        return "spawn"
+    started_with = _server["import_env"]
+    if started_with is not None and started_with != import_time_env():
+        return "spawn"
+    return "forkserver"
+
+
+def context_for_launch() -> Tuple[Any, bool]:
+    """The `multiprocessing` context of a launch, and whether it forks.
+
+    The first forking launch sets the fork server's preloaded modules and
+    records the environment it starts with.
+    """
+    method = start_method()
+    context = multiprocessing.get_context(method)
+    if method == "forkserver" and _server["import_env"] is None:
+        context.set_forkserver_preload(list(PRELOADED_MODULES))
+        _server["import_env"] = import_time_env()
+    return context, method == "forkserver"
+
+
+class InheritedStream:
+    """A file descriptor of the launcher that a forked process takes over.
+
+    Pickled for the process while `multiprocessing` starts it, the
+    descriptor travels with it (`reduction.DupFd`: the fork server's file
+    descriptor passing); unpickled, it is the process's own descriptor.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def _received_fd(duplicate: Any) -> int:
+    return int(duplicate.detach())
+
+
+def launcher_state() -> Dict[str, Any]:
+    """What a forked process takes from the launcher at launch time."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return {"environ": dict(os.environ),
+            "streams": (InheritedStream(1), InheritedStream(2))}
+
+
+def become_launched(state: Optional[Dict[str, Any]]) -> None:
+    """Called first in a launched process: start as a spawned one would.
+
+    Args:
+        state: `launcher_state()` of the launch, or `None` for a spawned
+            process (which already has all of it).
+    """
+    if state is None:
+        return
+    os.environ.clear()
+    os.environ.update(state["environ"])
+    for source, target in zip(state["streams"], (1, 2)):
+        os.dup2(source, target)
+        os.close(source)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # from the OS, as a fresh import seeds it
+
+
+def leave_launched(state: Optional[Dict[str, Any]]) -> None:
+    """Called last in a launched process: a forked one runs the `atexit`
+    handlers its modules registered (it leaves through `os._exit`)."""
+    if state is not None:
+        atexit._run_exitfuncs()
