@@ -96,7 +96,7 @@ if _RECORD:
                     "test": f"{_current_test[0]}#{_current_test[1]}",
                     "backend": BACKEND,
                     "type": type(error).__name__,
-                    "message": str(error).strip().splitlines()[0][:300]
+                    "message": str(error).strip().splitlines()[0]
                     if str(error).strip() else ""})
             return handled
 

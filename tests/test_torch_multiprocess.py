@@ -201,6 +201,14 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
     assert second[0]["random"] != second[1]["random"]
     out = capfd.readouterr().out
     assert "launched process 0 says b" in out and "says a" not in out
+    # A stream the launcher has closed (a daemon's) is not handed over
+    # (the process keeps the server's) and the launch still runs.
+    is_open = starting._is_open
+    monkeypatch.setattr(starting, "_is_open", lambda fd: fd != 1)
+    assert [p["tag"] for p in kd.launch(
+        workers.how_it_started, num_processes=1, args=("d",),
+        timeout=TIMEOUT)] == ["changed after the server started"]
+    monkeypatch.setattr(starting, "_is_open", is_open)
     # A variable imports read changed: the server's imports are stale, so
     # the launch spawns (its processes are the launcher's children).
     monkeypatch.setenv("KERAS_HOME", os.path.join(os.getcwd(), "other"))

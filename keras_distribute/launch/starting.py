@@ -131,12 +131,26 @@ def _received_fd(duplicate: Any) -> int:
     return int(duplicate.detach())
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def launcher_state() -> Dict[str, Any]:
-    """What a forked process takes from the launcher at launch time."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    """What a forked process takes from the launcher at launch time.
+
+    A standard stream the launcher has closed (a daemon's) is not handed
+    over: the process keeps the fork server's.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     return {"environ": dict(os.environ),
-            "streams": (InheritedStream(1), InheritedStream(2))}
+            "streams": tuple(InheritedStream(fd) if _is_open(fd) else None
+                             for fd in (1, 2))}
 
 
 def become_launched(state: Optional[Dict[str, Any]]) -> None:
@@ -151,8 +165,9 @@ def become_launched(state: Optional[Dict[str, Any]]) -> None:
     os.environ.clear()
     os.environ.update(state["environ"])
     for source, target in zip(state["streams"], (1, 2)):
-        os.dup2(source, target)
-        os.close(source)
+        if source is not None:
+            os.dup2(source, target)
+            os.close(source)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
