@@ -57,10 +57,9 @@ IMPORT_TIME_PREFIXES = ("KERAS", "JAX", "XLA", "TF_", "TORCH", "PYTORCH",
 _server: Dict[str, Optional[Dict[str, str]]] = {"import_env": None}
 
 
-def import_time_env(environ=None) -> Dict[str, str]:
-    """The variables of `environ` (default `os.environ`) that imports read."""
-    environ = os.environ if environ is None else environ
-    return {name: value for name, value in environ.items()
+def import_time_env() -> Dict[str, str]:
+    """The variables of `os.environ` that imports read."""
+    return {name: value for name, value in os.environ.items()
             if name.upper().startswith(IMPORT_TIME_PREFIXES)}
 
 
