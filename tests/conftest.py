@@ -22,8 +22,10 @@ NUM_DEVICES = {"jax": 8, "tensorflow": 4}.get(BACKEND, 1)
 
 if BACKEND == "tensorflow":
     import keras_distribute as _kd
+    from worker_common import tf_data_iterators_without_autotune
 
     _kd.simulate_cpu_devices(NUM_DEVICES)
+    tf_data_iterators_without_autotune()  # why: its docstring
 
 requires_strategy = pytest.mark.skipif(
     BACKEND not in STRATEGY_BACKENDS,
