@@ -14,7 +14,8 @@ backends=${KD_BACKENDS:-jax tensorflow torch}
 workers=${KD_TEST_WORKERS:-2}
 parallel=""
 if [ "$workers" != "0" ]; then
-  parallel="-n $workers --dist loadfile"
+  # In collection order (tests/conftest.py puts the longest files first).
+  parallel="-n $workers --dist loadfile --no-loadscope-reorder"
 fi
 rm -f .venv/bad-inputs-*.json*
 # The type check (config in pyproject.toml): the whole package, strictly on
