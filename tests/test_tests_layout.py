@@ -37,3 +37,13 @@ def test_every_test_file_is_in_the_table_and_every_named_file_exists():
     files = {str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")}
     assert files - named == set(), "test files the table does not name"
     assert named - files == set(), "the table names files that do not exist"
+
+
+def test_the_longest_first_order_names_existing_files():
+    # conftest.LONGEST_FIRST sets the order xdist hands files out in
+    # (scripts/test.sh); a renamed file would silently fall back to the end.
+    from conftest import LONGEST_FIRST
+
+    missing = [name for name in LONGEST_FIRST if not (TESTS / name).exists()]
+    assert missing == [], f"conftest.LONGEST_FIRST names {missing}"
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
