@@ -3,6 +3,8 @@
 # backend, one after another (they would fight for 2 cores in parallel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# A stage's heading says when it began (minutes:seconds since this started).
+stage() { printf '=== %s (at %d:%02d) ===\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
 bash scripts/setup_env.sh || exit 1
 export TF_CPP_MIN_LOG_LEVEL=2
 status=0
@@ -21,33 +23,33 @@ rm -f .venv/bad-inputs-*.json*
 # The type check (config in pyproject.toml): the whole package, strictly on
 # the engine contract (backend/interface.py), the lowest layer (common/) and
 # the checkpoint's save and restore protocol (checkpointer, restoring).
-echo "=== type check: mypy -p keras_distribute ==="
+stage "type check: mypy -p keras_distribute"
 .venv/bin/python -m mypy -p keras_distribute || status=1
 for backend in $backends; do
-  echo "=== KERAS_BACKEND=$backend ==="
+  stage "KERAS_BACKEND=$backend"
   # Every bad input a test tries is recorded for docs/bad_inputs.md.
   KD_RECORD_BAD_INPUTS=.venv/bad-inputs-$backend.json KERAS_BACKEND=$backend \
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 \
     $parallel tests "$@" || status=1
 done
 if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
-  echo "=== docs/bad_inputs.md lists what the suite tries ==="
+  stage "docs/bad_inputs.md lists what the suite tries"
   .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json* || status=1
 fi
-echo "=== docs/benchmarks.md tables match benchmarks/results/ ==="
+stage "docs/benchmarks.md tables match benchmarks/results/"
 .venv/bin/python benchmarks/make_tables.py --check || status=1
 # A short run of each fit benchmark (kd and its anchor interleaved): its
 # ratios go to this log, and it fails only on a gross slow-down (over 1.25x
 # the recorded ratio). KD_BENCH_GUARD=0 skips it (e.g. on a busy machine).
 if [ $# -eq 0 ] && [ "${KD_BENCH_GUARD:-1}" != "0" ]; then
-  echo "=== benchmarks: short-run regression guard ==="
+  stage "benchmarks: short-run regression guard"
   .venv/bin/python benchmarks/regression_guard.py || status=1
 fi
 # The second stack: the pinned next Keras (constraints-next.txt) first on
 # the path. It must really be the one imported (else this proves nothing).
 next_version=$(sed -n 's/^keras-nightly==//p' constraints-next.txt)
 for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
-  echo "=== next Keras $next_version, KERAS_BACKEND=$backend ==="
+  stage "next Keras $next_version, KERAS_BACKEND=$backend"
   if ! PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend .venv/bin/python -c \
       "import keras, sys; sys.exit(keras.__version__ != '$next_version')"; then
     echo "the next Keras $next_version is not what .venv/keras-next imports"
@@ -73,9 +75,10 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
     -k "not lost_worker and not never_joins and not frozen_rank and not hung" \
     tests "$@" || status=1
 done
-echo "=== docs: mkdocs build --strict ==="
+stage "docs: mkdocs build --strict"
 site=$(mktemp -d)
 # No -q: strict mode then fails on every warning (griffe's included).
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$site" && echo "docs built" || status=1
 rm -rf "$site"
+stage "end: exit status $status"
 exit $status
