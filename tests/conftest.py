@@ -35,8 +35,9 @@ requires_strategy = pytest.mark.skipif(
 )
 
 
-# The files that take longest (seconds of a CI stage on 2 cores, summed
-# over the three backends), first: scripts/test.sh hands whole files to two
+# The files that take longest, roughly longest first (seconds of CI stages
+# on 2 cores, summed over the backends a file runs on; a one-backend file
+# goes early, as it is the longest of its stage): scripts/test.sh hands whole files to two
 # pytest-xdist workers in collection order (--no-loadscope-reorder; xdist's
 # own order, most tests first, put these last, and one worker then ran the
 # last long file alone). The rest keep their order.
