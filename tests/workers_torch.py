@@ -1031,12 +1031,20 @@ def compiled_fit():
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"], jit_compile=True)
     counters = torch._dynamo.utils.counters["frames"]
+    modes = []  # dynamo's DDP setting while `fit` runs
+
+    class ReadMode(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            modes.append(torch._dynamo.config.optimize_ddp)
+
     first = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
-                      verbose=0).history
+                      verbose=0, callbacks=[ReadMode()]).history
     compiled_after_one = counters["total"]
     rest = model.fit(x, y, batch_size=BATCH, epochs=3, initial_epoch=1,
                      shuffle=False, verbose=0).history
     return {"loss": first["loss"] + rest["loss"],
             "weights": [w.tolist() for w in model.get_weights()],
             "jit_compile": model.jit_compile,
-            "compiled": (compiled_after_one, counters["total"])}
+            "compiled": (compiled_after_one, counters["total"]),
+            "mode_in_fit": modes,
+            "mode_after_fit": torch._dynamo.config.optimize_ddp}

@@ -159,7 +159,10 @@ class TorchEngine:
                      kwargs: dict) -> Any:
         if not self.in_group:
             return method(model, *args, **kwargs)
-        with torch_peers.naming_a_lost_peer():
+        from keras_distribute.backend.torch import training as torch_training
+
+        with torch_peers.naming_a_lost_peer(), \
+                torch_training.compiled_ddp_mode(self, model):
             return method(model, *args, **kwargs)
 
     @property
