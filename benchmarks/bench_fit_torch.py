@@ -169,8 +169,9 @@ def keras_data_parallel_times(args):
     return timer.per_step[1:]
 
 
-def keras_single_times(args):
-    """Control: plain Keras `fit` in one process on a per-rank batch."""
+def keras_single_times(args, jit_compile="auto"):
+    """Control: plain Keras `fit` in one process on a per-rank batch
+    (`jit_compile=True`: Keras' step through `torch.compile`)."""
     import torch
 
     torch.set_num_threads(1)
@@ -178,16 +179,79 @@ def keras_single_times(args):
 
     x, y = _data(args)
     half = len(x) // 2
-    model = make_model()
+    model = make_model(jit_compile)
     timer = EpochTimer()
     model.fit(x[:half], y[:half], batch_size=args.batch_size // 2,
               epochs=args.epochs, shuffle=False, verbose=0, callbacks=[timer])
     return timer.per_step[1:]
 
 
+def keras_single_compiled_times(args):
+    """Control: single-process Keras `fit` with `jit_compile=True`."""
+    return keras_single_times(args, jit_compile=True)
+
+
 def torch_single_times(args):
     """Control: the hand-written loop in one process, without DDP."""
     return _torch_loop_times(args, distributed=False)
+
+
+def kd_code_microseconds(args, calls=2000):
+    """kd's own code in each training step, timed directly (`calls`
+    calls each, after a short `fit` under kd.MirroredStrategy on 2
+    processes; a profiler would inflate Python-heavy code): the metric-
+    results hook over Keras' own `get_metrics_result`, `step_begins` (the
+    step count and the held DDP's lookup), and taking this process's rows
+    of a global batch over slicing the same rows of an array."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    import keras_distribute as kd
+    from keras_distribute.input.process_data import ArrayShards
+    from _common import make_model
+
+    x, y = _data(args)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+    model.fit(x[:args.batch_size * 4], y[:args.batch_size * 4],
+              batch_size=args.batch_size, epochs=1, verbose=0)
+    engine = strategy._engine
+
+    def each(fn):
+        fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    # As inside `fit`'s train step when no callback reads batch logs.
+    engine._in_train_step, engine.sync_metrics_each_step = True, False
+    keras_results = type(model).get_metrics_result.__wrapped__
+    try:
+        hook = each(model.get_metrics_result) - each(
+            lambda: keras_results(model))
+        step_begins = each(lambda: engine.step_begins(model))
+    finally:
+        engine._in_train_step, engine.sync_metrics_each_step = False, True
+    shards = ArrayShards(engine, x, y, None, args.batch_size, shuffle=False)
+    local = args.batch_size // 2
+    batch = iter(range(10 ** 9))
+
+    def kd_rows():
+        shards[next(batch) % len(shards)]
+
+    def sliced_rows():
+        lo = (next(batch) % args.steps) * local
+        (x[lo:lo + local], y[lo:lo + local])
+
+    rows = each(kd_rows) - each(sliced_rows)
+    return {"metric_results_hook": round(hook, 1),
+            "step_begins": round(step_begins, 1),
+            "process_rows_over_slicing": round(rows, 1),
+            "total": round(hook + step_begins + rows, 1)}
 
 
 def _keras_distributes_torch():
@@ -211,6 +275,9 @@ def main():
                  kd_compiled_times, num_processes=2, args=(args,))[0],
              "keras_single": lambda: kd.launch(
                  keras_single_times, num_processes=1, args=(args,))[0],
+             "keras_single_compiled": lambda: kd.launch(
+                 keras_single_compiled_times, num_processes=1,
+                 args=(args,))[0],
              "torch_single": lambda: kd.launch(
                  torch_single_times, num_processes=1, args=(args,))[0]}
     if args.anchor_only:
@@ -248,6 +315,8 @@ def main():
         "kd_compiled_over_ddp": round(ms["kd_compiled"] / ms["native"], 3),
         "control_single_process_keras_fit_ms": round(ms["keras_single"], 3),
         "control_single_process_torch_loop_ms": round(ms["torch_single"], 3),
+        "control_single_process_keras_fit_compiled_ms": round(
+            ms["keras_single_compiled"], 3),
         "control_keras_fit_overhead_ratio": round(
             ms["keras_single"] / ms["torch_single"], 3),
         # What distribution adds: kd over Keras alone on the per-rank
@@ -255,6 +324,10 @@ def main():
         "kd_over_keras_single": round(ms["kd"] / ms["keras_single"], 3),
         "ddp_over_torch_single": round(ms["native"] / ms["torch_single"], 3),
     })
+    code = kd.launch(kd_code_microseconds, num_processes=2, args=(args,))[0]
+    result["kd_code_per_step_us"] = code
+    result["kd_code_share_of_step"] = round(
+        code["total"] / (1000 * ms["kd"]), 4)
     if "keras_data_parallel" in ms:
         result["keras_data_parallel_ms"] = round(ms["keras_data_parallel"], 3)
         result["kd_over_keras_data_parallel"] = round(
