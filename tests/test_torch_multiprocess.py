@@ -706,6 +706,40 @@ def test_a_compiled_step_matches_one_process_and_never_recompiles():
             np.testing.assert_allclose(a, c, atol=1e-5)
 
 
+def test_a_compiled_step_compiles_whole_only_on_cpu_and_by_default():
+    # kd replaces dynamo's default DDP graph split for a compiled `fit` on
+    # CPU processes only; a mode the user set, compiled autograd (which
+    # "no_optimization" cannot run with), an accelerator or an eager model
+    # keep dynamo's setting as it is.
+    from types import SimpleNamespace
+
+    import torch
+    import torch._dynamo
+
+    from keras_distribute.backend.torch import training
+
+    config = torch._dynamo.config
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    compiled = SimpleNamespace(jit_compile=True)
+
+    def mode_inside(engine, model):
+        with training.compiled_ddp_mode(engine, model):
+            return config.optimize_ddp
+
+    assert config.optimize_ddp is True
+    assert mode_inside(cpu, compiled) == "no_optimization"
+    assert config.optimize_ddp is True
+    assert mode_inside(SimpleNamespace(device=torch.device("cuda", 0)),
+                       compiled) is True
+    assert mode_inside(cpu, SimpleNamespace(jit_compile=False)) is True
+    assert mode_inside(cpu, SimpleNamespace(jit_compile="auto")) is True
+    for chosen in ("ddp_optimizer", False, "python_reducer"):
+        with config.patch(optimize_ddp=chosen):
+            assert mode_inside(cpu, compiled) == chosen
+    with config.patch(compiled_autograd=True):
+        assert mode_inside(cpu, compiled) is True
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_equals_one_process_and_skips_together(policy):
     # #16: parity under a mixed policy (tolerance of the compute dtype),

@@ -64,7 +64,8 @@ def compiled_ddp_mode(engine, model: Any):
     compiled step took 8.9 ms split, 6.8 ms whole. There the step compiles
     whole and DDP's reducer all-reduces after the backward
     ("no_optimization"). Left as it is on accelerators, where the overlap
-    pays, when the user chose a mode, and under compiled autograd (which
+    pays, when the user chose a mode (anything but the default `True`,
+    `"ddp_optimizer"` included), and under compiled autograd (which
     "no_optimization" cannot run with).
 
     Args:
@@ -79,7 +80,7 @@ def compiled_ddp_mode(engine, model: Any):
     config = torch._dynamo.config
     if (engine.device.type != "cpu"
             or getattr(model, "jit_compile", False) is not True
-            or config.optimize_ddp not in (True, "ddp_optimizer")
+            or config.optimize_ddp is not True  # the user chose a mode
             or getattr(config, "compiled_autograd", False)):
         return contextlib.nullcontext()
     return config.patch(optimize_ddp="no_optimization")
