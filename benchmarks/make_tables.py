@@ -107,6 +107,13 @@ def fit_table():
             f"{torch['trials']} interleaved trials; min–max per side (ms): "
             + ", ".join(f"{name} {low:.2f}–{high:.2f}" for name, (low, high)
                         in torch["spread_ms"].items()) + ".")
+    if "kd_compiled_split_ms" in torch:
+        rows.append("")
+        rows.append(
+            "The compiled step, same run: compiled whole (kd's choice on CPU "
+            f"processes) {_ms(torch['kd_compiled_ms'])}, split at DDP's "
+            "buckets (dynamo's default, `optimize_ddp=\"ddp_optimizer\"` "
+            f"set by the user) {_ms(torch['kd_compiled_split_ms'])}.")
     code = torch.get("kd_code_per_step_us")
     if code:
         rows.append("")
