@@ -83,7 +83,8 @@ def compiled_ddp_mode(engine, model: Any):
             or config.optimize_ddp is not True  # the user chose a mode
             or getattr(config, "compiled_autograd", False)):
         return contextlib.nullcontext()
-    return config.patch(optimize_ddp="no_optimization")
+    # `False` is "no_optimization" (a bool on every torch kd supports).
+    return config.patch(optimize_ddp=False)
 
 
 @contextlib.contextmanager
