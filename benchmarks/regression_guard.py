@@ -24,21 +24,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
 # (backend, script, its short-run arguments, the file it writes, the one
-# recorded by the full run)
+# recorded by the full run, the ratios compared: result key -> what it is)
 RUNS = (
     ("jax", "bench_fit_jax.py", ["--steps", "40", "--trials", "3"],
-     "fit_jax", "fit_jax"),
+     "fit_jax", "fit_jax", {"ratio": "kd / anchor"}),
     ("tensorflow", "bench_fit_tf.py", ["--steps", "40", "--trials", "3"],
-     "fit_tensorflow", "fit_tensorflow"),
+     "fit_tensorflow", "fit_tensorflow", {"ratio": "kd / anchor"}),
     ("torch", "bench_fit_torch.py",
      ["--steps", "30", "--epochs", "3", "--trials", "2", "--anchor-only"],
-     "fit_torch_anchor_only", "fit_torch"),
+     "fit_torch_anchor_only", "fit_torch",
+     {"ratio": "kd / anchor",
+      "kd_compiled_over_ddp": "kd jit_compile=True / anchor"}),
 )
 
 
-def _ratio(directory: str, name: str) -> float:
+def _ratio(directory: str, name: str, key: str = "ratio") -> float:
     with open(os.path.join(directory, f"{name}.json")) as file:
-        return float(json.load(file)["result"]["ratio"])
+        return float(json.load(file)["result"][key])
 
 
 def main(argv=None) -> int:
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
                      f"ratio); received {args.limit}")
     failed = []
     with tempfile.TemporaryDirectory(prefix="kd-bench-guard-") as directory:
-        for backend, script, options, written, recorded in RUNS:
+        for backend, script, options, written, recorded, ratios in RUNS:
             if args.only and backend not in args.only:
                 continue
             env = dict(os.environ, KD_BENCH_RESULTS=directory,
@@ -66,14 +68,16 @@ def main(argv=None) -> int:
                 print(f"{script}: exited {run.returncode}\n{run.stderr[-4000:]}")
                 failed.append(script)
                 continue
-            now, before = _ratio(directory, written), _ratio(RESULTS, recorded)
-            growth = now / before
-            verdict = "ok" if growth <= args.limit else "REGRESSION"
-            print(f"{script} (short run): kd / anchor {now:.3f}; recorded "
-                  f"{before:.3f}; {growth:.2f}× the recorded ratio "
-                  f"(limit {args.limit:.2f}×): {verdict}")
-            if growth > args.limit:
-                failed.append(script)
+            for key, what in ratios.items():
+                now = _ratio(directory, written, key)
+                before = _ratio(RESULTS, recorded, key)
+                growth = now / before
+                verdict = "ok" if growth <= args.limit else "REGRESSION"
+                print(f"{script} (short run): {what} {now:.3f}; recorded "
+                      f"{before:.3f}; {growth:.2f}× the recorded ratio "
+                      f"(limit {args.limit:.2f}×): {verdict}")
+                if growth > args.limit:
+                    failed.append(f"{script} ({what})")
     if failed:
         print(f"Slower than the recorded benchmarks allow: {failed}. Run the "
               "full script (python benchmarks/<script>) on an idle machine to "
