@@ -52,6 +52,7 @@ def train_step(engine, model: Any, data: Any) -> Any:
     finally:
         engine._in_train_step = False
 
+
 def compiled_ddp_mode(engine, model: Any):
     """How dynamo compiles a `jit_compile=True` step that forwards through
     the held DDP on CPU processes (a context around a trainer call).
@@ -61,7 +62,8 @@ def compiled_ddp_mode(engine, model: Any):
     overlaps the backward of the rest. On CPU processes (gloo) the
     all-reduce runs on the same cores as the backward, and the split
     costs more than it gains: on 2 processes `bench_fit_torch.py`'s
-    compiled step took 8.9 ms split, 6.8 ms whole. There the step compiles
+    compiled step took 8.62 ms split, 7.31 ms whole (docs/benchmarks.md).
+    There the step compiles
     whole and DDP's reducer all-reduces after the backward
     ("no_optimization"). Left as it is on accelerators, where the overlap
     pays, when the user chose a mode (anything but the default `True`,
@@ -74,6 +76,13 @@ def compiled_ddp_mode(engine, model: Any):
 
     Returns:
         A context manager: dynamo's setting for the call, restored on exit.
+
+    Example:
+
+    ```python
+    with compiled_ddp_mode(engine, model):
+        model.fit(x, y)  # a jit_compile=True step compiles whole on CPU
+    ```
     """
     import torch._dynamo
 
