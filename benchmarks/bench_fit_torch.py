@@ -198,11 +198,6 @@ def keras_single_times(args, jit_compile="auto"):
     return timer.per_step[1:]
 
 
-def keras_single_compiled_times(args):
-    """Control: single-process Keras `fit` with `jit_compile=True`."""
-    return keras_single_times(args, jit_compile=True)
-
-
 def torch_single_times(args):
     """Control: the hand-written loop in one process, without DDP."""
     return _torch_loop_times(args, distributed=False)
@@ -290,8 +285,8 @@ def main():
              "keras_single": lambda: kd.launch(
                  keras_single_times, num_processes=1, args=(args,))[0],
              "keras_single_compiled": lambda: kd.launch(
-                 keras_single_compiled_times, num_processes=1,
-                 args=(args,))[0],
+                 keras_single_times, num_processes=1,
+                 args=(args, True))[0],
              "torch_single": lambda: kd.launch(
                  torch_single_times, num_processes=1, args=(args,))[0]}
     if args.anchor_only:
