@@ -36,6 +36,7 @@ from keras_distribute.common.context import in_cross_replica_context
 from keras_distribute.input.iterator import DistributedIterator
 from keras_distribute.input.iterator import OptionalValue
 from keras_distribute.input.iterator import OutOfRangeError
+from keras_distribute.common.errors import ReplicasDivergedError
 from keras_distribute.common.errors import WorkerLostError
 from keras_distribute.input.datasets import AutoShardPolicy
 from keras_distribute.input.datasets import DistributedDataset
@@ -45,6 +46,7 @@ from keras_distribute.input.datasets import InputReplicationMode
 from keras_distribute.launch.launcher import LaunchError
 from keras_distribute.launch.launcher import launch
 from keras_distribute.launch.launcher import notebook_launcher
+from keras_distribute.training.divergence import set_divergence_check
 from keras_distribute.training.losses import compute_average_loss
 from keras_distribute.training.losses import scale_regularization_loss
 from keras_distribute.strategies.mirrored import MirroredStrategy
@@ -102,6 +104,7 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "ReplicasDivergedError",
     "Strategy",
     "StrategyExtended",
     "TPUStrategy",
@@ -125,6 +128,7 @@ __all__ = [
     "process_count",
     "process_index",
     "scale_regularization_loss",
+    "set_divergence_check",
     "simulate_cpu_devices",
     "train_step",
 ]

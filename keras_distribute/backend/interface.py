@@ -79,6 +79,12 @@ class ReplicaEngine(Protocol):
     def variable_layout(self, variable: Any) -> tuple:
         """`(axes per dimension, bytes per device)` of a variable."""
 
+    def replica_copies(self, variable: Any) -> list:
+        """`[(region, host array)]`: every copy of `variable` this process
+        holds, each with the global region it covers (`whole_region(shape)`
+        for a whole copy). Copies of one region must be equal everywhere
+        (the divergence check compares them, `training/divergence.py`)."""
+
     def owns_variable(self, variable: Any) -> bool:
         """Whether `variable` was created under this engine's layout."""
 
@@ -122,6 +128,9 @@ class ProcessDataEngine(ReplicaEngine, Protocol):
     # Set by `fit`: per-batch logs have a reader, so each train step makes
     # the metrics global (else only the epoch-end results are).
     sync_metrics_each_step: bool
+    # Set by `fit`/`evaluate`: the per-process dataset Keras iterates
+    # (`input/process_data.py`'s ArrayShards or SourceShards; None outside).
+    step_inputs: Any
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` is true in any process (a collective; alone:

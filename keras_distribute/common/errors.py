@@ -24,3 +24,23 @@ class WorkerLostError(RuntimeError):
     def __init__(self, message: str, rank: Optional[int] = None):
         super().__init__(message)
         self.rank = rank
+
+
+class ReplicasDivergedError(RuntimeError):
+    """The copies of a variable that every replica must hold alike differ.
+
+    Raised by the divergence check (at each epoch end of a distributed
+    `fit`, and by `strategy.check_replicas_agree(model)`); `variable` names
+    the first variable found to differ.
+
+    Example:
+
+    >>> try:
+    ...     model.fit(x, y)  # doctest: +SKIP
+    ... except kd.ReplicasDivergedError as error:
+    ...     print("diverged:", error.variable)  # doctest: +SKIP
+    """
+
+    def __init__(self, message: str, variable: Optional[str] = None):
+        super().__init__(message)
+        self.variable = variable

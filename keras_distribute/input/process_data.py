@@ -20,6 +20,7 @@ import keras
 
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common import keras_services
+from keras_distribute.training import divergence
 from keras_distribute.training import model_state
 from keras_distribute.job import peer_board
 from keras_distribute.training import config as training_config
@@ -83,6 +84,10 @@ class ArrayShards(keras.utils.PyDataset):
         self._batch = batch_size
         self._shuffle = shuffle
         self._order = np.arange(self._num)
+        # Keras hands a step `x` itself when there is no `y` (its array
+        # adapter); a PyDataset can only yield `(x,)`.
+        self.bare_inputs = y is None and sample_weight is None and (
+            not isinstance(x, (tuple, list)))
         self.batch_sizes = [
             min(batch_size, self._num - i * batch_size)
             for i in range(len(self))]
@@ -119,6 +124,9 @@ class SourceShards(keras.utils.PyDataset):
         self._next_index = 0
         self.batch_sizes: List[int] = []
         self._length = _length(source)
+        # Whether the source yields `x` alone (not a tuple): Keras then
+        # hands it to a step as it is; a PyDataset can only yield `(x,)`.
+        self.bare_inputs = False
 
     @property
     def num_batches(self):
@@ -143,6 +151,7 @@ class SourceShards(keras.utils.PyDataset):
         self.batch_sizes.append(batch)
         start, stop = self._engine.split_rows(batch)
         local = _take(element, slice(start, stop))
+        self.bare_inputs = not isinstance(local, (tuple, list))
         return tuple(local) if isinstance(local, (tuple, list)) else (local,)
 
 
@@ -236,7 +245,8 @@ def _call_in_every_process(engine: ReplicaEngine, method: Callable,
         training_config.check_same_training(engine, model)
     if name == "fit" and len(args) <= 5:
         kwargs = dict(kwargs, callbacks=model_state.with_chief_state(
-            engine, peer_board.counting_epochs(callbacks)))
+            engine, divergence.with_divergence_check(
+                engine, peer_board.counting_epochs(callbacks))))
     if name in ("evaluate", "predict"):
         model_state.take_chief_values(engine, model)
     with keras_services.get().chief_only_writes(
@@ -259,9 +269,13 @@ def call_sharded(engine, method, model, args, kwargs) -> Any:
         model_state.take_chief_values(engine, model)
     if name == "evaluate":
         params.pop("_use_cached_eval_dataset", None)
-        params.update(x=_shard(engine, params, False), y=None,
-                      sample_weight=None, batch_size=None)
-        return method(model, **params)
+        data = _shard(engine, params, False)
+        params.update(x=data, y=None, sample_weight=None, batch_size=None)
+        engine.step_inputs = data
+        try:
+            return method(model, **params)
+        finally:
+            engine.step_inputs = None
     if name == "predict":
         data = _shard(engine, params, False)
         params.update(x=data, batch_size=None)
@@ -287,13 +301,15 @@ def _fit(engine, method, model, params: dict) -> Any:
     params.update(x=data, y=None, sample_weight=None, batch_size=None,
                   shuffle=False, validation_split=0.0)
     engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
+    engine.step_inputs = data
     # Collective: callback lists may differ by process (a chief-only
     # ModelCheckpoint), and one process all-reducing metrics every step
     # while another does not would hang both.
     engine.sync_metrics_each_step = engine.any_process(
         _batch_logs_are_read(params))
     params["callbacks"] = model_state.with_chief_state(
-        engine, peer_board.counting_epochs(params.get("callbacks")))
+        engine, divergence.with_divergence_check(
+            engine, peer_board.counting_epochs(params.get("callbacks"))))
     try:
         with keras_services.get().chief_only_writes(
                 params.get("callbacks"), engine.rank == 0,
@@ -306,6 +322,7 @@ def _fit(engine, method, model, params: dict) -> Any:
         return history
     finally:
         engine.even_batches = False
+        engine.step_inputs = None
         engine.sync_metrics_each_step = True
 
 

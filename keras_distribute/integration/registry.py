@@ -196,6 +196,30 @@ ROWS: Tuple[Row, ...] = (
         "keras 3.16 torch distribution_lib", backends=("torch",)),
     Row("TorchTrainer.train_step", (), "see TorchTrainer", "3.10-3.16",
         parameters=("self", "data"), backends=("torch",)),
+    Row("TorchTrainer.make_train_function", (),
+        "torch: a model that overrides train_step (bypassing the DDP "
+        "step) runs each step as a session in which the gradients given "
+        "to an optimizer are the global batch's and the logs global",
+        "3.10-3.16", "a public hook around a custom train_step",
+        parameters=("self", "force"), backends=("torch",)),
+    Row("TorchTrainer.make_test_function", (),
+        "torch: see make_train_function (a test_step's logs)", "3.10-3.16",
+        parameters=("self", "force"), backends=("torch",)),
+    Row("BaseOptimizer.apply", (),
+        "torch: the gradients a user's train_step (or a replica in "
+        "strategy.run) applies are all-reduced first, as tf.distribute's "
+        "optimizers do", "3.10-3.16",
+        "optimizers that reduce gradients under a keras.distribution",
+        parameters=("self", "grads", "trainable_variables"),
+        backends=("torch",)),
+    Row("LossScaleOptimizer", ((_S + "optimizers.loss_scale_optimizer",
+                                "LossScaleOptimizer"),),
+        "torch: see BaseOptimizer.apply (the outer optimizer reduces, so "
+        "every process sees the same finite or non-finite gradients)",
+        "3.10-3.16", backends=("torch",)),
+    Row("LossScaleOptimizer.apply", (), "see LossScaleOptimizer",
+        "3.10-3.16", parameters=("self", "grads", "trainable_variables"),
+        backends=("torch",)),
     Row("TorchTrainer._initialize_ddp", (),
         "torch: Keras 3.16 wraps a model in its own DDP; the engine uses "
         "that one (one DDP, not two), and a sharded engine, whose DTensor "

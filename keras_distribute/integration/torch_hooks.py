@@ -77,6 +77,7 @@ def install() -> None:
 
     _patch(torch_variable, "_initialize", _initialize)
     _patch(torch_trainer, "train_step", train_step)
+    _install_user_steps(torch_trainer)
     _patch(owner, "get_metrics_result", get_metrics_result)
 
     initialize_ddp = registry.resolve("TorchTrainer._initialize_ddp")
@@ -94,6 +95,46 @@ def install() -> None:
             return result
 
         _patch(torch_trainer, "_initialize_ddp", _initialize_ddp)
+
+
+def _install_user_steps(torch_trainer) -> None:
+    """A model's own `train_step`/`test_step` under a torch strategy: each
+    step a session whose optimizer calls get global gradients and whose
+    logs are global (`backend/torch/user_steps.py`)."""
+    from keras_distribute.backend.torch import user_steps
+
+    def wrapping_make(name: str, step_name: str, is_train: bool):
+        original_make = getattr(torch_trainer, name)
+        function_name = name.replace("make_", "")
+
+        @functools.wraps(original_make)
+        def make(self, force=False):
+            result = original_make(self, force)
+            engine = _torch_engine(self)
+            function = getattr(self, function_name, None)
+            overridden = getattr(type(self), step_name) is not getattr(
+                torch_trainer, step_name)
+            if engine is None or function is None or not overridden or (
+                    getattr(function, "_kd_user_step", False)):
+                return result
+            setattr(self, function_name, engine.wrap_step_function(
+                self, function, is_train))
+            return getattr(self, function_name)
+
+        _patch(torch_trainer, name, make)
+
+    wrapping_make("make_train_function", "train_step", True)
+    wrapping_make("make_test_function", "test_step", False)
+    for key in ("BaseOptimizer", "LossScaleOptimizer"):
+        owner = registry.resolve(key)
+        original_apply = owner.apply
+
+        def apply(self, grads, trainable_variables=None,
+                  _original=original_apply):
+            return user_steps.apply_with_global_gradients(
+                _original, self, grads, trainable_variables)
+
+        _patch(owner, "apply", functools.wraps(original_apply)(apply))
 
 
 def install_sharding() -> None:

@@ -72,6 +72,9 @@ class _InPlaceEngine:
     def variable_local_results(self, variable: Any):
         return None
 
+    def replica_copies(self, variable: Any) -> list:
+        return []  # one copy: nothing to compare
+
     def variable_layout(self, variable: Any) -> tuple:
         size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
         return (None,) * len(variable.shape), size

@@ -347,6 +347,35 @@ class Strategy:
 
         return _tree().map_structure(gather_leaf, value)
 
+    def check_replicas_agree(self, model: Any) -> None:
+        """Checks that every replica holds the same trainable state.
+
+        Compares every copy of `model`'s trainable variables and of its
+        optimizer's variables, on every replica of every process (a
+        fingerprint of each copy's bytes; one small all-gather across
+        processes). A distributed `fit` runs the same check at the end of
+        every epoch (see `kd.set_divergence_check`). Call it in every
+        process at the same point, e.g. after a custom training loop.
+
+        Args:
+            model: A built Keras model created under this strategy.
+
+        Raises:
+            kd.ReplicasDivergedError: naming the first variable whose
+                copies differ, in every process alike.
+
+        Example:
+
+        ```python
+        for x, y in dataset:
+            strategy.run(step, args=(x, y))
+        strategy.check_replicas_agree(model)
+        ```
+        """
+        from keras_distribute.training import divergence
+
+        divergence.check_replicas_agree(self._engine, model)
+
     def experimental_local_results(self, value: Any) -> tuple:
         """Returns this process's per-replica components, as a tuple.
 

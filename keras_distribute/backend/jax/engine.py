@@ -79,6 +79,7 @@ class JaxEngine(SpmdRun):
         # Set by a multi-process `fit` (process_data.py).
         self.even_batches = False
         self.sync_metrics_each_step = True
+        self.step_inputs = None  # set by `fit`/`evaluate` (interface)
         self.mesh = self.device_mesh.backend_mesh
         self._device_set = frozenset(self.mesh.devices.flat)
         self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose keys matched
@@ -157,6 +158,21 @@ class JaxEngine(SpmdRun):
         ):
             return None
         return self._per_replica_shards(variable.value)
+
+    def replica_copies(self, variable: Any) -> list:
+        """Every shard this process's devices hold, with its region (a
+        replicated variable: one whole copy per device)."""
+        value = variable.value if isinstance(variable, keras.Variable) else (
+            variable)
+        if not isinstance(value, jax.Array):
+            return [(interface.whole_region(np.shape(value)),
+                     np.asarray(value))]
+        shape = value.shape
+        return [(tuple((0 if part.start is None else int(part.start),
+                        int(size) if part.stop is None else int(part.stop))
+                       for part, size in zip(shard.index, shape)),
+                 np.asarray(shard.data))
+                for shard in value.addressable_shards]
 
     def barrier(self, name: str) -> None:
         if self.multi_process:

@@ -166,6 +166,13 @@ class TfEngine:
             return tuple(self.tf_strategy.experimental_local_results(value))
         return None
 
+    def replica_copies(self, variable: Any) -> list:
+        """Each local replica's copy of a mirrored variable (one for a plain
+        one): whole copies."""
+        region = interface.whole_region(tuple(variable.shape))
+        copies = self.variable_local_results(variable) or (variable.value,)
+        return [(region, np.asarray(copy.numpy())) for copy in copies]
+
     def constrain(self, tensor: Any, parts: Sequence[int],
                   in_replica: bool) -> Any:
         """TPUStrategy's own split (or replicate) to logical devices."""

@@ -92,6 +92,10 @@ class TorchEngine:
         # a callback with batch hooks); if not, train steps skip the metric
         # all-reduce and only the epoch-end results are made global.
         self.sync_metrics_each_step = True
+        # Set by `fit`/`evaluate`: the per-process dataset Keras iterates
+        # (`bare_inputs`: its batches are `x` alone, handed to a user's
+        # step as Keras hands them, not as `(x,)`).
+        self.step_inputs: Any = None
         self._in_train_step = False
 
     # ------------------------------------------------------------ variables
@@ -121,6 +125,19 @@ class TorchEngine:
 
     def owns_variable(self, variable: Any) -> bool:
         return getattr(variable, "_kd_engine", None) is self
+
+    def replica_copies(self, variable: Any) -> list:
+        """This process's copy; a sharded variable's local part covers no
+        whole region (compared nowhere)."""
+        from torch.distributed.tensor import DTensor
+
+        value = variable.value if isinstance(variable, keras.Variable) else (
+            variable)
+        if isinstance(value, DTensor):
+            return []
+        array = value.detach().cpu().numpy() if value.dtype != (
+            torch.bfloat16) else value.detach().view(torch.int16).cpu().numpy()
+        return [(interface.whole_region(tuple(value.shape)), array)]
 
     def adopt_variables(self, variables: Sequence[Any]) -> None:
         for variable in variables:
@@ -275,6 +292,61 @@ class TorchEngine:
         torch_peers.advance()
         return self.ddp(model)
 
+    @torch.compiler.disable
+    def user_step_begins(self) -> None:
+        """Counts a step of a user's `train_step`/`test_step` (the watchdog
+        reads the count)."""
+        torch_peers.advance()
+
+    def wrap_step_function(self, model: Any, function: Callable,
+                           is_train: bool) -> Callable:
+        """Keras' `train_function`/`test_function` of a model whose step is
+        the user's, made global (`user_steps`)."""
+        from keras_distribute.backend.torch import user_steps
+
+        return user_steps.wrap_step_function(self, model, function, is_train)
+
+    @torch_peers.collective
+    def sum_gradients(self, grads: Sequence[Any], scale: float) -> list:
+        """This process's `grads` times `scale`, summed over the replicas
+        (in place, as DDP leaves them): one flat all-reduce per dtype; a
+        sharded gradient contributes its local part."""
+        grads = list(grads)
+        if not self.in_group or self.num_replicas == 1:
+            return grads
+        from torch.distributed.tensor import DTensor
+
+        parts = [g.to_local() if isinstance(g, DTensor) else g
+                 for g in grads if g is not None]
+        with torch.no_grad():
+            for dtype in dict.fromkeys(p.dtype for p in parts):
+                group = [p for p in parts if p.dtype == dtype]
+                flat = torch.cat([p.reshape(-1) for p in group]) * scale
+                dtype_sent = flat.dtype
+                flat = self._all_reduce_sum(self.compress_gradients(flat))
+                flat = flat.to(dtype_sent)
+                offset = 0
+                for part in group:
+                    part.copy_(flat[offset:offset + part.numel()].view_as(
+                        part))
+                    offset += part.numel()
+        return grads
+
+    @torch_peers.collective
+    def weighted_mean_logs(self, logs: dict, share: float) -> dict:
+        """`logs` with each scalar value replaced by its mean over the
+        processes, each weighted by `share` (its share of the batch)."""
+        scalars = [key for key, value in logs.items()
+                   if _is_scalar_log(value)]
+        if not scalars or not self.in_group or self.num_replicas == 1:
+            return logs
+        flat = torch.tensor([float(_detached(logs[key])) * share
+                             for key in scalars],
+                            dtype=torch.float64, device=self.device)
+        self._all_reduce_sum(flat)
+        return {**logs, **{key: float(value)
+                           for key, value in zip(scalars, flat.tolist())}}
+
     def train_step(self, model: Any, data: Any) -> Any:
         """Keras' torch train step, forwarding through the held DDP."""
         from keras_distribute.backend.torch import training as torch_training
@@ -334,7 +406,9 @@ class TorchEngine:
         aggregated = (self._agreed(self._live_aggregated())
                       if self.in_group and self.num_replicas > 1 else [])
         before = [v.value.detach().clone() for v in aggregated]
-        with context._enter(strategy, ctx):
+        from keras_distribute.backend.torch import user_steps
+
+        with context._enter(strategy, ctx), user_steps.in_run(self):
             result = fn(*call_args, **call_kwargs)
         if aggregated:
             self._combine_aggregated(aggregated, before)
@@ -499,6 +573,19 @@ def on_variable_created(variable: Any) -> None:
         engine.record_variable(variable)
 
 
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _is_scalar_log(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and (
+        value.is_floating_point() or not value.dtype.is_complex)
+
+
 def _check_axis(axis: int, rank: int) -> None:
     if not -rank <= axis < rank:
         raise ValueError(
@@ -527,12 +614,17 @@ class _TorchCollectives:
         self._engine = engine
 
     def all_reduce(self, op: ReduceOp, value: Any) -> Any:
+        from keras_distribute.backend.torch import user_steps
+
         def reduce(leaf):
             tensor = _to_tensor(leaf).to(self._engine.device).clone()
             if not torch.is_floating_point(tensor) and op is ReduceOp.MEAN:
                 tensor = tensor.float()
             total = self._engine._all_reduce_sum(tensor)
-            return total / self._engine.num_replicas if op is ReduceOp.MEAN else total
+            # Global now: an optimizer given it applies it as it is.
+            return user_steps.mark_reduced(
+                total / self._engine.num_replicas if op is ReduceOp.MEAN
+                else total)
 
         return keras.tree.map_structure(reduce, value)
 

@@ -1,0 +1,202 @@
+"""The guard against silent divergence: every replica holds one state.
+
+Replicas that apply different updates train different models, and nothing
+else tells: each process's logs look fine. At the end of every epoch of a
+distributed `fit` (and on demand, `strategy.check_replicas_agree(model)`)
+every process fingerprints each copy it holds of the model's trainable
+variables and of its optimizer's variables (a 56-bit BLAKE2b digest of the
+bytes), copies of one region are compared within the process (the replicas
+of one process: JAX's devices, TensorFlow's mirrored copies) and whole copies
+across processes (one small all-gather). A difference raises
+`kd.ReplicasDivergedError` in every process alike, naming the first variable
+that differs and the likely causes; `set_divergence_check("warn")` (or
+`KERAS_DISTRIBUTE_DIVERGENCE_CHECK=warn`) warns instead, `"off"` skips it.
+
+The engine gives the copies (`ReplicaEngine.replica_copies`); no framework
+is imported here. Collective: every process calls it at the same points.
+"""
+
+import hashlib
+import os
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from keras_distribute.backend.interface import ReplicaEngine
+from keras_distribute.backend.interface import whole_region
+from keras_distribute.common.errors import ReplicasDivergedError
+
+MODES = ("raise", "warn", "off")
+ENVIRONMENT_VARIABLE = "KERAS_DISTRIBUTE_DIVERGENCE_CHECK"
+_chosen: List[Optional[str]] = [None]
+
+
+def _checked_mode(mode: Any, source: str) -> str:
+    if not isinstance(mode, str) or mode.lower() not in MODES:
+        raise ValueError(
+            f"The divergence check's mode must be one of {list(MODES)}. "
+            f"Received: {source}={mode!r}. Use 'raise' (the default), "
+            "'warn' to only warn, or 'off' to skip the check.")
+    return mode.lower()
+
+
+def set_divergence_check(mode: str) -> None:
+    """Chooses what a distributed `fit` does when replicas diverge.
+
+    At the end of every epoch of a `fit` over several replicas or processes,
+    kd compares every copy of the model's trainable and optimizer variables
+    (see `Strategy.check_replicas_agree`).
+
+    Args:
+        mode: `"raise"` (the default) raises `kd.ReplicasDivergedError`,
+            `"warn"` warns and trains on, `"off"` skips the check. The
+            environment variable `KERAS_DISTRIBUTE_DIVERGENCE_CHECK` sets
+            the default for a process.
+
+    Raises:
+        ValueError: for another mode.
+
+    Example:
+
+    ```python
+    kd.set_divergence_check("warn")
+    ```
+    """
+    _chosen[0] = _checked_mode(mode, "mode")
+
+
+def divergence_check_mode() -> str:
+    """The mode in force (`set_divergence_check`, else the environment
+    variable, else `"raise"`)."""
+    if _chosen[0] is not None:
+        return _chosen[0]
+    value = os.environ.get(ENVIRONMENT_VARIABLE)
+    if value is None or value == "":
+        return "raise"
+    return _checked_mode(value, ENVIRONMENT_VARIABLE)
+
+
+def checked_variables(model: Any) -> List[Tuple[str, Any]]:
+    """`[(name, variable)]` the check compares: the model's trainable
+    variables, then its optimizer's (slots, iteration count)."""
+    named = [(f"{getattr(v, 'path', v.name)}", v)
+             for v in model.trainable_variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        named += [(f"{getattr(v, 'path', v.name)}", v)
+                  for v in optimizer.variables]
+    return named
+
+
+def _digest(array: np.ndarray) -> int:
+    data = np.ascontiguousarray(array).view(np.uint8).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(),
+                          "little")
+
+
+def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
+                  ) -> Tuple[np.ndarray, int]:
+    """`(whole-copy digests (-1: none held here), index of the first
+    variable whose copies differ inside this process (-1: none))`."""
+    digests = np.full(len(named), -1, np.int64)
+    local_difference = -1
+    for index, (_, variable) in enumerate(named):
+        whole = whole_region(tuple(variable.shape))
+        seen: dict = {}
+        for region, array in engine.replica_copies(variable):
+            digest = _digest(np.asarray(array))
+            if seen.setdefault(tuple(region), digest) != digest and (
+                    local_difference < 0):
+                local_difference = index
+        digests[index] = seen.get(tuple(whole), -1)
+    return digests, local_difference
+
+
+def find_divergence(engine: ReplicaEngine, model: Any) -> Optional[Tuple[str, str]]:
+    """`(variable name, where)` of the first variable whose copies differ
+    (the same answer in every process), or `None` (a collective).
+
+    Args:
+        engine: The strategy's engine.
+        model: A built Keras model.
+
+    Returns:
+        `None` when every copy agrees; else the variable's name and where
+        its copies differ.
+    """
+    named = checked_variables(model)
+    counts = np.asarray(engine.process_all_gather(
+        np.array([len(named)], np.int64)))[:, 0]
+    if len(set(counts.tolist())) > 1:
+        return ("(the variable lists)",
+                "the processes hold different numbers of trainable and "
+                f"optimizer variables: {counts.tolist()} by process")
+    digests, local = _fingerprints(engine, named)
+    everyone = np.asarray(engine.process_all_gather(
+        np.concatenate([[local], digests]).astype(np.int64)))
+    locals_, table = everyone[:, 0], everyone[:, 1:]
+    for index, (name, _) in enumerate(named):
+        if index in locals_.tolist():
+            process = locals_.tolist().index(index)
+            return name, f"between the replicas of process {process}"
+        held = [(p, int(d)) for p, d in enumerate(table[:, index]) if d >= 0]
+        different = [p for p, d in held if d != held[0][1]]
+        if different:
+            return name, (f"between process {held[0][0]} and process "
+                          f"{different[0]}")
+    return None
+
+
+def divergence_message(name: str, where: str, when: str) -> str:
+    """The three-part message of a divergence."""
+    return (
+        f"The replicas diverged: {when}, the copies of `{name}` differ "
+        f"{where}. Every replica must hold the same trainable and optimizer "
+        "state after each step; these trained different models. Likely "
+        "causes: a step that changes variables without a Keras optimizer "
+        "(e.g. `variable.assign_sub(lr * grad)` with this replica's own "
+        "gradients), gradients all-reduced by hand twice or not at all, or "
+        "an update that depends on random numbers drawn differently per "
+        "replica. Fix: apply gradients with `optimizer.apply(grads, "
+        "variables)` or `apply_gradients` (under a kd strategy they are the "
+        "global batch's), or in a custom loop all-reduce them with "
+        "`kd.get_replica_context().all_reduce('sum', grads)`. To warn "
+        "instead: kd.set_divergence_check('warn') (or "
+        f"{ENVIRONMENT_VARIABLE}=warn).")
+
+
+def check_replicas_agree(engine: ReplicaEngine, model: Any,
+                         when: str = "now", mode: str = "raise") -> None:
+    """Raises (or warns, per `mode`) when `model`'s copies differ (a
+    collective; see the module docstring)."""
+    if mode == "off" or not getattr(model, "built", False) or (
+            engine.num_replicas == 1 and engine.process_count == 1):
+        return
+    found = find_divergence(engine, model)
+    if found is None:
+        return
+    message = divergence_message(found[0], found[1], when)
+    if mode == "warn":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    raise ReplicasDivergedError(message, variable=found[0])
+
+
+def with_divergence_check(engine: ReplicaEngine, callbacks: Any) -> Any:
+    """`fit`'s `callbacks` with the check first at every epoch end (before
+    the callbacks that save or read the model); unchanged with one replica,
+    with the check off, or for a prepared `CallbackList`."""
+    mode = divergence_check_mode()
+    if mode == "off" or (engine.num_replicas == 1
+                         and engine.process_count == 1) or not isinstance(
+                             callbacks, (list, tuple, type(None))):
+        return callbacks
+    import keras
+
+    class DivergenceCheck(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            check_replicas_agree(engine, self.model,
+                                 when=f"after epoch {epoch + 1}", mode=mode)
+
+    return [DivergenceCheck()] + list(callbacks or [])

@@ -1,0 +1,185 @@
+"""Steps users write are distributed (#42): an overridden `train_step` or
+`test_step`, a GAN's two optimizers, a step through its own DDP, one that
+never calls an optimizer, one that calls it twice, gradient accumulation;
+and the guard that says when replicas diverge, on every backend."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import keras
+import keras_distribute as kd
+import workers_user_steps as workers
+from conftest import BACKEND
+
+torch_only = pytest.mark.skipif(
+    BACKEND != "torch", reason="process-per-replica steps: torch backend "
+    "(JAX and TensorFlow optimizers see global gradients by construction)")
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def user_step_runs():
+    reference = workers.user_steps()  # one process: one replica
+    ranks = kd.launch(workers.user_steps, num_processes=2, timeout=TIMEOUT)
+    return reference, ranks
+
+
+def _assert_same_weights(expected, actual, atol):
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, rtol=0, atol=atol)
+
+
+def _assert_logs_equal(expected, actual):
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        assert set(e) == set(a)
+        for key in e:
+            np.testing.assert_allclose(a[key], e[key], rtol=1e-5, atol=1e-6)
+
+
+@torch_only
+@pytest.mark.parametrize("kind", ["guide", "accumulation", "ddp", "twice",
+                                  "gan", "no_optimizer"])
+def test_a_users_step_trains_like_one_process_in_every_process(
+        user_step_runs, kind):
+    reference, (rank0, rank1) = user_step_runs
+    # Every process holds the same weights, bit for bit ...
+    _assert_same_weights(rank0[kind]["weights"], rank1[kind]["weights"], 0)
+    # ... those of one process on the whole batches (the guide's and the
+    # accumulating run's last batch of 5 rows splits 2 + 3).
+    _assert_same_weights(reference[kind]["weights"], rank0[kind]["weights"],
+                         1e-5)
+    assert rank0[kind]["batch_logs"] == rank1[kind]["batch_logs"]
+    assert rank0[kind]["history"] == rank1[kind]["history"]
+
+
+@torch_only
+@pytest.mark.parametrize("kind", ["ddp", "twice", "gan"])
+def test_a_users_step_logs_global_values(user_step_runs, kind):
+    reference, (rank0, _) = user_step_runs
+    _assert_logs_equal(reference[kind]["batch_logs"], rank0[kind]["batch_logs"])
+    _assert_logs_equal([reference[kind]["history"]], [rank0[kind]["history"]])
+
+
+@torch_only
+def test_the_guides_metrics_and_test_step_are_global(user_step_runs):
+    reference, (rank0, rank1) = user_step_runs
+    # Its metrics (a nested `compile_metrics` result included) are global
+    # in every batch's logs; its `Mean` of per-step losses counts each
+    # process's step once, as tf.distribute's does, so the short last
+    # batch's 2 + 3 split weighs the two halves alike: compared up to it.
+    ours, theirs = rank0["guide"]["batch_logs"], reference["guide"][
+        "batch_logs"]
+    _assert_logs_equal([{"mae": t["mae"]} for t in theirs],
+                       [{"mae": o["mae"]} for o in ours])
+    _assert_logs_equal([{"loss": t["loss"]} for t in theirs[:3]],
+                       [{"loss": o["loss"]} for o in ours[:3]])
+    np.testing.assert_allclose(rank0["guide"]["history"]["mae"],
+                               reference["guide"]["history"]["mae"],
+                               rtol=1e-5)
+    # The custom test_step returns the loss itself: the last batch's,
+    # global (rows-weighted over the processes), not one process's.
+    np.testing.assert_allclose(rank0["guide"]["evaluate"],
+                               reference["guide"]["evaluate"], rtol=1e-5)
+    assert rank0["guide"]["evaluate"] == rank1["guide"]["evaluate"]
+
+
+@torch_only
+def test_a_step_without_an_optimizer_changes_nothing_and_logs_means(
+        user_step_runs):
+    reference, (rank0, _) = user_step_runs
+    runs = rank0["no_optimizer"]
+    _assert_logs_equal([{"raw_loss": r["raw_loss"]}
+                        for r in reference["no_optimizer"]["batch_logs"]],
+                       [{"raw_loss": r["raw_loss"]}
+                        for r in runs["batch_logs"]])
+    # A scalar that is not a metric is averaged over the processes (as
+    # TensorFlow's trainer averages a replica's outputs): 16 rows each.
+    assert {r["rows"] for r in runs["batch_logs"]} == {16.0}
+
+
+@torch_only
+def test_a_step_that_bypasses_the_optimizer_is_caught_in_every_process():
+    results = kd.launch(workers.diverging_step, num_processes=2,
+                        args=("raise",), timeout=TIMEOUT)
+    for result in results:
+        message, variable = result["error"]
+        assert variable == result["first_variable"]
+        assert "after epoch 1" in message
+        assert "between process 0 and process 1" in message
+        assert "optimizer.apply" in message and "'warn'" in message
+        assert result["on_demand"] == variable
+    warned = kd.launch(workers.diverging_step, num_processes=2,
+                       args=("warn",), timeout=TIMEOUT)
+    for result in warned:
+        assert result["error"] is None
+        assert [m[:40] for m in result["warnings"]] == [
+            "The replicas diverged: after epoch 1, th",
+            "The replicas diverged: after epoch 2, th"]
+
+
+def _mirrored_model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)),
+                                  keras.layers.Dense(3, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _tamper_one_copy(variable):
+    """Makes one replica's copy of `variable` differ from the others."""
+    if BACKEND == "jax":
+        import jax
+
+        value = variable.value
+        shards = [jax.device_put(np.asarray(s.data) + (i == 1), s.device)
+                  for i, s in enumerate(value.addressable_shards)]
+        variable._value = jax.make_array_from_single_device_arrays(
+            value.shape, value.sharding, shards)
+    else:
+        copy = variable.value.values[1]
+        copy.assign(copy + 1.0)
+
+
+@pytest.mark.needs_strategy
+def test_replicas_of_one_process_agree_after_fit_and_a_tampered_copy_is_named():
+    strategy = kd.MirroredStrategy()
+    model = _mirrored_model(strategy)
+    x = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model.fit(x, x[:, :1], batch_size=16, epochs=2, verbose=0)
+    strategy.check_replicas_agree(model)  # no error
+    kernel = model.layers[1].kernel
+    _tamper_one_copy(kernel)
+    with pytest.raises(kd.ReplicasDivergedError,
+                       match="between the replicas of process 0") as caught:
+        strategy.check_replicas_agree(model)
+    assert caught.value.variable == kernel.path
+    # fit checks at each epoch end (here the copy differs before it starts,
+    # and an update keeps the difference).
+    with pytest.raises(kd.ReplicasDivergedError, match="after epoch 1"):
+        model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
+
+
+def test_the_check_mode_is_validated_and_one_replica_is_never_checked(
+        monkeypatch):
+    from keras_distribute.training import divergence
+
+    with pytest.raises(ValueError, match="must be one of .* Received: "
+                       "mode='loud'"):
+        kd.set_divergence_check("loud")
+    monkeypatch.setenv("KERAS_DISTRIBUTE_DIVERGENCE_CHECK", "sometimes")
+    with pytest.raises(ValueError, match="Received: KERAS_DISTRIBUTE_"
+                       "DIVERGENCE_CHECK='sometimes'"):
+        divergence.divergence_check_mode()
+    monkeypatch.setenv("KERAS_DISTRIBUTE_DIVERGENCE_CHECK", "WARN")
+    assert divergence.divergence_check_mode() == "warn"
+    monkeypatch.delenv("KERAS_DISTRIBUTE_DIVERGENCE_CHECK")
+    assert divergence.divergence_check_mode() == "raise"
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    kd.get_strategy().check_replicas_agree(model)  # default strategy: no-op

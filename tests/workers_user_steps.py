@@ -1,0 +1,287 @@
+"""Steps users write (torch), run in each launched process or in one.
+
+keras-io's "Customizing what happens in fit() with PyTorch" (its
+`train_step`/`test_step` with `loss.backward()` and `optimizer.apply`), its
+GAN (two optimizers), a step that forwards through a `DistributedDataParallel`
+of its own (DDP's hooks reduce), one that never calls an optimizer, one that
+calls it twice, gradient accumulation, and a step that bypasses the
+optimizer (the divergence check's case). Module-level so that `kd.launch`
+can send them; called directly in the test process they are the one-process
+reference. No framework is imported at module level.
+"""
+
+import numpy as np
+
+
+def _data(n, features=12, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = np.tanh(x[:, :1] - 0.5 * x[:, 1:2]).astype("float32")
+    return x, y
+
+
+def _weights(shapes, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(scale=0.3, size=s).astype("float32") for s in shapes]
+
+
+def _models():
+    import keras
+    import torch
+
+    class GuideModel(keras.Model):
+        """keras-io's torch guide: its train_step and test_step as written
+        there (the test_step returns the loss itself, not a tracker)."""
+
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            loss.backward()
+            trainable_weights = [v for v in self.trainable_weights]
+            gradients = [v.value.grad for v in trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(gradients, trainable_weights)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+        def test_step(self, data):
+            x, y = data
+            y_pred = self(x, training=False)
+            return {"loss": self.compute_loss(y=y, y_pred=y_pred)}
+
+    class ThroughOwnDdp(keras.Model):
+        """Forwards through a DDP it makes itself: DDP's hooks reduce."""
+
+        def train_step(self, data):
+            x, y = data
+            if torch.distributed.is_initialized():
+                if "ddp" not in self.__dict__:
+                    self.__dict__["ddp"] = (
+                        torch.nn.parallel.DistributedDataParallel(self))
+                forward = self.__dict__["ddp"]
+            else:
+                forward = self
+            self.zero_grad()
+            loss = self.compute_loss(y=y, y_pred=forward(x, training=True))
+            loss.backward()
+            weights = self.trainable_weights
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in weights], weights)
+            return {"raw_loss": loss}
+
+    class NoOptimizer(keras.Model):
+        """Looks at the data, never updates a variable."""
+
+        def train_step(self, data):
+            x, y = data
+            loss = self.compute_loss(y=y, y_pred=self(x))
+            return {"raw_loss": loss, "rows": float(x.shape[0])}
+
+    class TwoUpdates(keras.Model):
+        """Calls its optimizer twice a step (two half-steps)."""
+
+        def train_step(self, data):
+            x, y = data
+            for _ in range(2):
+                self.zero_grad()
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+                loss.backward()
+                weights = self.trainable_weights
+                grads = [v.value.grad for v in weights]
+                with torch.no_grad():
+                    self.optimizer.apply_gradients(zip(grads, weights))
+            return {"raw_loss": loss}
+
+    class Gan(keras.Model):
+        """keras-io's GAN shape: a discriminator and a generator, each with
+        its own optimizer (the noise comes with the data, so that one
+        process and two draw the same)."""
+
+        def __init__(self, discriminator, generator):
+            super().__init__()
+            self.discriminator = discriminator
+            self.generator = generator
+            self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+            self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+            self.built = True  # as the guide: its parts are built
+
+        def compile(self, d_optimizer, g_optimizer):
+            super().compile()
+            self.d_optimizer = d_optimizer
+            self.g_optimizer = g_optimizer
+            self.loss_fn = keras.losses.MeanSquaredError()
+
+        @property
+        def metrics(self):
+            return [self.d_loss_tracker, self.g_loss_tracker]
+
+        def train_step(self, data):
+            real, noise = data[:, :4], data[:, 4:]
+            fake = self.generator(noise)
+            self.zero_grad()
+            predictions = self.discriminator(
+                torch.cat([real, fake.detach()], dim=0))
+            labels = torch.cat([torch.ones_like(predictions[:len(real)]),
+                                torch.zeros_like(predictions[len(real):])])
+            d_loss = self.loss_fn(labels, predictions)
+            d_loss.backward()
+            d_weights = self.discriminator.trainable_weights
+            with torch.no_grad():
+                self.d_optimizer.apply([v.value.grad for v in d_weights],
+                                       d_weights)
+            self.zero_grad()
+            g_loss = self.loss_fn(torch.ones_like(predictions[:len(real)]),
+                                  self.discriminator(self.generator(noise)))
+            g_loss.backward()
+            g_weights = self.generator.trainable_weights
+            with torch.no_grad():
+                self.g_optimizer.apply([v.value.grad for v in g_weights],
+                                       g_weights)
+            self.d_loss_tracker.update_state(d_loss)
+            self.g_loss_tracker.update_state(g_loss)
+            return {"d_loss": self.d_loss_tracker.result(),
+                    "g_loss": self.g_loss_tracker.result()}
+
+    class ManualUpdate(keras.Model):
+        """Bypasses the optimizer: each process steps on its own gradients."""
+
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            loss.backward()
+            with torch.no_grad():
+                for v in self.trainable_weights:
+                    v.assign(v - 0.1 * v.value.grad)
+            return {"raw_loss": loss}
+
+    return {"guide": GuideModel, "ddp": ThroughOwnDdp,
+            "no_optimizer": NoOptimizer, "twice": TwoUpdates, "gan": Gan,
+            "manual": ManualUpdate}
+
+
+def _regressor(cls, seed):
+    import keras
+
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = cls(inputs, keras.layers.Dense(1)(hidden))
+    model.set_weights(_weights([(12, 8), (8,), (8, 1), (1,)], seed))
+    return model
+
+
+def _gan(cls):
+    import keras
+
+    discriminator = keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+        keras.layers.Dense(1)])
+    generator = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(4, activation="tanh")])
+    discriminator.set_weights(_weights([(4, 6), (6,), (6, 1), (1,)], 5))
+    generator.set_weights(_weights([(8, 4), (4,)], 6))
+    return cls(discriminator, generator)
+
+
+class BatchLogs:
+    """A callback factory recording every batch's logs."""
+
+    @staticmethod
+    def make():
+        import keras
+
+        class Recorder(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.logs = []
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.logs.append({k: float(v) for k, v in logs.items()})
+
+        return Recorder()
+
+
+def _fit(model, x, y=None, n_epochs=2, batch_size=32):
+    recorder = BatchLogs.make()
+    history = model.fit(x, y, batch_size=batch_size, epochs=n_epochs,
+                        shuffle=False, verbose=0, callbacks=[recorder])
+    return {"history": history.history, "batch_logs": recorder.logs,
+            "weights": model.get_weights()}
+
+
+def user_steps():
+    """Every step kind under `kd.MirroredStrategy()`; in N processes (each
+    gets its rows of every global batch) or in one (the reference)."""
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    torch.set_num_threads(1)
+    models = _models()
+    strategy = kd.MirroredStrategy()
+    out = {}
+    x, y = _data(101)  # the last batch, 5 rows, splits 2 + 3
+    with strategy.scope():
+        model = _regressor(models["guide"], 1)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                      metrics=["mae"])
+    out["guide"] = _fit(model, x, y)
+    out["guide"]["evaluate"] = model.evaluate(x, y, batch_size=32, verbose=0)
+    with strategy.scope():
+        model = _regressor(models["guide"], 1)
+        model.compile(optimizer=keras.optimizers.SGD(
+            0.1, gradient_accumulation_steps=2), loss="mse", metrics=["mae"])
+    out["accumulation"] = _fit(model, x, y)
+    x, y = _data(128)
+    for kind in ("ddp", "no_optimizer", "twice"):
+        with strategy.scope():
+            model = _regressor(models[kind], 2)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        out[kind] = _fit(model, x, y)
+    with strategy.scope():
+        gan = _gan(models["gan"])
+        gan.compile(keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1))
+    out["gan"] = _fit(gan, _data(96)[0])
+    return out
+
+
+def diverging_step(mode):
+    """A step that bypasses the optimizer: the check's error (or warning)."""
+    import warnings
+
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    torch.set_num_threads(1)
+    kd.set_divergence_check(mode)
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = _regressor(_models()["manual"], 3)
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = _data(64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+            error = None
+        except kd.ReplicasDivergedError as raised:
+            error = (str(raised), raised.variable)
+    try:
+        strategy.check_replicas_agree(model)
+        on_demand = None
+    except kd.ReplicasDivergedError as raised:
+        on_demand = raised.variable
+    return {"error": error, "on_demand": on_demand,
+            "first_variable": model.trainable_variables[0].path,
+            "warnings": [str(w.message) for w in caught
+                         if issubclass(w.category, RuntimeWarning)
+                         and "diverged" in str(w.message)]}
