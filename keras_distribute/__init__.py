@@ -59,6 +59,8 @@ from keras_distribute.training.collectives import process_index
 from keras_distribute.common.cross_device_ops import CommunicationOptions
 from keras_distribute.strategies.multi_worker import MultiWorkerMirroredStrategy
 from keras_distribute.common.reduce_op import ReduceOp
+from keras_distribute.cluster_resolver.tpu import experimental_connect_to_cluster
+from keras_distribute.cluster_resolver.tpu import initialize_tpu_system
 from keras_distribute.common.simulate import simulate_cpu_devices
 from keras_distribute.strategies.strategy import Strategy
 from keras_distribute.strategies.tpu import DeviceAssignment
@@ -118,10 +120,12 @@ __all__ = [
     "cluster_resolver",
     "compute_average_loss",
     "experimental",
+    "experimental_connect_to_cluster",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "initialize_tpu_system",
     "launch",
     "notebook_launcher",
     "numpy",

@@ -52,6 +52,33 @@ def test_index_records_attribute_paths(tmp_path):
     assert paths["optimizer/iterations"] in index["variables"]
 
 
+def test_the_reader_answers_to_tensorflows_names(tmp_path):
+    # The TF checkpoint guide's cell, ported by the import change:
+    # reader = tf.train.load_checkpoint('./tf_ckpts/') ...
+    net = trained_net()
+    ShardedCheckpoint(step=keras.Variable(1.0, trainable=False),
+                      optimizer=keras.optimizers.Adam(0.1),
+                      net=net).save(str(tmp_path / "ckpt"))
+    reader = kd.checkpoint.load_checkpoint(str(tmp_path))
+    shape_from_key = reader.get_variable_to_shape_map()
+    dtype_from_key = reader.get_variable_to_dtype_map()
+    key = "net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+    assert key in sorted(shape_from_key.keys())
+    assert shape_from_key[key] == (1, 5)
+    assert dtype_from_key[key].name == "float32"
+    np.testing.assert_array_equal(reader.get_tensor(key),
+                                  net.l1.kernel.numpy())
+    np.testing.assert_array_equal(
+        reader.get_tensor("net/l1/bias/.ATTRIBUTES/VARIABLE_VALUE"),
+        np.arange(5, dtype="float32") + 1.0)
+    assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 1.0
+    assert reader.has_tensor("net/0") and reader.has_tensor(key)
+    assert not reader.has_tensor("net/l9/kernel/.ATTRIBUTES/VARIABLE_VALUE")
+    assert ("net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE", (1, 5)) in (
+        kd.checkpoint.list_variables(str(tmp_path)))
+    assert kd.checkpoint.load_variable(str(tmp_path), key).shape == (1, 5)
+
+
 def test_restore_through_a_stand_in_object_graph(tmp_path):
     # The guide: a stand-in graph restores the one bias it names; the kernel
     # attached afterwards is restored as it is attached.

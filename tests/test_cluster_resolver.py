@@ -204,3 +204,54 @@ def test_submitit_local_executor_variables():
                       ).coordinator_address == "127.0.0.1:4000"
     with pytest.raises(ValueError, match="must be below SUBMITIT_LOCAL_NTASKS"):
         cr.resolve(dict(env, SUBMITIT_LOCAL_GLOBALID="2"))
+
+
+def _fake_pci(tmp_path, vendors):
+    for index, vendor in enumerate(vendors):
+        device = tmp_path / f"0000:00:0{index}.0"
+        device.mkdir()
+        (device / "vendor").write_text(vendor + "\n")
+    return str(tmp_path)
+
+
+def test_tpu_resolver_raises_tensorflows_value_error_without_a_tpu(
+        monkeypatch, tmp_path):
+    # TensorFlow's message, so that the TPU idiom's `except ValueError:`
+    # falls back; and what was received and what to do.
+    from keras_distribute.cluster_resolver import tpu
+
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.setattr(tpu, "_SYSFS_PCI_DEVICES",
+                        _fake_pci(tmp_path, ["0x8086", "0x10de"]))
+    with pytest.raises(ValueError, match="Please provide a TPU Name to "
+                       "connect to.*Received: tpu=None.*MirroredStrategy"):
+        cr.TPUClusterResolver()
+    with pytest.raises(ValueError, match="Please provide a TPU Name"):
+        cr.TPUClusterResolver.connect()
+    with pytest.raises(ValueError, match="Received: tpu=3"):
+        cr.TPUClusterResolver(tpu=3)
+
+
+def test_tpu_resolver_finds_this_tpu_vm_and_its_pod(monkeypatch, tmp_path):
+    from keras_distribute.cluster_resolver import tpu
+
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    pci = _fake_pci(tmp_path, ["0x1ae0", "0x1ae0", "0x1AE0", "0x8086",
+                               "0x1ae0"])
+    monkeypatch.setattr(tpu, "_SYSFS_PCI_DEVICES", pci)
+    assert tpu.local_tpu_chips(pci) == 4
+    resolver = cr.TPUClusterResolver()
+    assert resolver.master() == resolver.get_master() == "local"
+    assert resolver.num_accelerators() == {"TPU": 4}
+    assert (resolver.num_processes, resolver.process_id) == (1, 0)
+    pod = cr.TPUClusterResolver(environ={
+        "TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1,t1v-2,t1v-3",
+        "TPU_WORKER_ID": "2"})
+    assert (pod.num_processes, pod.process_id, pod.is_chief) == (4, 2, False)
+    assert pod.cluster_spec() == {"worker": [
+        f"t1v-{i}:8470" for i in range(4)]}
+    named = cr.TPUClusterResolver(environ={"TPU_NAME": "my-tpu"})
+    assert named.master() == "my-tpu"
+    with pytest.raises(ValueError, match="TPU_WORKER_ID='7', 2 host"):
+        cr.TPUClusterResolver(environ={"TPU_WORKER_HOSTNAMES": "a,b",
+                                       "TPU_WORKER_ID": "7"})

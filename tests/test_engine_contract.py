@@ -155,6 +155,7 @@ def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():
     from keras_distribute.input import process_data
 
     engine = types.SimpleNamespace(fit_per_process=False, process_count=1,
+                                   num_replicas=1,
                                    process_id=0)
     wrapped = process_data.with_process_rules(engine, keras.Model.evaluate)
     assert wrapped.__name__ == "evaluate"

@@ -355,3 +355,24 @@ def test_mirrored_strategy_in_a_job_of_several_processes_warns(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kd.MirroredStrategy()  # alone: no warning
+
+
+def test_the_tpu_detection_idiom_falls_back_without_a_tpu(monkeypatch):
+    # keras-io's idiom, ported by the import change (tf.distribute -> kd,
+    # tf.config / tf.tpu.experimental -> kd): no TPU here, so the resolver
+    # raises ValueError and the program takes its fallback.
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    try:
+        tpu = kd.cluster_resolver.TPUClusterResolver.connect()
+        kd.experimental_connect_to_cluster(tpu)
+        kd.initialize_tpu_system(tpu)
+        strategy = kd.TPUStrategy(tpu)
+    except ValueError:
+        strategy = kd.get_strategy()
+    assert not isinstance(strategy, kd.TPUStrategy)
+    try:
+        tpu = kd.cluster_resolver.TPUClusterResolver()
+        strategy = kd.TPUStrategy(tpu)
+    except ValueError:
+        strategy = kd.MirroredStrategy()
+    assert isinstance(strategy, kd.MirroredStrategy)

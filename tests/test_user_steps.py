@@ -183,3 +183,36 @@ def test_the_check_mode_is_validated_and_one_replica_is_never_checked(
     assert divergence.divergence_check_mode() == "raise"
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     kd.get_strategy().check_replicas_agree(model)  # default strategy: no-op
+
+
+@torch_only
+def test_variables_agree_from_the_moment_they_are_made_in_the_scope():
+    # The transfer-learning guide reads weights inside the scope and checks
+    # them against a later read (its assert_allclose).
+    results = kd.launch(workers.weights_inside_the_scope, num_processes=2,
+                        timeout=TIMEOUT)
+    for result in results:
+        for inside, after in (("inside", "after"),
+                              ("head_inside", "head_after")):
+            _assert_same_weights(result[inside], result[after], 0)
+    for key in ("inside", "head_inside"):
+        _assert_same_weights(results[0][key], results[1][key], 0)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the TensorFlow guide's "
+                    "steps (tf.GradientTape) under 4 TF logical devices")
+def test_tensorflow_guides_steps_log_the_true_loss_and_the_gan_builds():
+    # Under a strategy Keras scales `compute_loss` by 1/replicas for the
+    # gradient sum, and the guide's tracker logged that (1/4 of the loss);
+    # its GAN (no `call`) failed to build. kd: the one-device numbers.
+    reference = workers.tf_guide_programs(kd.get_strategy())
+    runs = workers.tf_guide_programs(kd.MirroredStrategy())
+    for kind in ("guide", "gan"):
+        _assert_same_weights(reference[kind]["weights"],
+                             runs[kind]["weights"], 1e-5)
+        _assert_logs_equal(reference[kind]["batch_logs"],
+                           runs[kind]["batch_logs"])
+        _assert_logs_equal([reference[kind]["history"]],
+                           [runs[kind]["history"]])
+    _assert_logs_equal([reference["guide"]["evaluate"]],
+                       [runs["guide"]["evaluate"]])

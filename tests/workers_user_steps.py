@@ -285,3 +285,137 @@ def diverging_step(mode):
             "warnings": [str(w.message) for w in caught
                          if issubclass(w.category, RuntimeWarning)
                          and "diverged" in str(w.message)]}
+
+
+def weights_inside_the_scope():
+    """The transfer-learning guide's read: `get_weights()` inside the scope
+    (each process's random state differs: the values must still agree)."""
+    import os
+
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    torch.set_num_threads(1)
+    keras.utils.set_random_seed(int(os.environ.get("RANK", "0")))
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        base = keras.Sequential([keras.Input((5,)),
+                                 keras.layers.Dense(4), keras.layers.Dense(2)])
+        inside = [w.copy() for w in base.layers[0].get_weights()]
+        base.trainable = False
+        inputs = keras.Input((5,))
+        outputs = keras.layers.Dense(1)(base(inputs, training=False))
+        model = keras.Model(inputs, outputs)
+        head_inside = [w.copy() for w in model.layers[-1].get_weights()]
+    return {"inside": inside, "head_inside": head_inside,
+            "after": base.layers[0].get_weights(),
+            "head_after": model.layers[-1].get_weights()}
+
+
+def tf_guide_programs(strategy):
+    """keras-io's "Customizing what happens in fit() with TensorFlow": its
+    train_step (a loss tracker fed `compute_loss`'s value) and its GAN (no
+    `call`: built by its step), under `strategy` (a kd one, or the default
+    strategy: the one-device reference)."""
+    import keras
+    import tensorflow as tf
+
+    class CustomModel(keras.Model):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(gradients, self.trainable_variables)
+            self.loss_tracker.update_state(loss)
+            self.mae_metric.update_state(y, y_pred)
+            return {"loss": self.loss_tracker.result(),
+                    "mae": self.mae_metric.result()}
+
+        def test_step(self, data):
+            x, y = data
+            y_pred = self(x, training=False)
+            self.loss_tracker.update_state(
+                self.compute_loss(y=y, y_pred=y_pred))
+            self.mae_metric.update_state(y, y_pred)
+            return {"loss": self.loss_tracker.result(),
+                    "mae": self.mae_metric.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker, self.mae_metric]
+
+    class Gan(keras.Model):
+        def __init__(self, discriminator, generator):
+            super().__init__()
+            self.discriminator = discriminator
+            self.generator = generator
+            self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+            self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile()
+            self.d_optimizer = d_optimizer
+            self.g_optimizer = g_optimizer
+            self.loss_fn = loss_fn
+
+        @property
+        def metrics(self):
+            return [self.d_loss_tracker, self.g_loss_tracker]
+
+        def train_step(self, data):
+            real, noise = data[:, :4], data[:, 4:]
+            fake = self.generator(noise)
+            combined = tf.concat([fake, real], axis=0)
+            labels = tf.concat([tf.ones_like(real[:, :1]),
+                                tf.zeros_like(real[:, :1])], axis=0)
+            with tf.GradientTape() as tape:
+                d_loss = self.loss_fn(labels, self.discriminator(combined))
+            grads = tape.gradient(d_loss,
+                                  self.discriminator.trainable_weights)
+            self.d_optimizer.apply_gradients(
+                zip(grads, self.discriminator.trainable_weights))
+            with tf.GradientTape() as tape:
+                g_loss = self.loss_fn(
+                    tf.zeros_like(real[:, :1]),
+                    self.discriminator(self.generator(noise)))
+            grads = tape.gradient(g_loss, self.generator.trainable_weights)
+            self.g_optimizer.apply_gradients(
+                zip(grads, self.generator.trainable_weights))
+            self.d_loss_tracker.update_state(d_loss)
+            self.g_loss_tracker.update_state(g_loss)
+            return {"d_loss": self.d_loss_tracker.result(),
+                    "g_loss": self.g_loss_tracker.result()}
+
+    out = {}
+    x, y = _data(128)
+    with strategy.scope():
+        inputs = keras.Input((12,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = CustomModel(inputs, keras.layers.Dense(1)(hidden))
+        model.set_weights(_weights([(12, 8), (8,), (8, 1), (1,)], 1))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    out["guide"] = _fit(model, x, y)
+    out["guide"]["evaluate"] = model.evaluate(x, y, batch_size=32,
+                                              verbose=0, return_dict=True)
+    with strategy.scope():
+        discriminator = keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+            keras.layers.Dense(1)])
+        generator = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(4, activation="tanh")])
+        discriminator.set_weights(_weights([(4, 6), (6,), (6, 1), (1,)], 5))
+        generator.set_weights(_weights([(8, 4), (4,)], 6))
+        gan = Gan(discriminator, generator)
+        gan.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1),
+                    keras.losses.BinaryCrossentropy(from_logits=True))
+    out["gan"] = _fit(gan, _data(96)[0])
+    return out

@@ -167,6 +167,12 @@ class TorchDdpEngine(ProcessDataEngine, Protocol):
     def train_step(self, model: Any, data: Any) -> Any:
         """One training step of `model` on this process's `data`."""
 
+    def wrap_step_function(self, model: Any, function: Callable,
+                           is_train: bool) -> Callable:
+        """Keras' `train_function` (or `test_function`) of a model whose
+        step is the user's, as steps whose optimizer calls get the global
+        batch's gradients and whose logs are global."""
+
     def global_metric_states(self,
                              variables: Sequence[Any]) -> ContextManager[None]:
         """Inside: the metric variables hold every process's totals."""

@@ -107,9 +107,7 @@ def list_variables(path: str) -> List[tuple]:
         print(key, shape)
     ```
     """
-    variables = reading.read_index(_resolve(path))["variables"]
-    return [(key, tuple(record["shape"]))
-            for key, record in sorted(variables.items())]
+    return sorted(load_checkpoint(path).get_variable_to_shape_map().items())
 
 
 def load_variable(path: str, key: str) -> np.ndarray:
@@ -130,9 +128,18 @@ def load_variable(path: str, key: str) -> np.ndarray:
     return load_checkpoint(path).get_tensor(key)
 
 
+# How `tf.train.Checkpoint` names a variable it reached through attributes.
+TF_VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
 class CheckpointReader:
     """Reads a committed checkpoint's variables by key, as the reader
     `tf.train.load_checkpoint` returns. Made by `load_checkpoint`.
+
+    A variable answers to kd's key (`"net/0"`) and to TensorFlow's name
+    for each attribute path that reaches it
+    (`"net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE"`, what ported programs
+    look up; the index records the paths, see `object_paths`).
 
     Args:
         path: A committed checkpoint directory.
@@ -140,36 +147,46 @@ class CheckpointReader:
 
     def __init__(self, path: str):
         self.path = path
-        self._variables = reading.read_index(path)["variables"]
+        index = reading.read_index(path)
+        self._variables = index["variables"]
+        self._keys = {key: key for key in self._variables}
+        for key in self._variables:
+            self._keys[key + TF_VARIABLE_SUFFIX] = key
+        for attribute_path, key in index.get("object_paths", {}).items():
+            if key in self._variables:
+                self._keys.setdefault(attribute_path + TF_VARIABLE_SUFFIX,
+                                      key)
 
     def get_variable_to_shape_map(self) -> Dict[str, tuple]:
-        """`key -> shape` of every variable."""
-        return {key: tuple(record["shape"])
-                for key, record in self._variables.items()}
+        """`name -> shape` of every variable (kd's keys and TensorFlow's
+        names)."""
+        return {name: tuple(self._variables[key]["shape"])
+                for name, key in self._keys.items()}
 
     def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
-        """`key -> numpy dtype` of every variable (bfloat16 & co. through
+        """`name -> numpy dtype` of every variable (bfloat16 & co. through
         ml_dtypes)."""
-        return {key: numpy_dtype(record["dtype"])
-                for key, record in self._variables.items()}
+        return {name: numpy_dtype(self._variables[key]["dtype"])
+                for name, key in self._keys.items()}
 
     def has_tensor(self, key: str) -> bool:
-        """Whether the checkpoint holds `key`."""
-        return key in self._variables
+        """Whether the checkpoint holds `key` (a key or TensorFlow name)."""
+        return key in self._keys
 
     def get_tensor(self, key: str) -> np.ndarray:
-        """The whole variable `key`, assembled from its pieces (each
-        checked against its checksum).
+        """The whole variable `key` (a key or TensorFlow name), assembled
+        from its pieces (each checked against its checksum).
 
         Raises:
             KeyError: if the checkpoint has no such key.
         """
-        if key not in self._variables:
+        if key not in self._keys:
             raise KeyError(
                 f"The checkpoint {self.path!r} has no variable {key!r}. It "
                 f"has: {sorted(self._variables)[:10]}... "
-                "(get_variable_to_shape_map lists them all).")
-        return reading.read_whole(self.path, self._variables[key])
+                "(get_variable_to_shape_map lists them all, with their "
+                "TensorFlow names).")
+        return reading.read_whole(self.path, self._variables[self._keys[key]])
 
 
 def load_checkpoint(path: str) -> CheckpointReader:

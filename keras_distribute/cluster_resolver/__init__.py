@@ -5,6 +5,7 @@
   `resolve()`, which tries each resolver in order.
 - `schedulers`: torchrun, JAX on Kubernetes, Ray Train, SLURM, submitit.
 - `cluster_spec`: `ClusterSpec`, tf.distribute's job → addresses table.
+- `tpu`: `TPUClusterResolver` (TPU detection; `ValueError` without one).
 
 May import: `common`, `job`. Imports no framework.
 """
@@ -22,10 +23,12 @@ from keras_distribute.cluster_resolver.schedulers import SubmititLocalClusterRes
 from keras_distribute.cluster_resolver.schedulers import TorchElasticClusterResolver  # noqa: F401
 from keras_distribute.cluster_resolver.schedulers import expand_slurm_nodelist  # noqa: F401
 from keras_distribute.cluster_resolver.schedulers import iter_slurm_nodelist  # noqa: F401
+from keras_distribute.cluster_resolver.tpu import TPUClusterResolver  # noqa: F401
 
 __all__ = ["ClusterResolver", "ClusterSpec", "JaxEnvClusterResolver",
            "KerasDistributionClusterResolver", "RayTrainClusterResolver",
            "SimpleClusterResolver", "SlurmClusterResolver",
            "SubmititLocalClusterResolver", "TFConfigClusterResolver",
+           "TPUClusterResolver",
            "TorchElasticClusterResolver", "expand_slurm_nodelist",
            "iter_slurm_nodelist", "resolve"]

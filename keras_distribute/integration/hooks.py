@@ -166,6 +166,8 @@ def _install_model_hooks() -> None:
         original_init(self, *args, **kwargs)
         if context.has_strategy() and model_strategy(self) is None:
             object.__setattr__(self, "_kd_strategy", context.get_strategy())
+            if keras.backend.backend() == "tensorflow":
+                _build_in_its_scope(self)
 
     _patch(base_trainer, "__init__", __init__)
     for name in _TRAINER_METHODS:
@@ -179,6 +181,27 @@ def _install_model_hooks() -> None:
     saving_lib = registry.resolve("saving_lib")
     _patch(saving_lib, "get_attr_skipset",
            saving.outside_every_strategy(saving_lib.get_attr_skipset))
+
+
+def _build_in_its_scope(model) -> None:
+    """A TensorFlow model made under a strategy builds under it, wherever
+    `build` is called from (keras-tuner's `build_from_config` after a
+    search, a first call outside the scope): tf.distribute cannot mirror a
+    variable made outside its scope afterwards (JAX and torch adopt such
+    variables instead). Keras wraps each layer's `build` per instance (its
+    `build_wrapper`); this wraps that once more."""
+    build = model.build
+
+    @functools.wraps(build)
+    def build_in_scope(*args, **kwargs):
+        strategy = model_strategy(model)
+        if strategy is None or (context.has_strategy()
+                                and context.get_strategy() is strategy):
+            return build(*args, **kwargs)
+        with strategy.scope():
+            return build(*args, **kwargs)
+
+    object.__setattr__(model, "build", build_in_scope)
 
 
 def _host_array_unless_jax(value):

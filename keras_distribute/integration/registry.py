@@ -133,6 +133,10 @@ ROWS: Tuple[Row, ...] = (
     Row("loss_module", ((_S + "losses.loss", ""),),
         "TF: the logged loss undoes the weighting above", "3.10-3.16",
         backends=("tensorflow",)),
+    Row("loss_module.scale_loss_for_distribution", (), "TF: inside a "
+        "Keras step the scaling goes to the gradient only (a user's "
+        "train_step logs the true loss)", "3.10-3.16",
+        parameters=("value",), backends=("tensorflow",)),
     Row("loss_module.unscale_loss_for_distribution", (), "see loss_module",
         "3.10-3.16", parameters=("value",), backends=("tensorflow",)),
     Row("tf_Variable", ((_S + "backend.tensorflow.ops.core", "Variable"),

@@ -3,7 +3,13 @@
 1. Keras scales each replica's mean loss by `1 / num_replicas`, wrong when
    a short last batch is split unevenly; the hook on `Loss.__call__` scales
    it by `local_batch / global_batch` instead (and
-   `unscale_loss_for_distribution` undoes that for the logged loss).
+   `unscale_loss_for_distribution` undoes that for the logged loss). Inside
+   a Keras step (`fit`, `evaluate`, ...) under a kd strategy the scaling
+   goes to the gradient only: the loss keeps its value, so a user's
+   `train_step` that logs `compute_loss(...)` logs the true loss, as on JAX
+   and torch (`scale_loss_for_distribution`; Keras' own step's unscaling
+   is then the identity). Custom loops in `strategy.run` keep
+   tf.distribute's scaled values.
 2. `int(v)` / `float(v)` of a scalar variable made in a strategy's scope
    (a tf.distribute `MirroredVariable` inside) read its value, as they do
    outside (`int(ckpt.step)` in the TF checkpoint guide's loop).
@@ -37,6 +43,7 @@ def install() -> None:
     from keras_distribute.backend.tensorflow import fit as tf_fit
 
     original_call = loss_module.Loss.__call__
+    original_scale = loss_module.scale_loss_for_distribution
     original_unscale = loss_module.unscale_loss_for_distribution
     last_factor = threading.local()  # per replica thread
 
@@ -50,10 +57,26 @@ def install() -> None:
         # Keras 3.16 returns an empty tensor, not 0, for a replica with no
         # rows (its mean then read NaN): the sum is 0 there, the value
         # itself elsewhere.
-        return keras.ops.sum(value) * factor
+        scaled = keras.ops.sum(value) * factor
+        if tf_fit.steps_log_true_losses():
+            return tf_fit.value_of_with_gradient_of(
+                keras.ops.sum(value), scaled)
+        return scaled
+
+    @functools.wraps(original_scale)
+    def scale_loss_for_distribution(value):
+        scaled = original_scale(value)
+        if not tf_fit.steps_log_true_losses():
+            return scaled
+        # In a Keras step under a kd strategy the loss keeps its value (what
+        # a user's `train_step` logs) and takes the scaled gradient (what
+        # the optimizer's sum over replicas needs).
+        return tf_fit.value_of_with_gradient_of(value, scaled)
 
     @functools.wraps(original_unscale)
     def unscale_loss_for_distribution(value):
+        if tf_fit.steps_log_true_losses():
+            return value  # never scaled (above)
         factor = getattr(last_factor, "value", None)
         if factor is None:
             return original_unscale(value)
@@ -62,8 +85,10 @@ def install() -> None:
             value, keras.ops.cast(factor, value.dtype)))
 
     patching.patch(loss_module.Loss, "__call__", __call__)
+    patching.patch(loss_module, "scale_loss_for_distribution",
+                   scale_loss_for_distribution)
     patching.patch(loss_module, "unscale_loss_for_distribution",
-           unscale_loss_for_distribution)
+                   unscale_loss_for_distribution)
     _install_tf_scalar_conversions()
     _install_tf_multi_worker_fixes()
     _install_tf_optimizer_build_fix()
@@ -186,7 +211,16 @@ def _install_tf_multi_worker_fixes() -> None:
                     next(batches))
                 break
         with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
+            try:
+                self._symbolic_build(data_batch=data_batch)
+            except RuntimeError as error:
+                # A model whose own `train_step` does the work and which
+                # has no `call` (keras-io's GAN): Keras without a strategy
+                # defers its build to the step's first trace; so does kd
+                # (the step's variables are then made as in `run`).
+                if not _builds_in_its_own_step(self, tf_trainer_class,
+                                               error):
+                    raise
 
     original_reduce = tf_trainer.reduce_per_replica
 
@@ -207,6 +241,14 @@ def _install_tf_multi_worker_fixes() -> None:
     patching.patch(tf_trainer_class, "_maybe_symbolic_build",
            _maybe_symbolic_build)
     patching.patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
+
+
+def _builds_in_its_own_step(model, trainer_class, error) -> bool:
+    """Whether `model` could not be built symbolically because its work is
+    in an overridden `train_step` (its build then waits for the step)."""
+    overridden = type(model).train_step is not trainer_class.train_step
+    return overridden and "Unable to automatically build the model" in str(
+        error)
 
 
 def _install_tf_cross_replica_apply() -> None:

@@ -1,7 +1,7 @@
 """The PyTorch backend's hooks into Keras (installed by `hooks.install`).
 
 4. In a process group: new variables are recorded for the rank-0
-   broadcast; `TorchTrainer.train_step` forwards through a held
+   broadcast (made when a layer built in the user's scope is built); `TorchTrainer.train_step` forwards through a held
    `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
    nothing); `Trainer.get_metrics_result` reads all-process metric states
    with one flat all-reduce. On Keras 3.16, whose torch Trainer makes its
@@ -75,7 +75,19 @@ def install() -> None:
             return keras.tree.map_structure(
                 lambda v: v.clone() if hasattr(v, "clone") else v, results)
 
+    layer_class = registry.resolve("Layer")
+    in_stateless_scope = registry.resolve(
+        "stateless_scope").in_stateless_scope
+    original_post_build = layer_class._post_build
+
+    @functools.wraps(original_post_build)
+    def _post_build(self):
+        original_post_build(self)
+        if not in_stateless_scope():
+            torch_backend.on_layer_built(self)
+
     _patch(torch_variable, "_initialize", _initialize)
+    _patch(layer_class, "_post_build", _post_build)
     _patch(torch_trainer, "train_step", train_step)
     _install_user_steps(torch_trainer)
     _patch(owner, "get_metrics_result", get_metrics_result)

@@ -95,6 +95,11 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             "tf.distribute.cluster_resolver.TPUClusterResolver(); to "
             "simulate a slice on CPU use the JAX backend with "
             "kd.DeviceAssignment(..., devices=jax.devices()).")
+    from keras_distribute.cluster_resolver.tpu import TPUClusterResolver
+
+    if isinstance(tpu_cluster_resolver, TPUClusterResolver):
+        tpu_cluster_resolver = tf.distribute.cluster_resolver.\
+            TPUClusterResolver(tpu=tpu_cluster_resolver.tpu_name)
     resolver = tpu_cluster_resolver or (
         tf.distribute.cluster_resolver.TPUClusterResolver())
     tf.config.experimental_connect_to_cluster(resolver)

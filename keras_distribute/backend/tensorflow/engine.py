@@ -100,6 +100,7 @@ class TfEngine:
         # Inside a `fit` whose every training batch splits evenly (the
         # replicas then skip the uneven-batch all-reduce).
         self.even_fit = False
+        self.trainer_calls = 0  # `fit` & co. running (call_trainer)
         # `CommunicationOptions(compression=...)`: the dtype gradients are
         # all-reduced in (None: their own), and the `(dtype, bytes)` of the
         # gradients the last traced step handed to the all-reduce.
@@ -258,10 +259,12 @@ class TfEngine:
             args, kwargs, self.num_replicas)
         if even:
             self.even_fit = True
+        self.trainer_calls += 1
         try:
             with peer_board.busy():
                 return method(model, *args, **kwargs)
         finally:
+            self.trainer_calls -= 1
             self.even_fit = False
 
     # ------------------------------------------------------- placing values

@@ -41,6 +41,22 @@ def current_engine() -> Any:
         return None
     return engine_of(tf.distribute.get_strategy())
 
+def steps_log_true_losses() -> bool:
+    """Whether a loss computed now keeps its value and carries the
+    per-replica scaling in its gradient only: inside a Keras trainer call
+    (`fit`, `evaluate`, ...) of a kd strategy with several replicas, in a
+    replica's context."""
+    engine = current_engine()
+    return engine is not None and engine.trainer_calls > 0 and (
+        tf.distribute.get_replica_context() is not None
+        and tf.distribute.get_strategy().num_replicas_in_sync > 1)
+
+
+def value_of_with_gradient_of(value: Any, scaled: Any) -> Any:
+    """A tensor whose value is `value`'s and whose gradient is `scaled`'s."""
+    return scaled + tf.stop_gradient(value - scaled)
+
+
 def uneven_batch_loss_factor(loss: Any, y_pred: Any) -> Any:
     """How much to rescale a replica's loss so that uneven batches weigh right.
 

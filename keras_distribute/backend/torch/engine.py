@@ -77,6 +77,7 @@ class TorchEngine:
                 devices=[f"{device.type}:{r}"
                          for r in range(self.world_size)])
         self._created: List[Any] = []  # variables created in scope, not yet broadcast
+        self._trainer_calls = 0  # `fit` & co. running (call_trainer)
         # Variables aggregated by "sum" / "mean" (metric states, moving
         # statistics): combined over processes after each `run`.
         self._aggregated: List[Any] = []
@@ -107,6 +108,23 @@ class TorchEngine:
             self._created.append(weakref.ref(variable))
             if getattr(variable, "aggregation", "none") in ("sum", "mean"):
                 self._aggregated.append(weakref.ref(variable))
+
+    # A layer built in the user's own `strategy.scope()` takes process 0's
+    # values as soon as it is built, so that a read inside the scope
+    # already agrees (in tf.distribute a mirrored variable holds one value
+    # from the moment it exists). Through `broadcast_new_variables`, which
+    # first agrees on the variables every process made: processes that
+    # built other layers, or one that made a variable alone, are never
+    # handed a mismatched collective. Layers built during `fit` & co. or
+    # in `run` wait for the step's own broadcast.
+    broadcasts_when_built = True
+
+    def layer_built(self, layer: Any) -> None:
+        """Called when a layer made in this engine's scope is built."""
+        if (self.in_group and self.broadcasts_when_built
+                and not self._trainer_calls
+                and context.get_replica_context() is None):
+            self.broadcast_new_variables()
 
     @torch_peers.collective
     def broadcast_new_variables(self) -> None:
@@ -178,9 +196,13 @@ class TorchEngine:
             return method(model, *args, **kwargs)
         from keras_distribute.backend.torch import training as torch_training
 
-        with torch_peers.naming_a_lost_peer(), \
-                torch_training.compiled_ddp_mode(self, model):
-            return method(model, *args, **kwargs)
+        self._trainer_calls += 1
+        try:
+            with torch_peers.naming_a_lost_peer(), \
+                    torch_training.compiled_ddp_mode(self, model):
+                return method(model, *args, **kwargs)
+        finally:
+            self._trainer_calls -= 1
 
     @property
     def fit_per_process(self) -> bool:
@@ -563,6 +585,13 @@ class _EngineScope:
     def current(cls) -> Optional[TorchEngine]:
         active = cls._active()
         return active[-1] if active else None
+
+
+def on_layer_built(layer: Any) -> None:
+    """Called by the Keras hook when a layer is built."""
+    engine = _EngineScope.current()
+    if engine is not None:
+        engine.layer_built(layer)
 
 
 def on_variable_created(variable: Any) -> None:

@@ -165,6 +165,9 @@ class ShardedTorchEngine(TorchEngine):
     """
 
     collective_reads = True  # reading a sharded variable whole is collective
+    # A built layer's variables are broadcast before they are cut
+    # (`shard_layer`).
+    broadcasts_when_built = False
 
     def __init__(self, device: Any, layout_map: Any):
         super().__init__(device)
