@@ -317,11 +317,27 @@ def scaling_table():
     return "\n".join(rows + plot)
 
 
+def divergence_table():
+    rows = ["| backend | replicas (processes) | epoch (60 steps) | check | "
+            "share of the epoch | goal | run |",
+            "|---|---|---|---|---|---|---|"]
+    for backend in ("jax", "tensorflow", "torch"):
+        entry = _load(f"divergence_{backend}")
+        r = entry["result"]
+        rows.append(
+            f"| {backend} | {r['replicas']} ({r['processes']}) | "
+            f"{r['epoch_ms']:,.0f} ms | {_ms(r['check_ms'])} | "
+            f"{100 * r['check_share_of_epoch']:.2f} % | {r['goal']} | "
+            f"{_run(entry)} |")
+    return "\n".join(rows)
+
+
 TABLES = {"fit": fit_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
           "compression": compression_table,
-          "compression_jax": compression_jax_table}
+          "compression_jax": compression_jax_table,
+          "divergence": divergence_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)
 

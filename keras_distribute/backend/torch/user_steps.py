@@ -79,7 +79,7 @@ def mark_reduced(tensor: Any) -> Any:
     """Marks `tensor` as all-reduced over the replicas (an optimizer given
     it inside `strategy.run` applies it as it is); returns it."""
     if isinstance(tensor, torch.Tensor):
-        tensor._kd_all_reduced = True  # type: ignore[attr-defined]
+        tensor._kd_all_reduced = True
     return tensor
 
 
