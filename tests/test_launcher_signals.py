@@ -216,3 +216,40 @@ def test_a_return_value_that_cannot_be_pickled_is_named():
     with pytest.raises(kd.LaunchError, match="returned cannot be pickled.*"
                        "lock"):
         kd.launch(_returns_a_lock, num_processes=1, timeout=120)
+
+
+def test_a_process_ends_when_its_store_host_is_cut_off():
+    """#43: behind a network partition the store's host never answers; the
+    final "ended" mark of the heartbeat blocked there (torch and TF workers
+    ran on 180 s after their error). The write is bounded now."""
+    import threading
+
+    from keras_distribute.job.peer_board import PeerBoard
+
+    class CutOffStore:
+        def __init__(self):
+            self.cut = threading.Event()
+            self.values = {}
+
+        def set(self, key, text):
+            if self.cut.is_set():
+                threading.Event().wait()  # never answers
+            self.values[key] = text
+
+        def get(self, key):
+            return self.values.get(key)
+
+    store = CutOffStore()
+    board = PeerBoard(store, rank=1, world_size=2, timeout_s=2.0)
+    time.sleep(0.3)
+    assert store.values["keras_distribute/beat/1"].endswith(" 0")  # beats
+    store.cut.set()
+    started = time.monotonic()
+    board.close()
+    assert time.monotonic() - started < 2 * (board.interval_s + 1.0) + 1.0
+    assert store.values["keras_distribute/beat/1"] != "ended"
+    # A store that answers takes the mark.
+    healthy = CutOffStore()
+    board = PeerBoard(healthy, rank=0, world_size=2, timeout_s=2.0)
+    board.close()
+    assert healthy.values["keras_distribute/beat/0"] == "ended"

@@ -118,12 +118,30 @@ class PeerBoard:
         self._stopped.set()
         if self._thread is not threading.current_thread():
             self._thread.join(self.interval_s + 1.0)
-        try:
-            self._store.set(f"{_PREFIX}{self.rank}", _ENDED)
-        except Exception as error:  # the store's host left first: its
-            # peers then see this heartbeat stop, which names it as well
+        # Bounded: a store whose host is cut off (a network partition)
+        # answers never, and an unbounded write kept the process from
+        # ending after its error was raised. Its peers then see this
+        # heartbeat stop, which names it as well.
+        if not self._write_bounded(_ENDED, self.interval_s + 1.0):
             logging.getLogger("keras_distribute").debug(
-                "could not mark process %d as ended: %s", self.rank, error)
+                "could not mark process %d as ended within %.1f s",
+                self.rank, self.interval_s + 1.0)
+
+    def _write_bounded(self, text: str, wait_s: float) -> bool:
+        """Sets this process's heartbeat to `text` in a thread; whether the
+        store took it within `wait_s`."""
+        done = threading.Event()
+
+        def write():
+            try:
+                self._store.set(f"{_PREFIX}{self.rank}", text)
+                done.set()
+            except Exception:  # the store's host left first
+                pass
+
+        threading.Thread(target=write, daemon=True,
+                         name="keras_distribute-heartbeat-end").start()
+        return done.wait(wait_s)
 
     def _read_all(self) -> dict:
         """Every other process's heartbeat text (none yet: `None`)."""
