@@ -915,3 +915,30 @@ def test_a_group_of_one_binds_no_port(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replicas 1" in result.stdout
+
+
+def test_a_one_host_job_listens_on_loopback_only():
+    # #43: torch's TCPStore listened on every interface (`*:port`) whatever
+    # its host; kd hands it a socket bound to the coordinator's address.
+    for addresses in kd.launch(workers.listening_addresses, num_processes=2,
+                               timeout=TIMEOUT):
+        assert addresses and set(addresses) <= {"127.0.0.1", "::1"}, addresses
+
+
+def test_a_taken_coordinator_port_is_named():
+    import socket
+
+    from keras_distribute.backend.torch import groups
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"coordinator port {port} on "
+                           "127.0.0.1 is already in use.*Received: address "
+                           f"'127.0.0.1:{port}'.*choose a free port"):
+            groups._listening_socket("127.0.0.1", port)
+    finally:
+        holder.close()
+    assert groups._listening_socket("192.0.2.1", 1) is None  # not ours

@@ -1048,3 +1048,19 @@ def compiled_fit():
             "compiled": (compiled_after_one, counters["total"]),
             "mode_in_fit": modes,
             "mode_after_fit": torch._dynamo.config.optimize_ddp}
+
+
+def listening_addresses():
+    """The addresses this process listens on after a short fit (#43: a
+    one-host job's store listened on every interface)."""
+    import psutil
+
+    import keras_distribute as kd
+
+    _setup()
+    x, y = make_data(n=64)
+    with kd.MirroredStrategy().scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(
+        kind="inet") if c.status == psutil.CONN_LISTEN})

@@ -3,7 +3,9 @@
 restart attempt, and ended together at exit."""
 
 import datetime
+import errno
 import os
+import socket
 from typing import Any, Optional
 
 import torch
@@ -59,13 +61,53 @@ def _init_process_group(address: str, rank: int, world_size: int,
         store = dist.HashStore()
     elif store is None:
         host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host.strip("[]"), int(port), world_size,
+        host = host.strip("[]")
+        listen_fd = _listening_socket(host, int(port)) if rank == 0 else None
+        store = dist.TCPStore(host, int(port), world_size,
                               is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=True)
+                              wait_for_workers=True,
+                              master_listen_fd=listen_fd)
     dist.init_process_group(backend=backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     torch_peers.start(store, rank, world_size, timeout_s)
     atexit.register(_destroy_own_group)
+
+
+def _listening_socket(host: str, port: int) -> Optional[int]:
+    """The file descriptor of a socket listening on `host`'s own address,
+    for the job's store (torch's TCPStore otherwise listens on every
+    interface, whatever its host: a one-host job then accepted connections
+    from the network it never needed). `None` when `host` is not an
+    address of this machine (torch's default then applies).
+
+    Raises:
+        OSError: when the port is taken, naming it as the cause (torch's
+            own error said only that workers did not join).
+    """
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    for family, kind, protocol, _, address in addresses:
+        listener = socket.socket(family, kind, protocol)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(address)
+        except OSError as error:
+            listener.close()
+            if error.errno == errno.EADDRINUSE:
+                raise OSError(
+                    error.errno,
+                    f"The job's coordinator port {port} on {host} is "
+                    "already in use, so process 0 cannot host the job's "
+                    f"store there. Received: address '{host}:{port}'. End "
+                    "the process that holds it (another job?) or choose a "
+                    "free port (MASTER_PORT, or the launcher's --port)."
+                ) from error
+            continue  # not an address of this machine
+        listener.listen(1024)
+        return listener.detach()  # the store owns it from now on
+    return None
 
 
 def _store_of_this_attempt(address: str, timeout_s: float) -> Any:
