@@ -229,3 +229,11 @@ def test_preemption_checkpoint_handler_custom_loop(tmp_path):
     from worker_training import launch_preemption_handler
 
     launch_preemption_handler(workers, str(tmp_path), TIMEOUT)
+
+
+def test_a_one_host_job_listens_on_loopback_only():
+    # #43: the coordinator (process 0) listened on every interface.
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    for addresses in kd.launch(workers.listening_addresses, num_processes=2,
+                               timeout=TIMEOUT):
+        assert addresses and set(addresses) <= loopback, addresses

@@ -203,3 +203,21 @@ def preemption_handler(directory):
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     return body(strategy, directory)
+
+
+def listening_addresses():
+    """The addresses this process listens on after a short fit (#43: JAX's
+    coordinator listened on every interface)."""
+    _jax_process()
+    import psutil
+
+    import keras_distribute as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    x, y = make_data(n=64)
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(
+        kind="inet") if c.status == psutil.CONN_LISTEN})

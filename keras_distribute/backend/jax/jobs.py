@@ -55,6 +55,9 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                 initialization_timeout=timeout_s,
                 heartbeat_timeout_seconds=max(timeout_s, 10),
                 shutdown_timeout_seconds=max(timeout_s, 10),
+                # Process 0 hosts the coordinator on its given address (a
+                # one-host job: loopback), not on every interface.
+                coordinator_bind_address=_own_address(coordinator),
             )
         except RuntimeError as error:
             if "before any JAX" in str(error) or "backend" in str(error):
@@ -85,6 +88,30 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     if jax.process_count() > 1:
         keras_services.get().install_chief_values()
     return jax_backend.make_engine(list(jax.devices()), layout_map)
+
+
+def _own_address(address: str) -> Optional[str]:
+    """`ip:port` of `address` when its host is an address of this machine
+    (JAX's coordinator then listens there only), else `None` (JAX's default:
+    every interface)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 0,
+                                   type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    for family, kind, protocol, _, sockaddr in infos:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind(sockaddr)  # port 0: only asks whether it is ours
+            except OSError:
+                continue
+        ip = sockaddr[0]
+        return f"[{ip}]:{port}" if family == socket.AF_INET6 else (
+            f"{ip}:{port}")
+    return None
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
