@@ -237,3 +237,15 @@ def test_a_one_host_job_listens_on_loopback_only():
     for addresses in kd.launch(workers.listening_addresses, num_processes=2,
                                timeout=TIMEOUT):
         assert addresses and set(addresses) <= loopback, addresses
+
+
+def test_workers_given_different_clusters_are_refused():
+    # #43: a worker told of 3 processes beside a coordinator told of 2
+    # trained, and both exited 0. Now every process refuses before training
+    # (JAX then aborts them at exit: its shutdown barrier cannot pass); the
+    # launch names the cause.
+    with pytest.raises(kd.LaunchError, match="given different cluster "
+                       "descriptions.*num_processes.: [23].*num_processes.: "
+                       "[23]"):
+        kd.launch(workers.different_cluster_descriptions, num_processes=2,
+                  timeout=TIMEOUT)

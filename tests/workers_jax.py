@@ -221,3 +221,19 @@ def listening_addresses():
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     return sorted({c.laddr.ip for c in psutil.Process().net_connections(
         kind="inet") if c.status == psutil.CONN_LISTEN})
+
+
+def different_cluster_descriptions():
+    """Process 1 is told of 3 processes, process 0 of 2 (#43): both refuse
+    (raise) before training, naming the difference."""
+    _jax_process()
+    import keras_distribute as kd
+
+    addresses = os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")
+    rank = int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"])
+    if rank == 1:
+        addresses = addresses + ["127.0.0.1:1"]
+    resolver = kd.cluster_resolver.SimpleClusterResolver(addresses, rank)
+    kd.MultiWorkerMirroredStrategy(
+        resolver, kd.CommunicationOptions(timeout_seconds=20))
+    return "trained"

@@ -76,6 +76,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             f" JAX's coordination service aborts a process (SIGABRT) when a "
             f"peer stops answering for {max(timeout_s, 10)} s; look for the "
             "process that died, froze or finished first")
+        _check_same_cluster(resolver, timeout_s)
         _watch_peers(resolver.process_id, resolver.num_processes, timeout_s)
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
@@ -153,6 +154,54 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     engine.num_logical_devices = logical
     engine.contract = engine.contract + (interface.TpuEngine,)
     return engine
+
+
+def _check_same_cluster(resolver: Any, timeout_s: float) -> None:
+    """Refuses, in every process alike, a job whose processes were given
+    different cluster descriptions (#43: a worker told of 3 processes
+    trained beside a coordinator told of 2, and both exited 0). Each
+    process publishes its description on the coordination service; every
+    process compares its own with process 0's, and process 0 with every
+    other's (a bounded wait). Every process then raises `ValueError`
+    naming the difference; JAX itself aborts each at exit (a job formed
+    with different task counts cannot pass its shutdown barrier)."""
+    import json
+
+    from jax._src import distributed
+
+    client = getattr(distributed.global_state, "client", None)
+    if client is None or not hasattr(client, "blocking_key_value_get"):
+        return  # another JAX: the process count check below remains
+    mine = json.dumps({"num_processes": resolver.num_processes,
+                       "addresses": list(resolver.addresses)})
+    prefix = "keras_distribute/cluster/"
+    client.key_value_set(f"{prefix}{resolver.process_id}", mine,
+                         allow_overwrite=True)
+    wait_ms = int(1000 * max(timeout_s, 10))
+    others = [0] if resolver.process_id != 0 else range(
+        1, min(jax.process_count(), resolver.num_processes))
+    for other in others:
+        theirs = client.blocking_key_value_get(f"{prefix}{other}", wait_ms)
+        if theirs != mine:
+            message = (
+                "The processes of this job were given different cluster "
+                f"descriptions. Received: process {resolver.process_id}: "
+                f"{mine}; process {other}: {theirs}. Start every worker "
+                "with the same cluster (TF_CONFIG's cluster, "
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES / NUM_PROCESSES, or the "
+                "torchrun variables) and a distinct process index.")
+            # JAX cannot end such a job cleanly: its shutdown barrier at
+            # exit aborts the process (SIGABRT). The note says why first.
+            from keras_distribute.job import process_notes
+
+            process_notes.write(message)
+            raise ValueError(message)
+    if jax.process_count() != resolver.num_processes:
+        raise ValueError(
+            f"jax.distributed formed a job of {jax.process_count()} "
+            f"processes but the cluster resolver describes "
+            f"{resolver.num_processes}. Received: {resolver!r}. Start every "
+            "worker with the same cluster description.")
 
 
 class _CoordinationText:
