@@ -63,8 +63,9 @@ def test_the_reader_answers_to_tensorflows_names(tmp_path):
     shape_from_key = reader.get_variable_to_shape_map()
     dtype_from_key = reader.get_variable_to_dtype_map()
     key = "net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE"
-    assert key in sorted(shape_from_key.keys())
+    assert "net/0" in sorted(shape_from_key.keys())  # kd's keys listed
     assert shape_from_key[key] == (1, 5)
+    assert shape_from_key.get("net/l9/kernel" + key[13:]) is None
     assert dtype_from_key[key].name == "float32"
     np.testing.assert_array_equal(reader.get_tensor(key),
                                   net.l1.kernel.numpy())
@@ -74,8 +75,6 @@ def test_the_reader_answers_to_tensorflows_names(tmp_path):
     assert reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE") == 1.0
     assert reader.has_tensor("net/0") and reader.has_tensor(key)
     assert not reader.has_tensor("net/l9/kernel/.ATTRIBUTES/VARIABLE_VALUE")
-    assert ("net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE", (1, 5)) in (
-        kd.checkpoint.list_variables(str(tmp_path)))
     assert kd.checkpoint.load_variable(str(tmp_path), key).shape == (1, 5)
 
 

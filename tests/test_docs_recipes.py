@@ -150,8 +150,9 @@ def test_the_horovod_port_runs_under_the_launcher(tmp_path):
     # #16: docs/migration.md's port of Horovod's tensorflow2_keras_mnist.py,
     # as the page says to start it; the chief alone writes the checkpoints.
     text = (ROOT / "docs" / "migration.md").read_text()
-    ports = [b.split("```")[0] for b in text.split("```python\n")[1:]
-             if "kd.callbacks.BroadcastGlobalVariables(0)" in b]
+    blocks = [b.split("```")[0] for b in text.split("```python\n")[1:]]
+    ports = [code for code in blocks
+             if "kd.callbacks.BroadcastGlobalVariables(0)" in code]
     assert len(ports) == 1, "docs/migration.md: the Horovod port is missing"
     assert "python -m keras_distribute.launch --nproc 2 train.py" in text
     (tmp_path / "train.py").write_text(ports[0])

@@ -107,7 +107,9 @@ def list_variables(path: str) -> List[tuple]:
         print(key, shape)
     ```
     """
-    return sorted(load_checkpoint(path).get_variable_to_shape_map().items())
+    variables = reading.read_index(_resolve(path))["variables"]
+    return [(key, tuple(record["shape"]))
+            for key, record in sorted(variables.items())]
 
 
 def load_variable(path: str, key: str) -> np.ndarray:
@@ -132,6 +134,28 @@ def load_variable(path: str, key: str) -> np.ndarray:
 TF_VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
+class _ByKeyOrName(dict):
+    """kd's keys, and values for TensorFlow's names of the same variables
+    on lookup (`shape_from_key["net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE"]`
+    in the TF checkpoint guide); iterating lists kd's keys only."""
+
+    def __init__(self, values: Dict[str, Any], names: Dict[str, str]):
+        super().__init__(values)
+        self._names = names
+
+    def __missing__(self, name: str) -> Any:
+        key = self._names.get(name)
+        if key is None or key == name:
+            raise KeyError(name)
+        return self[key]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
 class CheckpointReader:
     """Reads a committed checkpoint's variables by key, as the reader
     `tf.train.load_checkpoint` returns. Made by `load_checkpoint`.
@@ -139,7 +163,8 @@ class CheckpointReader:
     A variable answers to kd's key (`"net/0"`) and to TensorFlow's name
     for each attribute path that reaches it
     (`"net/l1/kernel/.ATTRIBUTES/VARIABLE_VALUE"`, what ported programs
-    look up; the index records the paths, see `object_paths`).
+    look up; the index records the paths, see `object_paths`); the maps
+    and `list_variables` list kd's keys.
 
     Args:
         path: A committed checkpoint directory.
@@ -158,16 +183,18 @@ class CheckpointReader:
                                       key)
 
     def get_variable_to_shape_map(self) -> Dict[str, tuple]:
-        """`name -> shape` of every variable (kd's keys and TensorFlow's
-        names)."""
-        return {name: tuple(self._variables[key]["shape"])
-                for name, key in self._keys.items()}
+        """`key -> shape` of every variable; TensorFlow's names of them
+        look up too."""
+        return _ByKeyOrName({key: tuple(record["shape"])
+                             for key, record in self._variables.items()},
+                            self._keys)
 
     def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
-        """`name -> numpy dtype` of every variable (bfloat16 & co. through
-        ml_dtypes)."""
-        return {name: numpy_dtype(self._variables[key]["dtype"])
-                for name, key in self._keys.items()}
+        """`key -> numpy dtype` of every variable (bfloat16 & co. through
+        ml_dtypes); TensorFlow's names of them look up too."""
+        return _ByKeyOrName({key: numpy_dtype(record["dtype"])
+                             for key, record in self._variables.items()},
+                            self._keys)
 
     def has_tensor(self, key: str) -> bool:
         """Whether the checkpoint holds `key` (a key or TensorFlow name)."""
