@@ -612,7 +612,7 @@ def _is_scalar_log(value: Any) -> bool:
     if isinstance(value, (int, float)):
         return True
     return isinstance(value, torch.Tensor) and value.numel() == 1 and (
-        value.is_floating_point() or not value.dtype.is_complex)
+        not value.dtype.is_complex)
 
 
 def _check_axis(axis: int, rank: int) -> None:
