@@ -4,9 +4,11 @@ Runs each fit benchmark briefly (a few hundred steps, kd and its anchor
 interleaved, as the full scripts do), writing into a temporary directory so
 that the recorded results stay as they are, and prints each ratio next to
 the one recorded in `benchmarks/results/`. It fails only when a ratio grew
-by more than `--limit` (1.25×) over the recorded one: a short run on a
-shared 2-core machine moves by several percent, a regression that matters
-(a per-step cost that doubles kd's overhead) moves by more. The full
+by more than `--limit` (1.25×) over the recorded one in two short runs (a
+ratio over the limit is measured once more, and the better run counts): a
+short run on a shared 2-core machine moves by several percent and now and
+then lands one slow trial; a regression that matters (a per-step cost that
+doubles kd's overhead) is slow in both runs. The full
 benchmarks stay out of CI; their figures are in docs/benchmarks.md.
 
 Usage:
@@ -43,6 +45,26 @@ def _ratio(directory: str, name: str, key: str = "ratio") -> float:
         return float(json.load(file)["result"][key])
 
 
+def _growths(directory, backend, script, options, written, recorded, ratios):
+    """Runs one benchmark briefly; prints and returns each ratio's growth
+    over the recorded one (None when the script failed)."""
+    env = dict(os.environ, KD_BENCH_RESULTS=directory, KERAS_BACKEND=backend)
+    command = [sys.executable, os.path.join(HERE, script), *options]
+    run = subprocess.run(command, env=env, capture_output=True, text=True,
+                         timeout=900)
+    if run.returncode != 0:
+        print(f"{script}: exited {run.returncode}\n{run.stderr[-4000:]}")
+        return None
+    growths = {}
+    for key, what in ratios.items():
+        now = _ratio(directory, written, key)
+        before = _ratio(RESULTS, recorded, key)
+        growths[key] = now / before
+        print(f"{script} (short run): {what} {now:.3f}; recorded "
+              f"{before:.3f}; {growths[key]:.2f}× the recorded ratio")
+    return growths
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=float, default=1.25,
@@ -59,25 +81,31 @@ def main(argv=None) -> int:
         for backend, script, options, written, recorded, ratios in RUNS:
             if args.only and backend not in args.only:
                 continue
-            env = dict(os.environ, KD_BENCH_RESULTS=directory,
-                       KERAS_BACKEND=backend)
-            command = [sys.executable, os.path.join(HERE, script), *options]
-            run = subprocess.run(command, env=env, capture_output=True,
-                                 text=True, timeout=900)
-            if run.returncode != 0:
-                print(f"{script}: exited {run.returncode}\n{run.stderr[-4000:]}")
+            growths = _growths(directory, backend, script, options, written,
+                               recorded, ratios)
+            if growths is None:
                 failed.append(script)
                 continue
-            for key, what in ratios.items():
-                now = _ratio(directory, written, key)
-                before = _ratio(RESULTS, recorded, key)
-                growth = now / before
+            over = [key for key, growth in growths.items()
+                    if growth > args.limit]
+            if over:
+                # A short run on a shared machine can land one slow trial:
+                # measure again and keep each ratio's better run. A real
+                # regression is slow both times.
+                print(f"{script}: over the limit; measuring once more")
+                again = _growths(directory, backend, script, options,
+                                 written, recorded, ratios)
+                if again is None:
+                    failed.append(script)
+                    continue
+                growths = {key: min(growth, again[key])
+                           for key, growth in growths.items()}
+            for key, growth in growths.items():
                 verdict = "ok" if growth <= args.limit else "REGRESSION"
-                print(f"{script} (short run): {what} {now:.3f}; recorded "
-                      f"{before:.3f}; {growth:.2f}× the recorded ratio "
-                      f"(limit {args.limit:.2f}×): {verdict}")
+                print(f"{script}: {ratios[key]} at {growth:.2f}× the "
+                      f"recorded ratio (limit {args.limit:.2f}×): {verdict}")
                 if growth > args.limit:
-                    failed.append(f"{script} ({what})")
+                    failed.append(f"{script} ({ratios[key]})")
     if failed:
         print(f"Slower than the recorded benchmarks allow: {failed}. Run the "
               "full script (python benchmarks/<script>) on an idle machine to "

@@ -4,7 +4,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # A stage's heading says when it began (minutes:seconds since this started).
-stage() { printf '=== %s (at %d:%02d) ===\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
+stage() {
+  current="$*"
+  printf '=== %s (at %d:%02d) ===\n' "$*" $((SECONDS / 60)) $((SECONDS % 60))
+}
+# Each stage that fails is named again at the end (CI keeps only the tail).
+failed_stages=()
+fail() { status=1; failed_stages+=("$current"); }
+# Each pytest run's output is also kept here, for its FAILED/ERROR lines.
+logs=$(mktemp -d)
 bash scripts/setup_env.sh || exit 1
 export TF_CPP_MIN_LOG_LEVEL=2
 status=0
@@ -24,26 +32,26 @@ rm -f .venv/bad-inputs-*.json*
 # the engine contract (backend/interface.py), the lowest layer (common/) and
 # the checkpoint's save and restore protocol (checkpointer, restoring).
 stage "type check: mypy -p keras_distribute"
-.venv/bin/python -m mypy -p keras_distribute || status=1
+.venv/bin/python -m mypy -p keras_distribute || fail
 for backend in $backends; do
   stage "KERAS_BACKEND=$backend"
   # Every bad input a test tries is recorded for docs/bad_inputs.md.
   KD_RECORD_BAD_INPUTS=.venv/bad-inputs-$backend.json KERAS_BACKEND=$backend \
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 \
-    $parallel tests "$@" || status=1
+    $parallel tests "$@" 2>&1 | tee "$logs/release-$backend.log" || fail
 done
 if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
   stage "docs/bad_inputs.md lists what the suite tries"
-  .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json* || status=1
+  .venv/bin/python scripts/bad_inputs_table.py --check .venv/bad-inputs-*.json* || fail
 fi
 stage "docs/benchmarks.md tables match benchmarks/results/"
-.venv/bin/python benchmarks/make_tables.py --check || status=1
+.venv/bin/python benchmarks/make_tables.py --check || fail
 # A short run of each fit benchmark (kd and its anchor interleaved): its
 # ratios go to this log, and it fails only on a gross slow-down (over 1.25x
 # the recorded ratio). KD_BENCH_GUARD=0 skips it (e.g. on a busy machine).
 if [ $# -eq 0 ] && [ "${KD_BENCH_GUARD:-1}" != "0" ]; then
   stage "benchmarks: short-run regression guard"
-  .venv/bin/python benchmarks/regression_guard.py || status=1
+  .venv/bin/python benchmarks/regression_guard.py || fail
 fi
 # The second stack: the pinned next Keras (constraints-next.txt) first on
 # the path. It must really be the one imported (else this proves nothing).
@@ -53,7 +61,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   if ! PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend .venv/bin/python -c \
       "import keras, sys; sys.exit(keras.__version__ != '$next_version')"; then
     echo "the next Keras $next_version is not what .venv/keras-next imports"
-    status=1
+    fail
     continue
   fi
   # The docs' blocks and recipes (test_docs_blocks.py, test_docs_recipes.py),
@@ -73,12 +81,17 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
     --ignore=tests/test_cluster_resolver.py --ignore=tests/test_ray_train.py \
     --ignore=tests/test_soak.py --ignore=tests/test_gpu_tier_script.py \
     -k "not lost_worker and not never_joins and not frozen_rank and not hung" \
-    tests "$@" || status=1
+    tests "$@" 2>&1 | tee "$logs/next-$backend.log" || fail
 done
 stage "docs: mkdocs build --strict"
 site=$(mktemp -d)
 # No -q: strict mode then fails on every warning (griffe's included).
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$site" && echo "docs built" || status=1
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$site" && echo "docs built" || fail
 rm -rf "$site"
+for name in "${failed_stages[@]}"; do
+  echo "FAILED stage: $name"
+done
+grep -h -E '^(FAILED|ERROR) ' "$logs"/*.log 2>/dev/null | head -40
+rm -rf "$logs"
 stage "end: exit status $status"
 exit $status
