@@ -37,7 +37,7 @@ for backend in $backends; do
   stage "KERAS_BACKEND=$backend"
   # Every bad input a test tries is recorded for docs/bad_inputs.md.
   KD_RECORD_BAD_INPUTS=.venv/bad-inputs-$backend.json KERAS_BACKEND=$backend \
-    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 \
+    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=${KD_DURATIONS:-12} \
     $parallel tests "$@" 2>&1 | tee "$logs/release-$backend.log" || fail
 done
 if [ "$backends" = "jax tensorflow torch" ] && [ $# -eq 0 ]; then
@@ -75,7 +75,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # (test_gpu_tier_script.py: it skips there). A lost, frozen, hung or never-joining worker
   # tests the engines' failure detection and the launchers, not Keras.
   KD_DOCS_BLOCKS=0 PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend \
-    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=12 \
+    .venv/bin/python -m pytest -q -p no:cacheprovider --durations=${KD_DURATIONS:-12} \
     $parallel --ignore=tests/test_notebooks.py --ignore=tests/test_examples.py \
     --ignore=tests/test_launcher_signals.py \
     --ignore=tests/test_cluster_resolver.py --ignore=tests/test_ray_train.py \
