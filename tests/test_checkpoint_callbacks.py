@@ -15,6 +15,7 @@ import keras
 import keras_distribute as kd
 from conftest import BACKEND
 from worker_common import Interrupt
+from worker_common import listing
 from worker_common import interrupt_at as InterruptAt
 
 ckpt = kd.checkpoint
@@ -247,7 +248,7 @@ def test_manager_keeps_the_last_n_and_one_every_n_steps(tmp_path):
         manager.save(checkpoint_number=step)
     assert [os.path.basename(p) for p in manager.checkpoints] == [
         "ckpt-50", "ckpt-60"]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-10", "ckpt-40", "ckpt-50",
+    assert listing(tmp_path) == ["ckpt-10", "ckpt-40", "ckpt-50",
                                             "ckpt-60"]
     with pytest.raises(ValueError, match="checkpoint_number must grow"):
         manager.save(checkpoint_number=60)
@@ -712,7 +713,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert low == high and low in (1.0, 2.0)
     manager = ckpt.CheckpointManager(ckpt.ShardedCheckpoint(big=big),
                                      str(tmp_path), checkpoint_name="big")
-    assert sorted(os.listdir(tmp_path)) == ["big-1"]  # unfinished: cleaned
+    assert listing(tmp_path) == ["big-1"]  # unfinished: cleaned
     assert manager.latest_checkpoint == prefix + "-1"
 
 

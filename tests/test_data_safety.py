@@ -22,6 +22,7 @@ import keras_distribute as kd
 from conftest import BACKEND
 from worker_common import Interrupt
 from worker_common import interrupt_at
+from worker_common import listing
 
 ckpt = kd.checkpoint
 
@@ -66,10 +67,6 @@ def corrupt_piece_of(path, key):
         byte = f.read(1)
         f.seek(offset + 1)
         f.write(bytes([byte[0] ^ 0x40]))
-
-
-def listing(directory):
-    return sorted(os.listdir(directory))
 
 
 # ------------------------------------------------------------- ownership

@@ -55,3 +55,60 @@ def check_spread_writes(results):
                            results[0]["weights"]):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(b, c)
+
+
+def directory_held_by_another_job(strategy, directory):
+    """Each process (#43 item 4): a manager on a directory whose lease
+    another job (a process that process 0 starts) holds is refused in every
+    process, with the same message; once that job ends, the managers take
+    it."""
+    import os
+    import subprocess
+    import sys
+
+    import keras
+
+    import keras_distribute as kd
+    from keras_distribute.checkpoint import lease
+
+    directory = os.path.join(directory, "leased")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    holder = None
+    if kd.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c",
+             "import importlib.util, sys\n"
+             f"spec = importlib.util.spec_from_file_location('l', "
+             f"{lease.__file__!r})\n"
+             "l = importlib.util.module_from_spec(spec)\n"
+             "spec.loader.exec_module(l)\n"
+             f"l.take({directory!r}); print('held', flush=True)\n"
+             "sys.stdin.read()\n"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+    try:
+        # The others wait in the manager for process 0's verdict.
+        kd.checkpoint.CheckpointManager(checkpoint, directory)
+        refused = None
+    except kd.checkpoint.DirectoryInUseError as error:
+        refused = str(error)
+    finally:
+        if holder is not None:
+            holder.communicate("", timeout=60)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, directory)
+    saved = os.path.basename(manager.save())
+    manager.close()
+    return {"refused": refused, "saved": saved,
+            "holder": holder.pid if holder is not None else None}
+
+
+def check_directory_held_by_another_job(results):
+    holder = results[0]["holder"]
+    for result in results:
+        assert result["refused"] is not None, "a process was not refused"
+        assert result["refused"] == results[0]["refused"]
+        assert f"process id {holder}" in result["refused"]
+        assert result["saved"] == "ckpt-1"

@@ -730,3 +730,12 @@ def keras_tuner_search(strategy, directory):
     return {"best": best, "trials": len(tuner.oracle.trials),
             "completed": len(completed),
             "evaluate": float(model.evaluate(x, y, batch_size=16, verbose=0))}
+
+
+def listing(directory):
+    """What is in `directory`, sorted, but for the lease of a checkpoint
+    manager still open there (`kd.checkpoint.lease`: held while it is)."""
+    import os
+
+    return sorted(name for name in os.listdir(directory)
+                  if name != ".keras_distribute-lease")

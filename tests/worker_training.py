@@ -386,8 +386,8 @@ def check_preemption_handler(results):
 
 
 def training_features(strategy, directory):
-    """Each process: the #16 and #17 `fit` features one after another on one
-    strategy (one launch per backend: starting the processes is most of
+    """Each process: the #16 and #17 `fit` features (and #43's directory
+    lease) one after another on one strategy (one launch per backend: starting the processes is most of
     what these tests cost)."""
     import os
 
@@ -396,6 +396,8 @@ def training_features(strategy, directory):
         "horovod": horovod_helpers(strategy),
         "preemption": preemption(strategy, os.path.join(directory, "fit")),
         "spread": worker_checkpoint.spread_writes(strategy, directory),
+        "leased": worker_checkpoint.directory_held_by_another_job(
+            strategy, directory),
     }
 
 
@@ -409,6 +411,8 @@ def launch_training_features(workers, directory, timeout):
     check_horovod_helpers([r["horovod"] for r in results])
     check_preemption([r["preemption"] for r in results])
     worker_checkpoint.check_spread_writes([r["spread"] for r in results])
+    worker_checkpoint.check_directory_held_by_another_job(
+        [r["leased"] for r in results])
 
 
 def launch_preemption_handler(workers, directory, timeout):

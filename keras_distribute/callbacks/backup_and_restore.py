@@ -230,6 +230,8 @@ class BackupAndRestore(TrainingStateCallback):
 
     def on_train_end(self, logs=None):
         self._state.sync()
+        if self._manager is not None:
+            self._manager.close()  # the directory's lease: another job's now
         integration_training.set_initial_epoch(self.model, None)
         engine = self._state._engine()
         # Every process has seen the last backup committed before the chief

@@ -138,5 +138,7 @@ class PreemptionCheckpoint(BackupAndRestore):
             # Stopped for a signal (exit_code=None): the backup stays for
             # the next run.
             self._state.sync()
+            if self._manager is not None:
+                self._manager.close()
             return
         super().on_train_end(logs)

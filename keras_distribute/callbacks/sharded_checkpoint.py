@@ -178,3 +178,5 @@ class ShardedCheckpoint(TrainingStateCallback):
 
     def on_train_end(self, logs=None):
         self._state.sync()  # a failed background save is raised here
+        if self._latest is not None:
+            self._latest.close()  # the directory's lease: another job's now

@@ -6,7 +6,8 @@ In layers, lowest first (each module uses only the ones before it):
   `validation`, `reading`, `parallel_io`: an index and its shards read as
   untrusted input; `signing`: iterator states kd can prove it wrote.
 - `writing`: temporaries, each process's shards, the atomic commit, removal
-  of what kd wrote only; `ownership`: who wrote which checkpoint.
+  of what kd wrote only; `ownership`: who wrote which checkpoint;
+  `lease`: one job per checkpoint directory.
 - `saved_objects`, `object_paths`, `iterator_state`, `attached_containers`:
   what a checkpoint holds of the objects given to it.
 - `checkpointer`: how a save runs across processes (barriers, the chief's
@@ -30,6 +31,7 @@ from keras_distribute.checkpoint.committed import load_variable
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import CheckpointMismatchError
+from keras_distribute.checkpoint.lease import DirectoryInUseError
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
@@ -37,7 +39,7 @@ from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.export import export_weights
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "CheckpointOptions",
-           "CheckpointReader", "InitializationOnlyStatus", "LoadStatus",
+           "CheckpointReader", "DirectoryInUseError", "InitializationOnlyStatus", "LoadStatus",
            "ShardedCheckpoint", "checkpoints_in", "export_weights",
            "latest_checkpoint", "list_variables", "load_checkpoint",
            "load_variable", "read_metadata"]

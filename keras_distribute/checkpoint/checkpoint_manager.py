@@ -4,6 +4,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 
+from keras_distribute.checkpoint import lease
 from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.options import CheckpointOptions
@@ -28,6 +29,14 @@ class CheckpointManager:
     `<checkpoint_name>-<number>` already in the directory, so a manager
     that did not restore first never replaces an earlier run's checkpoint.
 
+    One directory, one job: the manager takes the directory's lease (a file
+    naming the job, its host and process; see `kd.checkpoint.lease`),
+    shared by every manager and checkpoint callback of the same job and held
+    until `close()` (or until the manager is collected or the process
+    ends). A manager made on a directory that another live job saves into
+    raises `DirectoryInUseError` in every process, before it touches
+    anything there; a lease left by a job that died is taken over.
+
     Args:
         checkpoint: The `ShardedCheckpoint` to save and restore.
         directory: Where the checkpoints go (created if needed).
@@ -50,6 +59,7 @@ class CheckpointManager:
         ValueError: for a non-positive `max_to_keep`, `keep_every_n_steps`
             or `checkpoint_interval`, or a `checkpoint_interval` without a
             `step_counter`.
+        DirectoryInUseError: another live job saves into `directory`.
 
     Example:
 
@@ -113,8 +123,10 @@ class CheckpointManager:
         self.checkpoint_name = checkpoint_name
         self.owner = owner or f"CheckpointManager/{checkpoint_name}"
         self._is_chief = checkpoint._engine().process_id == 0
+        self._lease: Optional[Any] = None
+        self._closed = False
+        self._take_lease()
         if self._is_chief:
-            os.makedirs(self.directory, exist_ok=True)
             ckpt_writing.clean_unfinished(self.directory)
         existing = [p for p in checkpoints_in(self.directory)
                     if os.path.basename(p).rsplit("-", 1)[0]
@@ -124,6 +136,49 @@ class CheckpointManager:
         older = existing[:len(existing) - len(self._checkpoints)]
         self._last_kept_for_good = (
             _number(older[-1]) if older else None)
+
+    def _take_lease(self) -> None:
+        """Takes the directory's lease for this job (process 0 takes it,
+        every process learns the verdict), before anything is touched."""
+        engine = self.checkpoint._engine()
+        refusal = ""
+        if self._is_chief:
+            os.makedirs(self.directory, exist_ok=True)
+            try:
+                path = lease.take(self.directory)
+                self._lease = lease.release_when_collected(self, path)
+            except lease.DirectoryInUseError as error:
+                refusal = str(error)
+        if engine.process_count > 1:
+            refusal = engine.broadcast_text(refusal)
+        if refusal:
+            raise lease.DirectoryInUseError(refusal)
+
+    def close(self) -> None:
+        """Waits for a background save, then lets go of the directory's
+        lease (another job may then save there). A later `save` takes it
+        again. Call it in every process of the job, as `save`.
+
+        Example:
+
+        ```python
+        with kd.checkpoint.CheckpointManager(checkpoint, "/tmp/ckpt") as m:
+            m.save()
+        ```
+        """
+        try:
+            self.sync()
+        finally:
+            self._closed = True
+            if self._lease is not None:
+                self._lease()  # the finalizer: releases once
+                self._lease = None
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     @property
     def checkpoints(self) -> List[str]:
@@ -190,6 +245,9 @@ class CheckpointManager:
                 return None
         self._settle()
         self.checkpoint.sync()  # re-raises a failed background save
+        if self._closed:  # in every process alike: close() is collective
+            self._take_lease()
+            self._closed = False
         free = self.checkpoint._next_number(self.directory,
                                             self.checkpoint_name)
         if checkpoint_number is not None and checkpoint_number < free:

@@ -21,6 +21,7 @@ import re
 from typing import List, Optional
 
 from keras_distribute.checkpoint import format as ckpt_format
+from keras_distribute.checkpoint import lease
 
 from keras_distribute.checkpoint import writing as ckpt_writing
 
@@ -108,7 +109,7 @@ def make_directory(directory: str, owner: str) -> None:
 
 def remove_directory(directory: str, owner: str) -> bool:
     """Removes `directory` if `owner` created it (`make_directory`) and
-    nothing but the marker is left in it.
+    nothing but the marker (and this job's own lease) is left in it.
 
     Returns:
         Whether it was removed.
@@ -120,6 +121,8 @@ def remove_directory(directory: str, owner: str) -> bool:
         with open(marker) as f:
             if f.read() != owner:
                 return False
+        if set(os.listdir(directory)) == {DIRECTORY_MARKER, lease.LEASE}:
+            lease.drop(directory)  # this job's own lease goes with it
         if os.listdir(directory) != [DIRECTORY_MARKER]:
             return False
         os.remove(marker)
