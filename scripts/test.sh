@@ -73,13 +73,15 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # stack runs in its own tests; under the budget it runs on the release one,
   # as the soak (test_soak.py) does, and the GPU tier's command on a CPU
   # (test_gpu_tier_script.py: it skips there). A lost, frozen, hung or never-joining worker
-  # tests the engines' failure detection and the launchers, not Keras.
+  # tests the engines' failure detection and the launchers, not Keras; so
+  # does the several-hosts tier (test_several_hosts.py: network namespaces).
   KD_DOCS_BLOCKS=0 PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend \
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=${KD_DURATIONS:-12} \
     $parallel --ignore=tests/test_notebooks.py --ignore=tests/test_examples.py \
     --ignore=tests/test_launcher_signals.py \
     --ignore=tests/test_cluster_resolver.py --ignore=tests/test_ray_train.py \
     --ignore=tests/test_soak.py --ignore=tests/test_gpu_tier_script.py \
+    --ignore=tests/test_several_hosts.py \
     -k "not lost_worker and not never_joins and not frozen_rank and not hung" \
     tests "$@" 2>&1 | tee "$logs/next-$backend.log" || fail
 done

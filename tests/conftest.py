@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "test_cluster_recipes.py",     # ~185
     "test_jax_multiprocess.py",    # ~160 (jax)
     "test_tf_multiworker.py",      # ~95 (tensorflow)
+    "test_several_hosts.py",       # ~130 (a job per backend, 2 namespaces)
     "test_preemption_restart.py",  # ~80 (torch)
     "test_checkpoint_callbacks.py",
     "test_fit.py",

@@ -164,6 +164,12 @@ def test_replicas_of_one_process_agree_after_fit_and_a_tampered_copy_is_named():
     # and an update keeps the difference).
     with pytest.raises(kd.ReplicasDivergedError, match="after epoch 1"):
         model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
+    # A small variable's copies are shown (what a step count differs by).
+    fresh = _mirrored_model(strategy)
+    _tamper_one_copy(fresh.layers[-1].bias)
+    with pytest.raises(kd.ReplicasDivergedError,
+                       match=r"this process's copies hold \[\["):
+        strategy.check_replicas_agree(fresh)
 
 
 def test_the_check_mode_is_validated_and_one_replica_is_never_checked(

@@ -1064,3 +1064,22 @@ def listening_addresses():
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     return sorted({c.laddr.ip for c in psutil.Process().net_connections(
         kind="inet") if c.status == psutil.CONN_LISTEN})
+
+
+def different_cluster_descriptions(change):
+    """Process 1 is told of 3 processes (`change="count"`), or calls itself
+    process 0 as well (`change="index"`), beside a process 0 told of 2
+    (#43): the processes refuse before the group forms."""
+    import os
+
+    import keras_distribute as kd
+
+    _setup()
+    if int(os.environ["RANK"]) == 1:
+        if change == "count":
+            os.environ["WORLD_SIZE"] = "3"
+        else:
+            os.environ["RANK"] = "0"
+    os.environ["KERAS_DISTRIBUTE_TIMEOUT"] = "20"
+    kd.MirroredStrategy()
+    return "trained"

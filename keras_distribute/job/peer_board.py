@@ -26,6 +26,7 @@ Framework-free: each backend hands in its store (`set`, `get`).
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Any, Callable, Optional
 
 _ENDED = "ended"
 _PREFIX = "keras_distribute/beat/"
+_HOST = "keras_distribute/host/"
 
 
 class PeerBoard:
@@ -50,12 +52,34 @@ class PeerBoard:
             heartbeat thread when this process's steps did not advance for
             `timeout_s` while it was `busy()` and a peer is named as the
             cause.
+        host: where this process runs, as its peers' messages name it
+            (its address in the cluster description; by default the host
+            name). Published once; each process learns its peers' while
+            the store answers, so that a partition still names them.
+        store_address: `host:port` of the job's store, for the message
+            of a process that cannot reach it.
+        note_silent_peers: also watch the peers' heartbeats all along and
+            leave a process note (`process_notes`) naming a peer that went
+            silent, or the store when it stops answering: on JAX, whose
+            runtime aborts the process in native code when a peer is lost,
+            that note is what the process's last words name.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int,
                  timeout_s: float,
-                 on_stall: Optional[Callable[[int, str], None]] = None):
+                 on_stall: Optional[Callable[[int, str], None]] = None,
+                 host: Optional[str] = None,
+                 store_address: Optional[str] = None,
+                 note_silent_peers: bool = False):
         self._store = store
+        self._note_silent_peers = note_silent_peers
+        self._last_write = time.monotonic()  # the last beat the store took
+        self._seen: dict = {}  # rank -> (its beat text, when it changed)
+        self._noted: Optional[str] = None
+        self._note_before: Optional[str] = None
+        self.host = host or socket.gethostname()
+        self.store_address = store_address
+        self._hosts: dict = {}  # rank -> host, learned from the store
         self.rank, self.world_size = rank, world_size
         self.steps = 0  # advanced by the engine; read by the beat thread
         self.busy_depth = 0  # > 0 while a fit/evaluate/predict/run runs
@@ -71,7 +95,7 @@ class PeerBoard:
         self._thread = threading.Thread(
             target=self._beat, name="keras_distribute-heartbeat", daemon=True)
         self._thread.start()
-        if on_stall is not None:
+        if on_stall is not None or note_silent_peers:
             threading.Thread(target=self._watch, daemon=True,
                              name="keras_distribute-peer-watchdog").start()
 
@@ -80,24 +104,112 @@ class PeerBoard:
         self.steps += 1
 
     def _beat(self) -> None:
+        try:
+            self._store.set(f"{_HOST}{self.rank}", self.host)
+        except Exception:  # the store's host is gone: nothing to tell
+            return
         while not self._stopped.is_set():
             self._beats += 1
             try:
                 self._store.set(f"{_PREFIX}{self.rank}",
                                 f"{self._beats} {self.steps}")
+                self._last_write = time.monotonic()
+                if self._noted == "store":
+                    self._unnote()  # it answers again
+                if len(self._hosts) < self.world_size - 1:
+                    self._learn_hosts()
+                if self._note_silent_peers:
+                    self._note_a_silent_peer()
             except Exception:  # the store's host is gone: nothing to tell
+                self._note_store_lost()
                 return
             self._stopped.wait(self.interval_s)
+
+    # At most this many peers' heartbeats are read per beat (a window that
+    # moves on), so a large job does not load its store.
+    _WATCHED_PER_BEAT = 64
+
+    def _note_a_silent_peer(self) -> None:
+        """Reads some peers' heartbeats; notes one that stood still for
+        2.5 beats (the process note names it if the runtime aborts us)."""
+        now = time.monotonic()
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        start = (self._beats * self._WATCHED_PER_BEAT) % len(peers)
+        window = (peers[start:] + peers[:start])[:self._WATCHED_PER_BEAT]
+        for rank in window:
+            text = self._store.get(f"{_PREFIX}{rank}")
+            if text is None:
+                continue  # not started yet
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != text:
+                self._seen[rank] = (text, now)
+                if self._noted == f"process {rank} of {self.world_size}":
+                    self._unnote()  # it answers again
+            elif text != _ENDED and now - seen[1] > 2.5 * self.interval_s:
+                self._note(rank, f"process {rank} of {self.world_size}", (
+                    f"process {rank} of {self.world_size}{self._on(rank)} "
+                    f"stopped answering: its heartbeat did not change for "
+                    f"{now - seen[1]:.1f} s (it froze, was killed, or its "
+                    "machine is unreachable: down, or the network between "
+                    "them cut)"))
+                return
+
+    def _note_store_lost(self) -> None:
+        if not self._note_silent_peers or self._stopped.is_set():
+            return
+        at = f" at {self.store_address}" if self.store_address else ""
+        self._note(0, "store", (
+            f"the job's store{at} (hosted by process 0{self._on(0)}) stopped "
+            f"answering for {time.monotonic() - self._last_write:.1f} s "
+            "(that process froze or ended, or its machine is unreachable: "
+            "down, or the network between them cut)"))
+
+    def _note(self, rank: int, what: str, why: str) -> None:
+        """Leaves a note that peer `rank` (`what`: its short name) is lost,
+        `why`; replaced again by `_unnote` if it answers again."""
+        from keras_distribute.job import process_notes
+
+        if what == self._noted or rank == self.rank:
+            return
+        if self._noted is None:
+            self._note_before = process_notes.own()
+        self._noted = what
+        process_notes.write_lost_peer(rank, why)
+
+    def _unnote(self) -> None:
+        """Puts back the note from before `_note` (a pause, not a loss: the
+        launcher must not blame that peer for this process's own end)."""
+        from keras_distribute.job import process_notes
+
+        if self._noted is not None and self._note_before is not None:
+            process_notes.write(self._note_before)
+        self._noted = None
+
+    def _learn_hosts(self) -> None:
+        for rank in range(self.world_size):
+            if rank != self.rank and rank not in self._hosts:
+                host = self._store.get(f"{_HOST}{rank}")
+                if host:
+                    self._hosts[rank] = host
+
+    def _on(self, rank: int) -> str:
+        """" on <host>" for a peer whose host is known, else ""."""
+        host = self._hosts.get(rank)
+        return f" on {host}" if host else ""
 
     def _watch(self) -> None:
         """The watchdog (a thread of its own: the heartbeat must go on
         while it explains, or two stalled processes call each other
         silent)."""
         on_stall = self._on_stall
-        if on_stall is None:
-            return  # only the heartbeat: nothing to do on a stall
         seen_steps, since = self.steps, time.monotonic()
         while not self._stopped.wait(self.interval_s):
+            if (self._note_silent_peers and self.rank != 0 and
+                    time.monotonic() - self._last_write
+                    > 2.5 * self.interval_s + 1.0):
+                self._note_store_lost()  # a write that hangs: unreachable
+            if on_stall is None:
+                continue
             if self.steps != seen_steps or not self.busy_depth:
                 seen_steps, since = self.steps, time.monotonic()
             elif time.monotonic() - since > self.timeout_s:
@@ -167,10 +279,13 @@ class PeerBoard:
         self.verdict = "unknown"
         if first is None:
             self.verdict = "store"
+            at = f" at {self.store_address}" if self.store_address else ""
             return (0 if self.rank != 0 else None), (
-                "the job's store (hosted by process 0, or by the launcher's "
-                f"agent) did not answer within {watch_s + 1.0:.1f} s: that "
-                "process is frozen, ended or unreachable")
+                f"the job's store{at} (hosted by process 0{self._on(0)}, or "
+                f"by the launcher's agent) did not answer within "
+                f"{watch_s + 1.0:.1f} s: that process is frozen, ended or "
+                "unreachable (its machine down, or the network between "
+                "them cut)")
         time.sleep(watch_s)
         second = self._read_bounded(watch_s + 1.0) or {}
         count = self.world_size
@@ -178,23 +293,25 @@ class PeerBoard:
             before, after = first[rank], second.get(rank)
             if _ENDED in (before, after):
                 self.verdict = "ended"
-                return rank, (f"process {rank} of {count} has left the job "
-                              "(it ended) while this process still needed it")
+                return rank, (f"process {rank} of {count}{self._on(rank)} has "
+                              "left the job (it ended) while this process "
+                              "still needed it")
             if before is None or after is None or before == after:
                 self.verdict = "silent"
                 return rank, (
-                    f"process {rank} of {count} stopped answering: its "
-                    f"heartbeat did not change in the {watch_s:.1f} s this "
+                    f"process {rank} of {count}{self._on(rank)} stopped "
+                    f"answering: its heartbeat did not change in the {watch_s:.1f} s this "
                     "process watched it (it is frozen — stopped by SIGSTOP "
                     "or a debugger —, was killed, or its machine is "
-                    "unreachable)")
+                    "unreachable: down, or the network between them cut)")
         laggards = sorted((int(second[r].split()[1]), r) for r in second
                           if int(second[r].split()[1]) < self.steps)
         if laggards:
             steps, rank = laggards[0]
             self.verdict = "behind"
             return rank, (
-                f"process {rank} of {count} is alive but behind: it "
+                f"process {rank} of {count}{self._on(rank)} is alive but "
+                f"behind: it "
                 f"reached {steps} of the job's steps and collectives where "
                 f"this process reached {self.steps}; it is stuck in work of "
                 "its own between them (a callback or a save only it runs, its "
@@ -206,7 +323,8 @@ class PeerBoard:
             (rank,) = first
             self.verdict = "hangs"
             return rank, (
-                f"process {rank} of 2 is alive and began the same step or "
+                f"process {rank} of 2{self._on(rank)} is alive and began "
+                "the same step or "
                 f"collective ({self.steps}) but never reached its exchange: "
                 "it hangs inside it")
         return None, ("every process is alive and began the same step or "
@@ -217,11 +335,47 @@ _board: Optional[PeerBoard] = None
 
 
 def start(store: Any, rank: int, world_size: int, timeout_s: float,
-          on_stall: Optional[Callable[[int, str], None]] = None) -> None:
-    """Starts this process's heartbeat (once, for a job of several)."""
+          on_stall: Optional[Callable[[int, str], None]] = None,
+          host: Optional[str] = None,
+          store_address: Optional[str] = None,
+          note_silent_peers: bool = False) -> None:
+    """Starts this process's heartbeat (once, for a job of several); see
+    `PeerBoard` for the arguments."""
     global _board
     if _board is None and world_size > 1:
-        _board = PeerBoard(store, rank, world_size, timeout_s, on_stall)
+        _board = PeerBoard(store, rank, world_size, timeout_s, on_stall,
+                           host=host, store_address=store_address,
+                           note_silent_peers=note_silent_peers)
+
+
+def host_of(resolver: Any) -> Optional[str]:
+    """The host of this process's own address in `resolver`'s cluster
+    description (e.g. "10.0.0.2") when it is an address of this machine,
+    else `None` (then the board names the host name: a torchrun
+    description lists only the coordinator's address)."""
+    try:
+        own = resolver.addresses[resolver.process_id]
+    except IndexError:
+        return None
+    return local_host(own)
+
+
+def local_host(address: str) -> Optional[str]:
+    """The IP address that `address`'s host ("host:port") resolves to when
+    it is an address of this machine, else `None`."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    for family, kind, protocol, _, sockaddr in infos:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind(sockaddr)  # port 0: only asks whether it is ours
+            except OSError:
+                continue
+        return str(sockaddr[0])
+    return None
 
 
 def board() -> Optional[PeerBoard]:

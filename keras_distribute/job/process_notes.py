@@ -113,6 +113,13 @@ def write(text: str) -> None:
         pass
 
 
+def own() -> Optional[str]:
+    """This process's last note, if it left one."""
+    rank = _own_rank()
+    return read(os.environ.get(NOTES_VARIABLE) or _own["directory"],
+                _own["rank"] if rank is None else rank)
+
+
 def read(directory: Optional[str], rank: int) -> Optional[str]:
     """The last note of process `rank`, if it left one."""
     if not directory:

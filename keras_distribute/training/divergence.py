@@ -105,14 +105,37 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
     local_difference = -1
     for index, (_, variable) in enumerate(named):
         whole = whole_region(tuple(variable.shape))
-        seen: dict = {}
-        for region, array in engine.replica_copies(variable):
-            digest = _digest(np.asarray(array))
-            if seen.setdefault(tuple(region), digest) != digest and (
-                    local_difference < 0):
-                local_difference = index
+        seen, differ = _copy_digests(engine, variable)
+        if differ:
+            # Read once more before calling it a divergence: a copy read
+            # while the runtime still wrote it (seen once in a long CI run
+            # on TensorFlow, not reproduced since) must not fail a fit.
+            seen, differ = _copy_digests(engine, variable)
+        if differ and local_difference < 0:
+            local_difference = index
         digests[index] = seen.get(tuple(whole), -1)
     return digests, local_difference
+
+
+def _copy_digests(engine: ReplicaEngine, variable: Any) -> Tuple[dict, bool]:
+    """`({region: digest}, whether two copies of one region differ)`."""
+    seen: dict = {}
+    differ = False
+    for region, array in engine.replica_copies(variable):
+        digest = _digest(np.asarray(array))
+        if seen.setdefault(tuple(region), digest) != digest:
+            differ = True
+    return seen, differ
+
+
+def _small_values(engine: ReplicaEngine, variable: Any) -> str:
+    """The copies' values of a variable of at most 4 numbers (e.g. an
+    optimizer's step count), for the message; "" for larger ones."""
+    if int(np.prod(variable.shape)) > 4:
+        return ""
+    values = [np.asarray(array).reshape(-1).tolist()
+              for _, array in engine.replica_copies(variable)]
+    return f" (this process's copies hold {values})"
 
 
 def find_divergence(engine: ReplicaEngine, model: Any) -> Optional[Tuple[str, str]]:
@@ -141,7 +164,10 @@ def find_divergence(engine: ReplicaEngine, model: Any) -> Optional[Tuple[str, st
     for index, (name, _) in enumerate(named):
         if index in locals_.tolist():
             process = locals_.tolist().index(index)
-            return name, f"between the replicas of process {process}"
+            values = (_small_values(engine, named[index][1])
+                      if process == engine.process_id else "")
+            return name, (f"between the replicas of process {process}"
+                          f"{values}")
         held = [(p, int(d)) for p, d in enumerate(table[:, index]) if d >= 0]
         different = [p for p, d in held if d != held[0][1]]
         if different:

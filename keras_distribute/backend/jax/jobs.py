@@ -71,13 +71,18 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                 f"for the coordinator {coordinator}. Check "
                 "that every worker started with the same cluster description."
                 f" Cause: {error}") from error
+        _cpu_collectives_over_own_address(resolver)
         process_notes.write(
             f"in a jax.distributed job of {resolver.num_processes} processes:"
             f" JAX's coordination service aborts a process (SIGABRT) when a "
             f"peer stops answering for {max(timeout_s, 10)} s; look for the "
             "process that died, froze or finished first")
         _check_same_cluster(resolver, timeout_s)
-        _watch_peers(resolver.process_id, resolver.num_processes, timeout_s)
+        from keras_distribute.job import peer_board
+
+        _watch_peers(resolver.process_id, resolver.num_processes, timeout_s,
+                     host=peer_board.host_of(resolver),
+                     store_address=coordinator)
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
         keras_services.get().seed_every_process()
@@ -91,28 +96,47 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     return jax_backend.make_engine(list(jax.devices()), layout_map)
 
 
+def _cpu_collectives_over_own_address(resolver: Any) -> None:
+    """Has JAX's CPU collectives (gloo) use this process's given address.
+
+    Left to itself gloo takes the address the host name resolves to, a
+    loopback address on many machines (Debian's /etc/hosts): across hosts,
+    each process told the others to connect to 127.0.0.1 and the job never
+    formed ("Gloo context initialization failed ... Connection refused").
+    Done only before JAX made its CPU backend, with gloo as the CPU
+    collectives, and when the given address is one of this machine's."""
+    from jax._src import distributed
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    from keras_distribute.job import peer_board
+
+    host = peer_board.host_of(resolver)
+    if (host is None or xla_bridge.backends_are_initialized()
+            or jax.config.jax_cpu_collectives_implementation != "gloo"):
+        return
+    client = distributed.global_state.client
+
+    def cpu_client_on_own_address():
+        return xla_bridge.make_cpu_client(
+            collectives=_jax.make_gloo_tcp_collectives(
+                distributed_client=client, hostname=host))
+
+    xla_bridge.register_backend_factory(
+        "cpu", cpu_client_on_own_address, priority=0, fail_quietly=False)
+
+
 def _own_address(address: str) -> Optional[str]:
     """`ip:port` of `address` when its host is an address of this machine
     (JAX's coordinator then listens there only), else `None` (JAX's default:
     every interface)."""
-    import socket
+    from keras_distribute.job import peer_board
 
-    host, _, port = address.rpartition(":")
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), 0,
-                                   type=socket.SOCK_STREAM)
-    except socket.gaierror:
+    ip = peer_board.local_host(address)
+    if ip is None:
         return None
-    for family, kind, protocol, _, sockaddr in infos:
-        with socket.socket(family, kind, protocol) as probe:
-            try:
-                probe.bind(sockaddr)  # port 0: only asks whether it is ours
-            except OSError:
-                continue
-        ip = sockaddr[0]
-        return f"[{ip}]:{port}" if family == socket.AF_INET6 else (
-            f"{ip}:{port}")
-    return None
+    port = address.rpartition(":")[2]
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
@@ -221,7 +245,9 @@ class _CoordinationText:
             return None
 
 
-def _watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
+def _watch_peers(rank: int, world_size: int, timeout_s: float,
+                 host: Optional[str] = None,
+                 store_address: Optional[str] = None) -> None:
     """Names a peer that hangs while this process waits for it.
 
     JAX's coordination service aborts a process whose peer died or froze,
@@ -240,6 +266,8 @@ def _watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
     if client is None or not hasattr(client, "key_value_try_get"):
         return  # another JAX: no board, the launcher's timeout remains
     peer_board.start(_CoordinationText(client), rank, world_size, timeout_s,
-                     on_stall=peer_board.ending_this_process("JAX"))
+                     on_stall=peer_board.ending_this_process("JAX"),
+                     host=host, store_address=store_address,
+                     note_silent_peers=True)
     atexit.register(peer_board.stop)  # before JAX's own shutdown (LIFO)
 

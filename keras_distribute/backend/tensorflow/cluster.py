@@ -2,12 +2,81 @@
 join or are lost, without a timeout on each collective (see
 `bounded_multi_worker_strategy`)."""
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import tensorflow as tf
+
+from keras_distribute.common.errors import WorkerLostError
+
+# How TensorFlow names a task in its errors.
+_TASK_IN_TEXT = re.compile(r"/job:(chief|worker)(?:/replica:\d+)?/task:(\d+)")
+# What TensorFlow raises in a worker whose peer is lost (dead, frozen, or
+# cut off by the network): the collective's or the coordination service's.
+_LOST_PEER_ERRORS = (tf.errors.UnavailableError,
+                     tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                     tf.errors.CancelledError, tf.errors.InternalError)
+
+
+@contextlib.contextmanager
+def naming_a_lost_worker(resolver: Any) -> Iterator[None]:
+    """Turns TensorFlow's error for a lost worker into `kd.WorkerLostError`
+    naming it and its address (TensorFlow's error stays its cause).
+
+    TensorFlow names a lost task as `/job:worker/replica:0/task:1` at best;
+    a worker cut off from the coordination service's host (process 0) gets
+    only a failed heartbeat RPC. With several workers, the process named is
+    the task in TensorFlow's text, else process 0 (the coordination
+    service's host) for a process that is not process 0."""
+    try:
+        yield
+    except WorkerLostError:
+        raise
+    except _LOST_PEER_ERRORS as error:
+        if resolver is None or resolver.num_processes <= 1:
+            raise
+        lost = _lost_process(str(error), resolver)
+        if lost is None:
+            raise
+        count = resolver.num_processes
+        rank = resolver.process_id
+        address = resolver.addresses[lost]
+        via = ("its collective with it failed"
+               if lost != 0 or rank == 0 else
+               "the job's coordination service, which it hosts, stopped "
+               "answering")
+        raise WorkerLostError(
+            f"Process {rank} of {count} lost process {lost} of {count} at "
+            f"{address}: {via} ({type(error).__name__}). It died, froze, or "
+            "its machine is unreachable (down, or the network between them "
+            "cut). Check that process's own log; a restart resumes from the "
+            "last checkpoint (BackupAndRestore). TensorFlow said: "
+            f"{_first_line(error)}", lost) from error
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines()
+             if line.strip() and "Detected at node" not in line
+             and not line.lstrip().startswith("File ")]
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
+def _lost_process(text: str, resolver: Any) -> Optional[int]:
+    """The process of the job that TensorFlow's error `text` points at."""
+    spec = resolver.cluster_spec()
+    chiefs = len(spec.get("chief", []))
+    for job, task in _TASK_IN_TEXT.findall(text):
+        process = int(task) if job == "chief" else chiefs + int(task)
+        if process != resolver.process_id and (
+                process < resolver.num_processes):
+            return process
+    if "Coordination" in text and resolver.process_id != 0:
+        return 0
+    return None
 
 
 def bounded_multi_worker_strategy(tf_resolver: Any, timeout_s: float) -> Any:
@@ -116,7 +185,9 @@ class _CoordinationText:
         return None
 
 
-def watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
+def watch_peers(rank: int, world_size: int, timeout_s: float,
+                host: Optional[str] = None,
+                store_address: Optional[str] = None) -> None:
     """Names a peer that hangs while this process waits for it (see
     `keras_distribute.job.peer_board`): TensorFlow's heartbeat fails the others
     when a worker dies or freezes, but a worker that is alive and never
@@ -129,5 +200,6 @@ def watch_peers(rank: int, world_size: int, timeout_s: float) -> None:
 
     peer_board.start(_CoordinationText(tf_context.context()), rank,
                      world_size, timeout_s,
-                     on_stall=peer_board.ending_this_process("TensorFlow"))
+                     on_stall=peer_board.ending_this_process("TensorFlow"),
+                     host=host, store_address=store_address)
     atexit.register(peer_board.stop)

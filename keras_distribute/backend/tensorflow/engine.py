@@ -16,6 +16,7 @@ from tensorflow.python.distribute import values as tf_values
 from keras_distribute.backend import interface
 from keras_distribute.common import context
 from keras_distribute.job import peer_board
+from keras_distribute.backend.tensorflow import cluster as tf_cluster
 from keras_distribute.backend.tensorflow import fit as tf_fit
 from keras_distribute.backend.tensorflow.devices import device_name
 from keras_distribute.common.devices import parse_device_name
@@ -107,6 +108,7 @@ class TfEngine:
         self.gradient_compression = None
         self.traced_gradient_reductions: List[Any] = []
         self.multi_worker = resolver is not None
+        self._resolver = resolver  # names a lost worker (tf_cluster)
         self.is_chief = resolver.is_chief if resolver is not None else True
         worker_devices = self.tf_strategy.extended.worker_devices
         self.devices = tuple(devices) if devices is not None else tuple(
@@ -261,7 +263,8 @@ class TfEngine:
             self.even_fit = True
         self.trainer_calls += 1
         try:
-            with peer_board.busy():
+            with peer_board.busy(), \
+                    tf_cluster.naming_a_lost_worker(self._resolver):
                 return method(model, *args, **kwargs)
         finally:
             self.trainer_calls -= 1

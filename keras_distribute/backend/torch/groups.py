@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from keras_distribute.backend.torch import peers as torch_peers
+from keras_distribute.job import peer_board
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 
 
@@ -46,13 +47,21 @@ def _destroy_own_group() -> None:
 
 def _init_process_group(address: str, rank: int, world_size: int,
                         timeout_s: float, store: Any = None,
-                        backend: str = "gloo") -> None:
+                        backend: str = "gloo",
+                        own_address: Optional[str] = None,
+                        description: Optional[str] = None) -> None:
     """`dist.init_process_group` on a store kd holds (when `store` is
     `None`: a TCP store at `address` hosted by rank 0, or an in-process
     one for a group of one), with the
     heartbeat that names a lost peer (`torch_peers`), ended at interpreter
-    exit (once)."""
+    exit (once). With `own_address` (this process's `host:port` in the
+    cluster description), gloo talks over the interface that holds it; with
+    `description` (the cluster as this process was told it), every process
+    checks first that all were told the same (`_check_same_cluster`)."""
     import atexit
+
+    if backend == "gloo" and own_address and world_size > 1:
+        _use_interface_of(own_address)
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None and world_size == 1:
@@ -67,10 +76,105 @@ def _init_process_group(address: str, rank: int, world_size: int,
                               is_master=rank == 0, timeout=timeout,
                               wait_for_workers=True,
                               master_listen_fd=listen_fd)
+    if description is not None and world_size > 1:
+        _check_same_cluster(store, rank, world_size, description, timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
-    torch_peers.start(store, rank, world_size, timeout_s)
+    own_host = peer_board.local_host(own_address) if own_address else None
+    torch_peers.start(store, rank, world_size, timeout_s, host=own_host,
+                      store_address=address)
     atexit.register(_destroy_own_group)
+
+
+def _description(resolver: Any) -> str:
+    """The cluster as `resolver` describes it, for `_check_same_cluster`."""
+    import json
+
+    return json.dumps({"num_processes": resolver.num_processes,
+                       "addresses": list(resolver.addresses)})
+
+
+def _check_same_cluster(store: Any, rank: int, world_size: int,
+                        description: str, timeout_s: float) -> None:
+    """Refuses, before the group forms, a job whose processes were given
+    different cluster descriptions or the same process index (#43: a
+    worker told of 3 processes waited for a third that never came, and two
+    "process 0 of 2" both waited out the timeout). Each process claims its
+    index and publishes its description on the job's store; each compares
+    its own with process 0's, and process 0 with every other's. Every
+    process that finds a difference raises `ValueError` naming it."""
+    prefix = "keras_distribute/cluster/"
+    claims = store.add(f"{prefix}claims/{rank}", 1)
+    if claims > 1:
+        raise ValueError(
+            f"Two processes of this job were both given process index "
+            f"{rank} (RANK / the task index). Received: {claims} claims of "
+            f"index {rank} in a job of {world_size}. Give each process its "
+            "own index, 0 to N-1 (TF_CONFIG's task index, RANK, "
+            "KERAS_DISTRIBUTION_PROCESS_ID).")
+    store.set(f"{prefix}{rank}", description)
+    others = [0] if rank != 0 else range(1, world_size)
+    for other in others:
+        try:
+            theirs = bytes(store.get(f"{prefix}{other}")).decode()
+        except Exception as error:  # torch's store timed out waiting for it
+            raise TimeoutError(
+                f"Process {other} did not publish its cluster description "
+                f"within {timeout_s:.0f} s (this process {rank} of "
+                f"{world_size} waited for it on the job's store). Check that "
+                "every worker started with the same cluster description."
+            ) from error
+        if theirs != description:
+            raise ValueError(
+                "The processes of this job were given different cluster "
+                f"descriptions. Received: process {rank}: {description}; "
+                f"process {other}: {theirs}. Start every worker with the "
+                "same cluster (TF_CONFIG's cluster, "
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES / NUM_PROCESSES, or the "
+                "torchrun variables) and a distinct process index.")
+
+
+def _use_interface_of(address: str) -> None:
+    """Has gloo use the network interface that holds `address`'s host.
+
+    Gloo otherwise takes the address its host name resolves to, which is a
+    loopback address on many machines (Debian's /etc/hosts): across hosts,
+    each process then told the others to connect to 127.0.0.1, and the
+    group never formed. Left as it is when the user set
+    `GLOO_SOCKET_IFNAME`, or when the host is not an IPv4 address of this
+    machine (a name, or torchrun's MASTER_ADDR for another process)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return
+    interface = _interface_holding(ip)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _interface_holding(ip: str) -> Optional[str]:
+    """The name of this machine's interface whose IPv4 address is `ip`."""
+    try:
+        import fcntl
+        import struct
+    except ImportError:  # not POSIX
+        return None
+    if ip.startswith("127."):
+        return "lo" if "lo" in {n for _, n in socket.if_nameindex()} else None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr,
+                                    struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(reply[20:24]) == ip:
+                return name
+    return None
 
 
 def _listening_socket(host: str, port: int) -> Optional[int]:
@@ -101,8 +205,10 @@ def _listening_socket(host: str, port: int) -> Optional[int]:
                     f"The job's coordinator port {port} on {host} is "
                     "already in use, so process 0 cannot host the job's "
                     f"store there. Received: address '{host}:{port}'. End "
-                    "the process that holds it (another job?) or choose a "
-                    "free port (MASTER_PORT, or the launcher's --port)."
+                    "the process that holds it (another job, or a second "
+                    "process of this one also given index 0 as RANK / task "
+                    "index) or choose a free port (MASTER_PORT, or the "
+                    "launcher's --port)."
                 ) from error
             continue  # not an address of this machine
         listener.listen(1024)
@@ -149,7 +255,8 @@ def ensure_process_group() -> bool:
         resolver.coordinator_address, resolver.process_id,
         resolver.num_processes, timeout_s,
         store=_store_of_this_attempt(resolver.coordinator_address, timeout_s),
-        backend="nccl" if use_cuda else "gloo")
+        backend="nccl" if use_cuda else "gloo",
+        description=_description(resolver))
     return True
 
 
@@ -175,13 +282,16 @@ def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
             _init_process_group(
                 resolver.coordinator_address, resolver.process_id,
                 resolver.num_processes, timeout_s, store=store,
-                backend="nccl" if use_cuda else "gloo")
+                backend="nccl" if use_cuda else "gloo",
+                own_address=resolver.addresses[resolver.process_id],
+                description=_description(resolver))
         except (RuntimeError, TimeoutError) as error:
             raise TimeoutError(
                 f"Not every worker joined within {timeout_s:.0f} s: process "
                 f"{resolver.process_id} of {resolver.num_processes} waited at "
                 f"the coordinator {resolver.coordinator_address}. Check that "
                 "every worker was started with the same cluster description "
-                "and can reach the coordinator; raise "
+                "and a distinct process index, and can reach the "
+                "coordinator; raise "
                 "CommunicationOptions(timeout_seconds=...) for slow starts. "
                 f"Cause: {error}") from error

@@ -33,9 +33,13 @@ class _StoreText:
         return bytes(self._store.get(key)).decode()
 
 
-def start(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Starts this process's heartbeat on the group's store."""
-    peer_board.start(_StoreText(store), rank, world_size, timeout_s)
+def start(store: Any, rank: int, world_size: int, timeout_s: float,
+          host: Optional[str] = None,
+          store_address: Optional[str] = None) -> None:
+    """Starts this process's heartbeat on the group's store (`host`,
+    `store_address`: see `peer_board.PeerBoard`)."""
+    peer_board.start(_StoreText(store), rank, world_size, timeout_s,
+                     host=host, store_address=store_address)
 
 
 def looks_like_lost_peer(error: BaseException) -> bool:
