@@ -8,7 +8,7 @@ process.
 import numpy as np
 
 import worker_checkpoint
-from worker_common import initial_weights, make_data, make_model
+from worker_common import initial_weights, listing, make_data, make_model
 
 # Accumulate 3 batches per update, keep an EMA and write it into the
 # weights every 4 updates: the 2 conditional updates Keras wraps in
@@ -367,7 +367,7 @@ def preemption_handler(strategy, directory):
     stopped = train(6, os.path.join(directory, "run"))
     resumed = train(0, os.path.join(directory, "run"))
     return {"reference": reference, "stopped": stopped, "resumed": resumed,
-            "saved": sorted(os.listdir(os.path.join(directory, "run")))}
+            "saved": listing(os.path.join(directory, "run"))}
 
 
 def check_preemption_handler(results):

@@ -45,10 +45,11 @@ _TOKEN = secrets.token_hex(16)
 def _new_job_after_fork() -> None:
     """A forked child (e.g. a worker of `kd.launch`) is a job of its own:
     a new token, no lease held (its parent's heartbeats did not follow)."""
-    global _TOKEN, _held, _lock
+    global _TOKEN, _held, _lock, _registered_in
     _TOKEN = secrets.token_hex(16)
     _held = {}
     _lock = threading.Lock()
+    _registered_in = None
 
 
 class DirectoryInUseError(RuntimeError):
@@ -273,7 +274,36 @@ def take(directory: str) -> str:
                 "directory.")
         held = _held[path] = _Held(path, record)
         held.users = 1
+        _end_all_at_exit()
         return path
+
+
+_registered_in: Optional[int] = None  # the process that registered end_all
+
+
+def _end_all_at_exit() -> None:
+    """Ends every lease this process holds when it exits: at interpreter
+    exit, and at a multiprocessing child's exit (`kd.launch`'s workers end
+    through `os._exit`, which runs no `atexit` handler, only
+    multiprocessing's finalizers, registered after the child started)."""
+    global _registered_in
+    if _registered_in == os.getpid():
+        return
+    _registered_in = os.getpid()
+    import atexit
+    import multiprocessing.util
+
+    atexit.register(end_all)
+    multiprocessing.util.Finalize(None, end_all, exitpriority=10)
+
+
+def end_all() -> None:
+    """Lets go of every lease this process holds (its job is over)."""
+    with _lock:
+        held = list(_held.values())
+        _held.clear()
+    for lease_held in held:
+        lease_held.end()
 
 
 def _take_over(path: str, stale: Dict[str, Any]) -> None:

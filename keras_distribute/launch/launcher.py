@@ -88,7 +88,10 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
         import cloudpickle
 
         fn, args = cloudpickle.loads(payload)
-        value = fn(*args)
+        try:
+            value = fn(*args)
+        finally:
+            _end_checkpoint_leases()
         try:  # (the queue pickles in a thread of its own, where it is lost)
             pickle.dumps(value)
         except Exception as error:
@@ -104,6 +107,15 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
     finally:
         _destroy_process_group()
         starting.leave_launched(launcher)
+
+
+def _end_checkpoint_leases() -> None:
+    """The job is over: its checkpoint directories' leases go now, before
+    the launcher hears of it (it ends a process that is slow to exit, and
+    a lease left behind would wait for its heartbeat to stop)."""
+    lease = sys.modules.get("keras_distribute.checkpoint.lease")
+    if lease is not None:
+        lease.end_all()
 
 
 def _destroy_process_group() -> None:
