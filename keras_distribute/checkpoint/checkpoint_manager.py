@@ -171,8 +171,10 @@ class CheckpointManager:
         finally:
             self._closed = True
             if self._lease is not None:
-                self._lease()  # the finalizer: releases once
+                taken = self._lease.detach()  # None: released already
                 self._lease = None
+                if taken is not None:
+                    lease.release(taken[2][0])
 
     def __enter__(self) -> "CheckpointManager":
         return self

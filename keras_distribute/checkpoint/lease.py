@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 LEASE = ".keras_distribute-lease"
 HEARTBEAT_S = 2.0
@@ -126,6 +126,7 @@ class _Held:
 
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
+            release_collected()  # what collected writers let go of
             self.record["beat"] += 1
             try:
                 if _read(self.path).get("job") != _TOKEN:
@@ -136,7 +137,8 @@ class _Held:
 
     def end(self) -> None:
         self.stop.set()
-        self.thread.join(timeout=HEARTBEAT_S + 1)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=HEARTBEAT_S + 1)
         try:
             if _read(self.path).get("job") == _TOKEN:
                 os.remove(self.path)
@@ -240,6 +242,7 @@ def take(directory: str) -> str:
     ```
     """
     path = os.path.join(os.path.abspath(directory), LEASE)
+    release_collected()
     with _lock:
         held = _held.get(path)
         if held is not None:
@@ -334,6 +337,32 @@ def _take_over(path: str, stale: Dict[str, Any]) -> None:
 def release(path: str) -> None:
     """Lets go of one use of the lease at `path` (from `take`); the file is
     removed when this job's last writer lets go."""
+    release_collected()
+    _release_one(path)
+
+
+# Paths whose writers were garbage-collected: a finalizer may run inside
+# any allocation, even one made while `_lock` is held, so it only records
+# the path (a list append is atomic) and the release happens later, in
+# `take`, `release` or the next heartbeat.
+_collected: List[str] = []
+
+
+def _record_collected(path: str) -> None:
+    _collected.append(path)
+
+
+def release_collected() -> None:
+    """Lets go of the uses whose writers were collected meanwhile."""
+    while _collected:
+        try:
+            path = _collected.pop()
+        except IndexError:  # emptied by another thread meanwhile
+            return
+        _release_one(path)
+
+
+def _release_one(path: str) -> None:
     with _lock:
         held = _held.get(path)
         if held is None:
@@ -362,10 +391,10 @@ def drop(directory: str) -> bool:
 
 
 def release_when_collected(owner: Any, path: str) -> "weakref.finalize":
-    """Releases one use of `path` when `owner` is garbage-collected or the
-    process exits, whichever comes first (call the returned finalizer to
-    release it now)."""
-    return weakref.finalize(owner, release, path)
+    """Lets go of one use of `path` soon after `owner` is garbage-collected
+    (at the next `take`, `release` or heartbeat; `end_all` at exit). To let
+    go now: `release(path)` after `finalizer.detach()`."""
+    return weakref.finalize(owner, _record_collected, path)
 
 
 def holder(directory: str) -> Optional[Dict[str, Any]]:
