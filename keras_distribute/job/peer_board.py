@@ -348,36 +348,6 @@ def start(store: Any, rank: int, world_size: int, timeout_s: float,
                            note_silent_peers=note_silent_peers)
 
 
-def host_of(resolver: Any) -> Optional[str]:
-    """The host of this process's own address in `resolver`'s cluster
-    description (e.g. "10.0.0.2") when it is an address of this machine,
-    else `None` (then the board names the host name: a torchrun
-    description lists only the coordinator's address)."""
-    try:
-        own = resolver.addresses[resolver.process_id]
-    except IndexError:
-        return None
-    return local_host(own)
-
-
-def local_host(address: str) -> Optional[str]:
-    """The IP address that `address`'s host ("host:port") resolves to when
-    it is an address of this machine, else `None`."""
-    host = address.rpartition(":")[0].strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return None
-    for family, kind, protocol, _, sockaddr in infos:
-        with socket.socket(family, kind, protocol) as probe:
-            try:
-                probe.bind(sockaddr)  # port 0: only asks whether it is ours
-            except OSError:
-                continue
-        return str(sockaddr[0])
-    return None
-
-
 def board() -> Optional[PeerBoard]:
     """This process's board, if kd joined its job."""
     return _board

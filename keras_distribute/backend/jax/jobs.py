@@ -78,10 +78,10 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             f"peer stops answering for {max(timeout_s, 10)} s; look for the "
             "process that died, froze or finished first")
         _check_same_cluster(resolver, timeout_s)
-        from keras_distribute.job import peer_board
+        from keras_distribute.job import addresses
 
         _watch_peers(resolver.process_id, resolver.num_processes, timeout_s,
-                     host=peer_board.host_of(resolver),
+                     host=addresses.host_of(resolver),
                      store_address=coordinator)
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
@@ -109,9 +109,9 @@ def _cpu_collectives_over_own_address(resolver: Any) -> None:
     from jax._src import xla_bridge
     from jax._src.lib import _jax
 
-    from keras_distribute.job import peer_board
+    from keras_distribute.job import addresses
 
-    host = peer_board.host_of(resolver)
+    host = addresses.host_of(resolver)
     if (host is None or xla_bridge.backends_are_initialized()
             or jax.config.jax_cpu_collectives_implementation != "gloo"):
         return
@@ -130,9 +130,9 @@ def _own_address(address: str) -> Optional[str]:
     """`ip:port` of `address` when its host is an address of this machine
     (JAX's coordinator then listens there only), else `None` (JAX's default:
     every interface)."""
-    from keras_distribute.job import peer_board
+    from keras_distribute.job import addresses
 
-    ip = peer_board.local_host(address)
+    ip = addresses.local_host(address)
     if ip is None:
         return None
     port = address.rpartition(":")[2]

@@ -73,10 +73,10 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             "TensorFlow runs anything. Create kd.MultiWorkerMirroredStrategy "
             "at the start of the program, before any tensor is made."
         ) from error
-    from keras_distribute.job import peer_board
+    from keras_distribute.job import addresses as job_addresses
 
     tf_cluster.watch_peers(resolver.process_id, resolver.num_processes,
-                           timeout_s, host=peer_board.host_of(resolver),
+                           timeout_s, host=job_addresses.host_of(resolver),
                            store_address=resolver.coordinator_address)
     return TfEngine(None, tf_strategy=strategy, resolver=resolver)
 

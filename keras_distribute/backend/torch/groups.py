@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from keras_distribute.backend.torch import peers as torch_peers
-from keras_distribute.job import peer_board
+from keras_distribute.job import addresses
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 
 
@@ -80,7 +80,7 @@ def _init_process_group(address: str, rank: int, world_size: int,
         _check_same_cluster(store, rank, world_size, description, timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
-    own_host = peer_board.local_host(own_address) if own_address else None
+    own_host = addresses.local_host(own_address) if own_address else None
     torch_peers.start(store, rank, world_size, timeout_s, host=own_host,
                       store_address=address)
     atexit.register(_destroy_own_group)
