@@ -311,7 +311,8 @@ def end_all() -> None:
 
 
 def _take_over(path: str, stale: Dict[str, Any]) -> None:
-    """Removes the stale lease `stale` (if it is still the one there)."""
+    """Removes the stale lease `stale` (if it is still the one there); a
+    file in its place that is no lease kd wrote is moved aside, kept."""
     aside = f"{path}.{_TOKEN}.stale"
     try:
         os.replace(path, aside)
@@ -328,10 +329,20 @@ def _take_over(path: str, stale: Dict[str, Any]) -> None:
             os.link(aside, path)
         except OSError:
             pass
+    if not _is_lease_record(moved):
+        return  # not a lease kd wrote (garbage in its place): kept aside
     try:
         os.remove(aside)
     except OSError:
         pass
+
+
+def _is_lease_record(record: Dict[str, Any]) -> bool:
+    """Whether `record` is a lease as `take` writes it (kd may remove only
+    what it wrote)."""
+    return (isinstance(record.get("job"), str)
+            and isinstance(record.get("host"), str)
+            and isinstance(record.get("pid"), int))
 
 
 def release(path: str) -> None:
