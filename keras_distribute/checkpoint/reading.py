@@ -13,6 +13,7 @@ read touches a file outside the directory, runs code, or allocates more
 than the files justify. Every refusal is a `CheckpointError`.
 """
 
+import math
 import os
 import stat
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -55,10 +56,59 @@ def read_index(path: str) -> dict:
     return index
 
 
-def read_whole(path: str, record: dict) -> np.ndarray:
+def read_whole(path: str, record: dict,
+               shards: Optional["OpenShards"] = None) -> np.ndarray:
     """The whole of one saved variable (see `read_regions`)."""
-    (value,) = read_regions(path, record, [whole_region(record["shape"])])
+    (value,) = read_regions(path, record, [whole_region(record["shape"])],
+                            shards=shards)
     return value
+
+
+class OpenShards:
+    """The shard files of one checkpoint, opened once for many reads.
+
+    A restore reads thousands of variables from a few shard files: opening
+    and checking each file once, rather than once per variable, is what
+    makes restoring many small variables as fast as saving them. Each file
+    is still checked (a regular file inside the checkpoint directory, never
+    through a symlink) before it is first opened, and every dataset before
+    it is read. Use as a context manager; everything is closed on exit.
+
+    Args:
+        path: The committed checkpoint directory.
+
+    Example:
+
+    ```python
+    with reading.OpenShards(path) as shards:
+        values = [reading.read_whole(path, record, shards)
+                  for record in index["variables"].values()]
+    ```
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.files: Dict[str, Any] = {}  # name -> h5py.File
+        self.descriptors: Dict[str, int] = {}  # name -> raw descriptor
+        self.checked: Dict[str, str] = {}  # name -> checked full path
+        self.sizes: Dict[str, int] = {}  # name -> bytes, when first opened
+        self.roots: Dict[str, Any] = {}  # name -> its root group's id
+
+    def __enter__(self) -> "OpenShards":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes every file opened so far (it may be used again)."""
+        files, descriptors = self.files, self.descriptors
+        self.files, self.descriptors = {}, {}
+        self.checked, self.sizes, self.roots = {}, {}, {}
+        for h5 in files.values():
+            h5.close()
+        for descriptor in descriptors.values():
+            os.close(descriptor)
 
 
 def _overlap(a: Slice, b: Slice) -> Optional[Slice]:
@@ -68,8 +118,8 @@ def _overlap(a: Slice, b: Slice) -> Optional[Slice]:
 
 
 def read_regions(path: str, record: dict, regions: Iterable[Slice],
-                 into: Optional[List[Optional[np.ndarray]]] = None
-                 ) -> List[np.ndarray]:
+                 into: Optional[List[Optional[np.ndarray]]] = None,
+                 shards: Optional[OpenShards] = None) -> List[np.ndarray]:
     """Reads the global `regions` of one variable, verifying every piece.
 
     `record` comes from an index `read_index` validated: its pieces tile
@@ -84,6 +134,9 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
     saved dtype, a piece that is the whole region is read straight into
     it; of another, the values are cast into it. A piece whose checksum
     fails leaves it holding those bytes (the restore fails).
+
+    `shards` keeps the shard files open across the reads of one restore
+    (see `OpenShards`); without it they are opened for this call only.
 
     Raises:
         CheckpointError: on a missing, truncated, corrupted or hostile
@@ -130,11 +183,11 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
         else:  # read as saved, then cast into it
             cast_into[i] = target
     filled = [False] * len(regions)
-    files: Dict[str, Any] = {}
-    descriptors: Dict[str, int] = {}
+    own_shards = shards is None
+    opened = OpenShards(path) if shards is None else shards
     try:
         # Every dataset is checked before anything is allocated or read.
-        datasets = [_checked_dataset(path, files, piece, dtype)
+        datasets = [_checked_dataset(opened, piece, dtype)
                     for piece, _, _ in plan]
         for (piece, stored, wanted), dataset in zip(plan, datasets):
             whole = [i for i, overlap in wanted
@@ -142,8 +195,7 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
             destination = next((out[i] for i in whole if out[i] is not None),
                                None)
             data = _read_verified(path, piece, dataset, dtype,
-                                  _descriptor(path, descriptors, piece),
-                                  destination)
+                                  _descriptor(opened, piece), destination)
             for i, overlap in wanted:
                 if i in whole:  # the whole piece
                     if out[i] is None:
@@ -162,10 +214,8 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
                         [hi - lo for lo, hi in regions[i]], dtype)
                 out[i][target] = data[source]
     finally:
-        for h5 in files.values():
-            h5.close()
-        for descriptor in descriptors.values():
-            os.close(descriptor)
+        if own_shards:
+            opened.close()
     for i, region in enumerate(regions):
         if out[i] is None or not (filled[i] or out[i].size == 0):
             # cannot happen with a validated index
@@ -198,16 +248,22 @@ def _check_regular_file(path: str, name: str, entry: str) -> str:
     return full
 
 
-def _checked_dataset(path: str, files: Dict[str, Any], piece: dict,
+# h5py.h5l.TYPE_SOFT and TYPE_EXTERNAL, named as h5py's link classes
+_LINK_KINDS = {1: "SoftLink", 64: "ExternalLink"}
+
+
+def _checked_dataset(shards: OpenShards, piece: dict,
                      dtype: np.dtype) -> Any:
-    """The h5py dataset of `piece`, once it is known to hold exactly the
-    piece's bytes inside its own file (hard links only; contiguous storage
-    in the file, no external storage, no virtual dataset, no filters; a
-    numeric dtype of the declared size)."""
+    """The dataset of `piece` (its `h5py.h5d.DatasetID`), once it is known
+    to hold exactly the piece's bytes inside its own file (hard links only;
+    contiguous storage in the file, no external storage, no virtual
+    dataset, no filters; a numeric dtype of the declared size)."""
     import h5py
 
-    name, entry = piece["file"], piece["dataset"]
-    full = _check_regular_file(path, name, entry)
+    path, name, entry = shards.path, piece["file"], piece["dataset"]
+    full = shards.checked.get(name)
+    if full is None:
+        full = shards.checked[name] = _check_regular_file(path, name, entry)
 
     def refuse(reason: str) -> CheckpointError:
         return CheckpointError(
@@ -217,33 +273,44 @@ def _checked_dataset(path: str, files: Dict[str, Any], piece: dict,
             "earlier checkpoint.")
 
     try:
-        h5 = files.get(name)
-        if h5 is None:
-            h5 = files[name] = h5py.File(full, "r")
-        node = h5
-        for part in entry.split("/"):
-            link = node.get(part, getlink=True)
-            if not isinstance(link, h5py.HardLink):
-                raise refuse(f"{part!r} is {'missing' if link is None else 'a ' + type(link).__name__} (only hard links are followed)")
-            node = node[part]
-        if not isinstance(node, h5py.Dataset):
-            raise refuse("it is not a dataset")
-        plist = node.id.get_create_plist()
-        if node.is_virtual or plist.get_layout() != h5py.h5d.CONTIGUOUS:
+        from h5py import h5d, h5i, h5l, h5o
+
+        node = shards.roots.get(name)
+        if node is None:
+            h5 = shards.files[name] = h5py.File(full, "r")
+            shards.sizes[name] = os.path.getsize(full)
+            node = shards.roots[name] = h5o.open(h5.id, b"/")
+        parts = entry.split("/")
+        for number, part in enumerate(parts):
+            raw = part.encode()
+            if not node.links.exists(raw):
+                raise refuse(f"{part!r} is missing")
+            kind = node.links.get_info(raw).type
+            if kind != h5l.TYPE_HARD:
+                raise refuse(f"{part!r} is a {_LINK_KINDS.get(kind, 'UserLink')} "
+                             "(only hard links are followed)")
+            node = h5o.open(node, raw)
+            wanted = h5i.DATASET if number == len(parts) - 1 else h5i.GROUP
+            if h5i.get_type(node) != wanted:
+                raise refuse(f"{part!r} is not a "
+                             f"{'dataset' if wanted == h5i.DATASET else 'group'}")
+        plist = node.get_create_plist()
+        if plist.get_layout() != h5d.CONTIGUOUS:
             raise refuse("its storage is virtual, chunked or compact")
         if plist.get_external_count() or plist.get_nfilters():
             raise refuse("it uses external raw storage or filters")
-        if node.dtype.hasobject or node.dtype != storable_dtype(dtype):
-            raise refuse(f"its dtype {node.dtype} is not what the declared "
+        stored_dtype = node.dtype
+        if stored_dtype.hasobject or stored_dtype != storable_dtype(dtype):
+            raise refuse(f"its dtype {stored_dtype} is not what the declared "
                          f"{dtype.name} is stored as")
         expected = tuple(hi - lo for lo, hi in piece["slice"])
         if tuple(node.shape) != expected:
             raise refuse(f"its shape {tuple(node.shape)} is not the "
                          f"index's {expected}")
-        nbytes = int(np.prod(expected, dtype=np.int64)) * dtype.itemsize
-        offset = node.id.get_offset()
-        if nbytes and (offset is None or node.id.get_storage_size() != nbytes
-                       or offset + nbytes > os.path.getsize(full)):
+        nbytes = math.prod(expected) * dtype.itemsize
+        offset = node.get_offset()
+        if nbytes and (offset is None or node.get_storage_size() != nbytes
+                       or offset + nbytes > shards.sizes[name]):
             raise refuse(f"the file does not hold its {nbytes} bytes")
         return node
     except CheckpointError:
@@ -255,10 +322,10 @@ def _checked_dataset(path: str, files: Dict[str, Any], piece: dict,
             "Restore an earlier checkpoint.") from None
 
 
-def _descriptor(path: str, descriptors: Dict[str, int], piece: dict) -> int:
+def _descriptor(shards: OpenShards, piece: dict) -> int:
     """The open file of `piece` (its name was checked by `_checked_dataset`:
     a regular file inside the directory), never through a symlink."""
-    name = piece["file"]
+    path, descriptors, name = shards.path, shards.descriptors, piece["file"]
     if name not in descriptors:
         full = os.path.join(path, name)
         try:
@@ -288,11 +355,13 @@ def _read_verified(path: str, piece: dict, dataset: Any, dtype: np.dtype,
     field = next(f for f in CHECKSUM_FIELDS if f in piece)
     data = (parallel_io.aligned_empty(dataset.shape, dataset.dtype)
             if destination is None else destination.view(dataset.dtype))
+    from h5py import h5s
+
     try:
         if data.ndim == 0:  # HDF5 may keep a scalar anywhere: through h5py
-            dataset.read_direct(data)
+            dataset.read(h5s.ALL, h5s.ALL, data)
         elif data.nbytes:
-            parallel_io.read_at(descriptor, data, dataset.id.get_offset())
+            parallel_io.read_at(descriptor, data, dataset.get_offset())
     except Exception as error:  # OSError, EOFError; h5py's
         raise CheckpointError(
             f"The shard file {full!r} (entry {piece['dataset']!r}) is "

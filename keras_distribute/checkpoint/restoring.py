@@ -72,11 +72,12 @@ def assign_all_or_nothing(
     snapshot = getattr(backend, "checkpoint_snapshot", snapshot_whole)
     undo = []
     try:
-        for variable, record in planned:
-            undo.append(snapshot(variable))
-            assign(variable, lambda regions, into=None, record=record: (
-                count_read(reading.read_regions(path, record, regions,
-                                                into))))
+        with reading.OpenShards(path) as shards:
+            for variable, record in planned:
+                undo.append(snapshot(variable))
+                assign(variable, lambda regions, into=None, record=record: (
+                    count_read(reading.read_regions(
+                        path, record, regions, into, shards))))
         if then is not None:
             then()
     except BaseException as error:

@@ -70,7 +70,12 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
     arrays = dict(zip(unique, read_regions(unique)))
     held = {region: _held_as(array, value.dtype, variable.path)
             for region, array in arrays.items()}
-    pieces = [jax.device_put(held[regions[device]], device)
-              for device in devices]
+    if (len(held) == 1 and sharding.is_fully_replicated
+            and sharding.is_fully_addressable):
+        # every device holds the whole: one batched transfer
+        variable.assign(jax.device_put(held[unique[0]], sharding))
+        return
+    pieces = jax.device_put([held[regions[device]] for device in devices],
+                            list(devices))
     variable.assign(jax.make_array_from_single_device_arrays(
         shape, sharding, pieces))
