@@ -215,6 +215,35 @@ def checkpoint_tf_table():
         "`tf.train.Checkpoint`")
 
 
+def checkpoint_many_table():
+    entry = _load("checkpoint_many")
+    r = entry["result"]
+    natives = {"tensorflow": "`tf.train.Checkpoint`",
+               "torch": "`torch.distributed.checkpoint`"}
+    rows = [f"{r['variables']:,} float32 Keras variables (32 x 32 kernels "
+            f"and 32-wide biases), one process per backend; median (min–max) "
+            f"of {r['repeats']} trials after a warm-up; run {_run(entry)} "
+            f"({entry['machine']}).",
+            "",
+            "| backend | method | save | restore | restore / save |",
+            "|---|---|---|---|---|"]
+    for backend, figures in r["backends"].items():
+        for method, label in (("kd", "**kd `ShardedCheckpoint`**"),
+                              ("keras", "Keras `save_weights` / "
+                                        "`load_weights` (no fsync)"),
+                              ("native", natives.get(backend))):
+            if f"save/{method}" not in figures:
+                continue
+            rows.append(
+                f"| {backend} | {label} | "
+                f"{_median(figures[f'save/{method}'], unit=' s')} | "
+                f"{_median(figures[f'restore/{method}'], unit=' s')} | "
+                f"{_median(figures['restore_over_save'][method])} |")
+    exact = all(f["bit_exact"] for f in r["backends"].values())
+    rows += ["", f"Every restore bit-exact: {'yes' if exact else '**no**'}."]
+    return "\n".join(rows)
+
+
 def compression_table():
     entry = _load("compression_torch")
     r = entry["result"]
@@ -335,6 +364,7 @@ def divergence_table():
 TABLES = {"fit": fit_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
+          "checkpoint_many": checkpoint_many_table,
           "compression": compression_table,
           "compression_jax": compression_jax_table,
           "divergence": divergence_table}

@@ -17,6 +17,8 @@ for script in bench_checkpoint_jax bench_checkpoint_torch bench_checkpoint_tf; d
   echo "=== $script (1 GiB, 3 trials) ==="
   "$python" "benchmarks/$script.py" --megabytes 1024
 done
+echo "=== bench_checkpoint_many (5,000 small variables, 3 trials) ==="
+"$python" benchmarks/bench_checkpoint_many.py --variables 5000
 for backend in jax tensorflow torch; do
   echo "=== soak on $backend (2 processes x 2,000 steps) ==="
   KERAS_BACKEND=$backend "$python" benchmarks/soak.py

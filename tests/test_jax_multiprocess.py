@@ -10,6 +10,7 @@ import workers_jax as workers
 from conftest import BACKEND
 from worker_common import assert_hung_peer_is_named
 from worker_common import assert_survivor_fails_within
+from worker_common import assert_taken_port_is_named
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax", reason="jax.distributed tests: JAX backend")
@@ -249,3 +250,7 @@ def test_workers_given_different_clusters_are_refused():
                        "[23]"):
         kd.launch(workers.different_cluster_descriptions, num_processes=2,
                   timeout=TIMEOUT)
+
+
+def test_a_taken_port_is_named_before_the_job_starts():
+    assert_taken_port_is_named()

@@ -8,6 +8,7 @@ import workers_tf as workers
 from conftest import BACKEND
 from worker_common import assert_hung_peer_is_named
 from worker_common import assert_survivor_fails_within
+from worker_common import assert_taken_port_is_named
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "tensorflow", reason="tf.distribute multi-worker: TF backend")
@@ -124,3 +125,7 @@ def test_workers_that_would_train_different_models_are_refused():
 
     assert_different_training_is_refused(kd.launch(
         workers.different_training, num_processes=2, timeout=TIMEOUT))
+
+
+def test_a_taken_port_is_named_before_the_job_starts():
+    assert_taken_port_is_named()

@@ -742,3 +742,40 @@ def listing(directory):
 
     return sorted(name for name in os.listdir(directory)
                   if name != ".keras_distribute-lease")
+
+
+def assert_taken_port_is_named(limit_s=60):
+    """Process 0 of a 2-worker TF_CONFIG job whose own port another process
+    holds must stop at once naming that port (#43: JAX's coordinator died
+    by SIGSEGV, TensorFlow said only "Could not start gRPC server")."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    holder, free = socket.socket(), socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    free.bind(("127.0.0.1", 0))
+    port, other = holder.getsockname()[1], free.getsockname()[1]
+    free.close()
+    config = {"cluster": {"worker": [f"127.0.0.1:{port}",
+                                     f"127.0.0.1:{other}"]},
+              "task": {"type": "worker", "index": 0}}
+    start = time.monotonic()
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", "import keras_distribute as kd\n"
+             "kd.MultiWorkerMirroredStrategy()"],
+            env={**os.environ, "TF_CONFIG": json.dumps(config)},
+            capture_output=True, text=True, timeout=limit_s + 60)
+    finally:
+        holder.close()
+    elapsed = time.monotonic() - start
+    assert run.returncode == 1, (run.returncode, run.stderr[-2000:])
+    assert (f"OSError: [Errno 98] Port {port} on " in run.stderr
+            and "is already in use on this machine" in run.stderr
+            and "End the process that holds it" in run.stderr), (
+        run.stderr[-2000:])
+    assert elapsed < limit_s, elapsed

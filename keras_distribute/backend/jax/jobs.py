@@ -36,6 +36,18 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             # next port, the same on every host (docs/multi_worker.md).
             host, _, port = coordinator.rpartition(":")
             coordinator = f"{host}:{int(port) + 1}"
+        bind_address = _own_address(coordinator)
+        if resolver.process_id == 0 and bind_address is not None:
+            from keras_distribute.job import addresses
+
+            # taken, JAX's coordinator died by SIGSEGV, blaming no port
+            addresses.refuse_taken_port(
+                bind_address.rpartition(":")[0].strip("[]"),
+                int(coordinator.rpartition(":")[2]),
+                "the job's JAX coordinator (hosted by process 0)",
+                "give the job a free coordinator port (the launcher's "
+                "--port, MASTER_PORT, JAX_COORDINATOR_ADDRESS or the chief's "
+                "address in TF_CONFIG)")
         from keras_distribute.job import process_notes
 
         # JAX aborts from native code: the note reaches stderr even when
@@ -57,7 +69,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                 shutdown_timeout_seconds=max(timeout_s, 10),
                 # Process 0 hosts the coordinator on its given address (a
                 # one-host job: loopback), not on every interface.
-                coordinator_bind_address=_own_address(coordinator),
+                coordinator_bind_address=bind_address,
             )
         except RuntimeError as error:
             if "before any JAX" in str(error) or "backend" in str(error):

@@ -62,6 +62,19 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             cluster_resolver=tf.distribute.cluster_resolver
             .SimpleClusterResolver(tf.train.ClusterSpec({})))
         return TfEngine(None, tf_strategy=local, resolver=resolver)
+    from keras_distribute.job import addresses as job_addresses
+
+    tasks = spec.get(resolver.task_type, [])
+    if 0 <= resolver.task_id < len(tasks):
+        own = tasks[resolver.task_id]
+        # TensorFlow's server listens on every interface; taken, it said
+        # only "Could not start gRPC server"
+        job_addresses.refuse_taken_port(
+            "0.0.0.0", int(own.rpartition(":")[2]),
+            f"TensorFlow's gRPC server of this task ({resolver.task_type} "
+            f"{resolver.task_id}, given '{own}')",
+            "give this task a free port in TF_CONFIG (or the cluster "
+            "resolver)")
     tf_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type=resolver.task_type,
         task_id=resolver.task_id, rpc_layer="grpc")
@@ -73,8 +86,6 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             "TensorFlow runs anything. Create kd.MultiWorkerMirroredStrategy "
             "at the start of the program, before any tensor is made."
         ) from error
-    from keras_distribute.job import addresses as job_addresses
-
     tf_cluster.watch_peers(resolver.process_id, resolver.num_processes,
                            timeout_s, host=job_addresses.host_of(resolver),
                            store_address=resolver.coordinator_address)
