@@ -964,3 +964,25 @@ def test_a_taken_coordinator_port_is_named():
     finally:
         holder.close()
     assert groups._listening_socket("192.0.2.1", 1) is None  # not ours
+
+
+def test_a_store_client_facing_a_foreign_listener_ends_in_time():
+    # #43: with the coordinator's port held by another program, worker 1's
+    # store client connected and waited for a handshake without end.
+    import socket
+
+    from keras_distribute.backend.torch import groups
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(4)  # accepts connections, never answers
+    port = holder.getsockname()[1]
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=f"process 1 of 2 reached the "
+                           f"job's store at 127.0.0.1:{port} but had no "
+                           "answer from it within 2 s.*MASTER_PORT"):
+            groups._store_client("127.0.0.1", port, 2, 2, "process 1 of 2")
+    finally:
+        holder.close()
+    assert time.monotonic() - start < 30

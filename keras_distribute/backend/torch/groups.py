@@ -71,11 +71,14 @@ def _init_process_group(address: str, rank: int, world_size: int,
     elif store is None:
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
-        listen_fd = _listening_socket(host, int(port)) if rank == 0 else None
-        store = dist.TCPStore(host, int(port), world_size,
-                              is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=True,
-                              master_listen_fd=listen_fd)
+        if rank == 0:
+            store = dist.TCPStore(
+                host, int(port), world_size, is_master=True, timeout=timeout,
+                wait_for_workers=True,
+                master_listen_fd=_listening_socket(host, int(port)))
+        else:
+            store = _store_client(host, int(port), world_size, timeout_s,
+                                  f"process {rank} of {world_size}")
     if description is not None and world_size > 1:
         _check_same_cluster(store, rank, world_size, description, timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=rank,
@@ -84,6 +87,50 @@ def _init_process_group(address: str, rank: int, world_size: int,
     torch_peers.start(store, rank, world_size, timeout_s, host=own_host,
                       store_address=address)
     atexit.register(_destroy_own_group)
+
+
+def _store_client(host: str, port: int, world_size: int, timeout_s: float,
+                  who: str) -> Any:
+    """A client of the job's TCP store at `host:port`, within the timeout.
+
+    torch's client bounds its connection attempts but not the handshake
+    after them: when the port was held by some other program (another job,
+    or anything listening there while this job's process 0 could not
+    start), the client waited for an answer without end (#43: > 140 s).
+    It is made in a daemon thread (torch releases the GIL while it waits),
+    so a store that never answers ends this call, naming the address.
+
+    Raises:
+        TimeoutError: when no store answered at `host:port` in time.
+        RuntimeError: torch's own error (e.g. nothing listened there).
+    """
+    import threading
+
+    made: dict = {}
+
+    def connect():
+        try:
+            made["store"] = dist.TCPStore(
+                host, port, world_size, is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s))
+        except BaseException as error:  # handed to the waiting thread
+            made["error"] = error
+
+    thread = threading.Thread(target=connect, daemon=True,
+                              name="keras_distribute-store-client")
+    thread.start()
+    thread.join(timeout_s + 5)
+    if "error" in made:
+        raise made["error"]
+    if "store" not in made:
+        raise TimeoutError(
+            f"{who} reached the job's store at {host}:{port} but had no "
+            f"answer from it within {timeout_s:.0f} s: something other than "
+            "this job's process 0 seems to hold that port (another job or "
+            "program, while process 0 could not start there). Read process "
+            "0's error, then free the port or choose another (MASTER_PORT, "
+            "or the launcher's --port).")
+    return made["store"]
 
 
 def _description(resolver: Any) -> str:
