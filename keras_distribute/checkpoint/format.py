@@ -5,7 +5,8 @@
   index.json            every variable: global shape, dtype, logical layout,
                         and which file / dataset / global slice holds each
                         unique piece, with its checksum (xxh3-128; sha256 in
-                        format 1, still read); format version, step
+                        format 1, still read) and the byte offset of its
+                        data in the file (optional); format version, step
   shards-00000.h5       the pieces written by process 0 (h5py, no pickle)
 ```
 

@@ -90,6 +90,10 @@ def validate_index(index: Any, index_path: str) -> None:
                   "the key of a saved variable", key)
 
 
+# A piece's "offset" (where its bytes lie in its shard file) is below this.
+_MAX_OFFSET = 1 << 62
+
+
 def validate_record(record: Any, index_path: str, entry: str) -> None:
     """Raises `CheckpointError` unless `record` is a well-formed variable."""
     if not isinstance(record, dict):
@@ -141,6 +145,10 @@ def validate_record(record: Any, index_path: str, entry: str) -> None:
         if len(sums) != 1:
             _fail(index_path, where, "exactly one checksum field, "
                   f"{' or '.join(map(repr, CHECKSUMS))}", sorted(piece))
+        offset = piece.get("offset", 0)
+        if not _is_int(offset) or not 0 <= offset < _MAX_OFFSET:
+            _fail(index_path, f"{where}/offset",
+                  f"a byte offset from 0 to {_MAX_OFFSET - 1}", offset)
         region = piece.get("slice")
         if not isinstance(region, list) or len(region) != len(shape) or not all(
                 isinstance(r, list) and len(r) == 2 and _is_int(r[0])

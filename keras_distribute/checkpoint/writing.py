@@ -256,13 +256,19 @@ def _write_shards(directory: str, entries, process_id: int) -> dict:
                     created = h5.create_dataset(
                         dataset, shape=stored.shape, dtype=stored.dtype,
                         dcpl=placement, fill_time="never")
+                    offset = created.id.get_offset()
                     if stored.nbytes:
-                        placed.append((created.id.get_offset(), stored))
-                records.append({
+                        placed.append((offset, stored))
+                record = {
                     "file": name, "dataset": dataset,
                     "slice": [list(r) for r in region],
                     WRITTEN_CHECKSUM: checksum(stored),
-                })
+                }
+                if stored.ndim and stored.nbytes:
+                    # where the bytes lie: a reader takes them from there
+                    # without asking HDF5 (see `reading`)
+                    record["offset"] = int(offset)
+                records.append(record)
             variables[key] = {"shape": list(shape), "dtype": dtype,
                               "layout": layout, "path": var_path,
                               "pieces": records}
