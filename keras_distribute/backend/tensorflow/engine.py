@@ -176,8 +176,8 @@ class TfEngine:
         copies = self.variable_local_results(variable) or (variable.value,)
         # One read op per copy, viewed in place: `.numpy()` added an
         # identity op and a host copy (a third of the divergence check).
-        return [(region, np.asarray(tf.convert_to_tensor(copy)))
-                for copy in copies]
+        return [(region, np.asarray(copy.value() if isinstance(
+            copy, tf.Variable) else copy)) for copy in copies]
 
     def constrain(self, tensor: Any, parts: Sequence[int],
                   in_replica: bool) -> Any:
