@@ -131,16 +131,50 @@ def test_the_strategy_engine_of_this_backend_follows_its_contract():
     for protocol in (interface.ReplicaEngine,) + engine.contract:
         assert isinstance(engine, protocol), protocol
         _check_follows(type(engine), protocol, engine)
-    for name in ("name", "default_devices", "resolve_device", "device_name",
-                 "make_engine", "make_multi_worker_engine",
-                 "value_and_gradients", "apply_gradients"):
-        assert name in _declared_module_functions() and hasattr(
-            backend, name), name
+
+def test_this_backend_module_has_every_declared_function():
+    # #44: checkpoints, RNG state, layouts and TPUs were asked of backend
+    # modules by name (`getattr(backend, "checkpoint_pieces", None)`),
+    # each backend exporting some; now every backend declares them all.
+    from keras_distribute.backend import get_backend
+
+    backend = get_backend()
+    declared = {name: value for name, value in vars(
+        interface.BackendModule).items() if inspect.isfunction(value)
+        and not name.startswith("_")}
+    assert len(declared) >= 17, sorted(declared)
+    assert isinstance(backend.name, str)
+    for name, function in declared.items():
+        implementation = getattr(backend, name, None)
+        assert callable(implementation), (
+            f"the {backend.name} backend module has no {name}()")
+        wanted = [p for p in inspect.signature(function).parameters.values()
+                  if p.name != "self"]
+        inspect.signature(implementation).bind(*[object()] * sum(
+            p.default is inspect.Parameter.empty for p in wanted))
+        inspect.signature(implementation).bind(*[object()] * len(wanted))
 
 
-def _declared_module_functions():
-    return set(vars(interface.BackendModule)) | set(
-        interface.BackendModule.__annotations__)
+def _probes_a_backend_module(node) -> bool:
+    target = node.args[0] if node.args else None
+    return (isinstance(target, ast.Name) and target.id == "backend") or (
+        isinstance(target, ast.Call) and isinstance(target.func, ast.Name)
+        and target.func.id == "get_backend")
+
+
+def test_the_neutral_layer_never_probes_a_backend_module_by_name():
+    probes = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "backend" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr")
+                    and _probes_a_backend_module(node)):
+                probes.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not probes, (
+        "Declare the member in interface.BackendModule and implement it in "
+        f"every backend instead of probing for it: {probes}")
 
 
 def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():

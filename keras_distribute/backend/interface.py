@@ -18,6 +18,7 @@ from typing import (Any, Callable, ContextManager, Optional, Protocol,
                     Sequence, runtime_checkable)
 
 from keras_distribute.common.devices import DeviceSpec
+from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.reduce_op import ReduceOp
 
 
@@ -253,6 +254,49 @@ class BackendModule(Protocol):
         """Builds the engine of a `kd.MultiWorkerMirroredStrategy` over the
         job `resolver` describes (joining it; one worker: this process)."""
 
+    def refuse_tpu_strategy(self) -> None:
+        """Raises `NotImplementedError` on a backend that has no
+        `kd.TPUStrategy` (before its arguments are checked); else does
+        nothing."""
+
+    def make_tpu_engine(self, tpu_cluster_resolver: Any, assignment: Any,
+                        layout_map: Any = None) -> ReplicaEngine:
+        """Builds the engine of a `kd.TPUStrategy`."""
+
+    def refuse_unsupported_layouts(self, layout_map: Any) -> None:
+        """Raises when this backend cannot shard variables as `layout_map`
+        says (before its devices are looked up); else does nothing."""
+
+    def mesh_devices(self, layout_map: Any) -> list:
+        """The devices of a strategy built on `layout_map`'s mesh
+        (`mesh_devices_by_name` unless one process is one device)."""
+
+    def checkpoint_pieces(self, variable: Any, writer: int,
+                          process_id: int) -> list:
+        """`[(region, host array)]`: the unique pieces of `variable` this
+        process writes (`process_id` in the job): a replicated variable
+        whole in process `writer` only, each shard once."""
+
+    def checkpoint_value(self, variable: Any) -> Any:
+        """A replicated variable's whole value on the host (a collective
+        for TensorFlow's sync-on-read variables: every process calls it)."""
+
+    def checkpoint_assign(self, variable: Any,
+                          read_regions: Callable) -> None:
+        """Restores `variable` from `read_regions(regions, into=None) ->
+        [arrays]`, reading only what this process holds."""
+
+    def checkpoint_snapshot(self, variable: Any) -> Callable[[], None]:
+        """`put_back()` for `variable`'s current value (a failed restore
+        puts every variable back)."""
+
+    def host_rng_state(self) -> Any:
+        """The backend's own global host RNG state, JSON-serialisable
+        (`None` when it keeps none besides numpy's and Python's)."""
+
+    def set_host_rng_state(self, state: Any) -> None:
+        """Sets what `host_rng_state` returned (ignores `None`)."""
+
 
 def broadcast_text_by(broadcast_array: Callable[[Any], Any],
                       text: str) -> str:
@@ -296,3 +340,21 @@ def snapshot_whole(variable: Any) -> Callable[[], None]:
 
     value = np.array(keras.ops.convert_to_numpy(variable.value), copy=True)
     return lambda: variable.assign(value)
+
+
+def host_value(variable: Any) -> Any:
+    """`BackendModule.checkpoint_value` of a backend whose variables read
+    the same in every process: Keras' host copy of the value."""
+    import keras
+
+    return keras.ops.convert_to_numpy(variable.value)
+
+
+def mesh_devices_by_name(layout_map: Any,
+                         resolve_device: Callable[[Any], Any]) -> list:
+    """`BackendModule.mesh_devices` of a backend where one process holds
+    the mesh: each of the mesh's devices, resolved by name (or as the
+    framework's device object it already is)."""
+    return [resolve_device(parse_device_name(str(device)) if not hasattr(
+        device, "platform") else device)
+        for device in layout_map.device_mesh.devices.flatten()]

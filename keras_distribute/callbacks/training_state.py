@@ -95,9 +95,9 @@ def capture_rng() -> Dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state = {"numpy": [kind, keys.tolist(), position, has_gauss, gauss],
              "python": [version, list(internal), gauss_next]}
-    host_state = getattr(get_backend(), "host_rng_state", None)
-    if host_state is not None:
-        state["backend"] = host_state()
+    backend_state = get_backend().host_rng_state()
+    if backend_state is not None:
+        state["backend"] = backend_state
     return state
 
 
@@ -109,9 +109,8 @@ def restore_rng(state: Dict[str, Any]) -> None:
                          has_gauss, gauss))
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
-    set_host_state = getattr(get_backend(), "set_host_rng_state", None)
-    if "backend" in state and set_host_state is not None:
-        set_host_state(state["backend"])
+    if "backend" in state:
+        get_backend().set_host_rng_state(state["backend"])
 
 
 

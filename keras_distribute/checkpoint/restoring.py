@@ -10,8 +10,6 @@ the hooks the integration layer installs.
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from keras_distribute.backend.interface import assign_whole
-from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import CheckpointMismatchError
@@ -68,8 +66,7 @@ def assign_all_or_nothing(
                 "restored. Build the model as it was when saved.")
         planned.append((variable, record))
     backend = get_backend()
-    assign = getattr(backend, "checkpoint_assign", assign_whole)
-    snapshot = getattr(backend, "checkpoint_snapshot", snapshot_whole)
+    assign, snapshot = backend.checkpoint_assign, backend.checkpoint_snapshot
     undo = []
     try:
         with reading.OpenShards(path) as shards:

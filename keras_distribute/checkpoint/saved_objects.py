@@ -207,24 +207,18 @@ def variable_entries(variables: Dict[str, Any], backend: Any,
                      process_id: int, process_count: int,
                      buffers: "HostBuffers | None") -> Dict[str, tuple]:
     """The checkpoint entries of Keras variables: each process's unique
-    pieces (the backend's `checkpoint_pieces`; else a replicated variable
+    pieces (the backend's `checkpoint_pieces`: a replicated variable
     whole, written by the process `balanced_writers` names). `buffers`:
     where an asynchronous save copies the values (training goes on while
     it writes); `None` writes the values themselves."""
-    pieces_of = getattr(backend, "checkpoint_pieces", None)
     writers = balanced_writers({
         key: int(np.prod(variable.shape, dtype=np.int64)) * numpy_dtype(
             dtype_name(variable)).itemsize
         for key, variable in variables.items()}, process_count)
     entries = {}
     for key, variable in variables.items():
-        if pieces_of is not None:
-            pieces = pieces_of(variable, writer=writers[key])
-        else:  # replicated everywhere: one process writes it
-            # (every process reads it: on TF a sync-on-read variable's
-            # read is a collective every worker must join)
-            pieces = whole_value(variable, backend)
-            pieces = pieces if process_id == writers[key] else []
+        pieces = backend.checkpoint_pieces(variable, writers[key],
+                                           process_id)
         declared = numpy_dtype(dtype_name(variable))
         if any(np.asarray(array).dtype != declared for _, array in pieces):
             # A backend that holds the variable narrower (JAX without x64:
@@ -251,15 +245,5 @@ def layout_of(variable: Any) -> list:
     layout = getattr(variable, "_layout", None)
     axes = getattr(layout, "axes", None)
     return list(axes) if axes is not None else [None] * len(variable.shape)
-
-
-def whole_value(variable: Any, backend: Any) -> list:
-    """A replicated variable as one piece `[(whole region, array)]`."""
-    import keras
-
-    value_of = getattr(backend, "checkpoint_value", None)
-    value = (value_of(variable) if value_of is not None
-             else keras.ops.convert_to_numpy(variable.value))
-    return [(whole_region(value.shape), value)]
 
 

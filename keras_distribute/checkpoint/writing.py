@@ -259,7 +259,7 @@ def _write_shards(directory: str, entries, process_id: int) -> dict:
                     offset = created.id.get_offset()
                     if stored.nbytes:
                         placed.append((offset, stored))
-                record = {
+                record: Dict[str, Any] = {
                     "file": name, "dataset": dataset,
                     "slice": [list(r) for r in region],
                     WRITTEN_CHECKSUM: checksum(stored),

@@ -102,9 +102,7 @@ class MirroredStrategy(Strategy):
         if layout_map is not None:
             # A backend that cannot shard says so before its devices are
             # looked up (TF: "CPU:1" of a mesh would be unknown first).
-            refuse = getattr(backend, "refuse_unsupported_layouts", None)
-            if refuse is not None:
-                refuse(layout_map)
+            backend.refuse_unsupported_layouts(layout_map)
             mesh_devices = _mesh_devices(backend, layout_map)
             if devices is not None and set(
                 _resolve_devices(backend, devices)
@@ -168,13 +166,7 @@ def _mesh_devices(backend, layout_map) -> list:
             "Expected `layout_map` to be a `keras.distribution.LayoutMap` "
             f"built on a `DeviceMesh`. Received: layout_map={layout_map!r}."
         )
-    if hasattr(backend, "mesh_devices"):  # torch: one process per device
-        return backend.mesh_devices(layout_map)
-    return [
-        backend.resolve_device(parse_device_name(str(d)) if not hasattr(
-            d, "platform") else d)
-        for d in mesh.devices.flatten()
-    ]
+    return backend.mesh_devices(layout_map)
 
 
 class OneDeviceStrategy(MirroredStrategy):

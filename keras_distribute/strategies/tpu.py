@@ -119,19 +119,15 @@ class TPUStrategy(Strategy):
                  device_assignment: Optional[DeviceAssignment] = None,
                  layout_map: Any = None):
         backend = get_backend()
-        make = getattr(backend, "make_tpu_engine", None)
-        if make is None:
-            raise NotImplementedError(
-                f"TPUs are not available on the '{backend.name}' Keras "
-                "backend. Use the JAX backend (or TensorFlow on a TPU VM).")
+        backend.refuse_tpu_strategy()
         if device_assignment is not None and not isinstance(
                 device_assignment, DeviceAssignment):
             raise ValueError(
                 "Expected `device_assignment` to be a kd.DeviceAssignment. "
                 f"Received: {type(device_assignment).__name__}.")
         self._assignment = device_assignment
-        super().__init__(make(tpu_cluster_resolver, device_assignment,
-                              layout_map))
+        super().__init__(backend.make_tpu_engine(
+            tpu_cluster_resolver, device_assignment, layout_map))
 
     @property
     def _tpu_engine(self) -> interface.TpuEngine:

@@ -52,8 +52,7 @@ def take_chief_values(engine: ReplicaEngine, model: Any) -> None:
     if not variables:
         return
     # (TensorFlow's reads a distributed variable, scalars included)
-    host_value = getattr(get_backend(), "checkpoint_value",
-                         lambda v: keras.ops.convert_to_numpy(v.value))
+    host_value = get_backend().checkpoint_value
     arrays = [np.array(host_value(v)).reshape(tuple(v.shape))
               for v in variables]
     packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])

@@ -7,6 +7,9 @@ helpers (`run`) and the checkpoint's view of a variable
 (`checkpoint`).
 """
 
+from typing import Any
+
+from keras_distribute.backend import interface
 from keras_distribute.backend.jax.checkpoint import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.jax.checkpoint import checkpoint_pieces  # noqa: F401
 from keras_distribute.backend.jax.checkpoint import checkpoint_snapshot  # noqa: F401
@@ -21,3 +24,31 @@ from keras_distribute.backend.jax.run import apply_gradients  # noqa: F401
 from keras_distribute.backend.jax.run import value_and_gradients  # noqa: F401
 
 name = "jax"
+
+
+def checkpoint_value(variable: Any) -> Any:
+    """A replicated variable's value on the host."""
+    return interface.host_value(variable)
+
+
+def refuse_unsupported_layouts(layout_map: Any) -> None:
+    """JAX shards any layout Keras can describe: nothing is refused."""
+
+
+def mesh_devices(layout_map: Any) -> list:
+    """Every device of the mesh (one process may hold all of them)."""
+    return interface.mesh_devices_by_name(layout_map, resolve_device)
+
+
+def host_rng_state() -> None:
+    """JAX keeps no global host RNG (its keys are explicit)."""
+    return None
+
+
+def set_host_rng_state(state: Any) -> None:
+    """Nothing to set (see `host_rng_state`)."""
+
+
+def refuse_tpu_strategy() -> None:
+    """A TPUStrategy can be made here (whether TPUs exist is the engine's
+    to say): nothing is refused."""

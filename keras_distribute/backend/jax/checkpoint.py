@@ -16,13 +16,13 @@ def _bounds(index: tuple, shape: tuple) -> tuple:
                  for s, n in zip(index, shape))
 
 
-def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
-    """The unique pieces of a variable this process writes: a replicated
-    variable whole, in process `writer` only; else replica 0 of each
-    shard, by the process holding it."""
+def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:
+    """The unique pieces of a variable this process (`process_id`) writes:
+    a replicated variable whole, in process `writer` only; else replica 0
+    of each shard, by the process holding it."""
     value = variable.value
     if value.sharding.is_fully_replicated:
-        if jax.process_index() != writer:
+        if process_id != writer:
             return []
         shard = value.addressable_shards[0]
         return [(_bounds(shard.index, value.shape), np.asarray(shard.data))]

@@ -165,3 +165,33 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TfEngine":
         devices = [resolve_device(parse_device_name(str(d)))
                    for d in layout_map.device_mesh.devices.flatten()]
     return TfEngine(devices)
+
+
+def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:
+    """A (replicated) variable whole, in process `writer` only. Every
+    process reads it: a sync-on-read variable's read is a collective
+    every worker must join."""
+    value = checkpoint_value(variable)
+    if process_id != writer:
+        return []
+    return [(interface.whole_region(value.shape), value)]
+
+
+def mesh_devices(layout_map: Any) -> list:
+    """Every device of the mesh (one process holds all of them)."""
+    return interface.mesh_devices_by_name(layout_map, resolve_device)
+
+
+def host_rng_state() -> None:
+    """TensorFlow's own generators live in the graph: none is global state
+    kd saves (numpy's and Python's are saved by the caller)."""
+    return None
+
+
+def set_host_rng_state(state: Any) -> None:
+    """Nothing to set (see `host_rng_state`)."""
+
+
+def refuse_tpu_strategy() -> None:
+    """A TPUStrategy can be made here (whether TPUs exist is the engine's
+    to say): nothing is refused."""

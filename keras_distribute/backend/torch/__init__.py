@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from keras_distribute.backend import interface
 from keras_distribute.backend.torch.devices import default_devices
 from keras_distribute.backend.torch.devices import device_name  # noqa: F401
 from keras_distribute.backend.torch.devices import host_rng_state  # noqa: F401
@@ -65,3 +66,26 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     """Joins (or checks) the group `resolver` describes; one replica each."""
     join_process_group(resolver, timeout_s)
     return make_engine(default_devices(), layout_map)
+
+
+def checkpoint_value(variable: Any) -> Any:
+    """A replicated variable's value on the host."""
+    return interface.host_value(variable)
+
+
+def refuse_unsupported_layouts(layout_map: Any) -> None:
+    """torch shards what `ShardedTorchEngine` supports and says so when it
+    is made: nothing is refused this early."""
+
+
+def refuse_tpu_strategy() -> None:
+    """Raises `NotImplementedError`: TPUs are not available on torch."""
+    raise NotImplementedError(
+        f"TPUs are not available on the '{name}' Keras backend. Use the JAX "
+        "backend (or TensorFlow on a TPU VM).")
+
+
+def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
+                    layout_map: Any = None) -> Any:
+    """Raises `NotImplementedError` (see `refuse_tpu_strategy`)."""
+    refuse_tpu_strategy()

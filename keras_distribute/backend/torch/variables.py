@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -44,17 +43,17 @@ def on_slot_created(variable: Any, reference: Any) -> None:
         shard_like(variable, reference)
 
 
-def checkpoint_pieces(variable: Any, writer: int = 0) -> list:
-    """`[(region, array)]` this process writes: its unique shard of a
-    DTensor; a plain (replicated) variable whole, in process `writer`
-    only."""
+def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:
+    """`[(region, array)]` this process (`process_id`) writes: its unique
+    shard of a DTensor; a plain (replicated) variable whole, in process
+    `writer` only."""
     value: Any = (variable._value if isinstance(variable, keras.Variable)
                   else None)
     if _is_dtensor(value):
         if not writes_piece(variable._kd_engine, value):
             return []  # another replica's, or another process's of this one
         return [(local_region(value), host_view(value.to_local()))]
-    if (dist.get_rank() if dist.is_initialized() else 0) != writer:
+    if process_id != writer:
         return []
     array = host_view(variable.value)
     return [(whole_region(array.shape), array)]
