@@ -203,3 +203,25 @@ def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():
     assert rules("model", 1, epochs=3) == ("model", 1, 3, None)
     marker = [object()]
     assert rules("model", x=2, callbacks=marker) == ("model", 2, 1, marker)
+
+
+def test_the_neutral_layer_never_probes_an_engine_by_name():
+    # #44: a capability is a protocol checked with `isinstance`; a member
+    # every engine has is read as it is.
+    probes = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "backend" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr")
+                    and len(node.args) >= 2):
+                continue
+            name = node.args[1]
+            if _reads_from_an_engine(node.args[0]) or (
+                    isinstance(name, ast.Constant) and name.value == "_engine"):
+                probes.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not probes, (
+        "Read a member every engine has directly, and check a capability "
+        f"with isinstance(engine, interface.<Protocol>): {probes}")

@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 
+from keras_distribute.backend import interface
 from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import reading
@@ -218,9 +219,9 @@ class BackupAndRestore(TrainingStateCallback):
         metrics = _Checkpoint(metrics=self._state._objects["metrics"])
         saved = reading.read_index(path)["variables"]
         variables = metrics._variables_by_object()["metrics"]
-        restoring = getattr(self._state._engine(),
-                            "restoring_metric_states", None)
-        with (restoring(list(variables.values())) if restoring is not None
+        engine = self._state._engine()
+        with (engine.restoring_metric_states(list(variables.values()))
+              if isinstance(engine, interface.TorchDdpEngine)
               else contextlib.nullcontext()):
             metrics._restore(path, saved, variables)
 

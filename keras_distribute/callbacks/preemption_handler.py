@@ -79,7 +79,7 @@ class PreemptionSignals:
                 self.watcher_fn()):
             self.received = self.signals[0]
         flag = np.array([0 if self.received is None else 1], np.int32)
-        if getattr(engine, "process_count", 1) > 1:
+        if engine.process_count > 1:
             flag = engine.process_all_gather(flag)
         return bool(np.any(flag))
 

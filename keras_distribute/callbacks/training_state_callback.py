@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, TypeVar
 
 import keras
 
+from keras_distribute.backend import interface
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
 from keras_distribute.checkpoint.checkpointer import finish_background_saves
@@ -170,11 +171,10 @@ class TrainingStateCallback(keras.callbacks.Callback):
     def _global_metric_states(self):
         """While saving, metric variables hold their all-process values
         (torch processes each keep their own share; a collective)."""
-        states = getattr(self._state._engine(), "global_metric_states",
-                         None)
-        if states is None:
+        engine = self._state._engine()
+        if not isinstance(engine, interface.TorchDdpEngine):
             return contextlib.nullcontext()
-        return states(self.model.metrics_variables)
+        return engine.global_metric_states(self.model.metrics_variables)
 
     def _options(self) -> CheckpointOptions:
         return CheckpointOptions(enable_async=self.async_save)

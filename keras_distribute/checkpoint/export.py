@@ -4,6 +4,7 @@ import os
 import tempfile
 from typing import Any
 
+from keras_distribute.backend import interface
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 
 
@@ -50,7 +51,8 @@ def export_weights(checkpoint_path: str, model: Any, filepath: str,
     engine = checkpoint._engine()
     if engine.process_id == 0:
         model.save_weights(filepath, overwrite=True)
-    elif getattr(engine, "collective_reads", False):
+    elif isinstance(engine, interface.ShardedForwardEngine) and (
+            engine.collective_reads):
         # Reading sharded weights whole is a collective: join the chief's.
         with tempfile.TemporaryDirectory(prefix="kd-export-") as scratch:
             model.save_weights(os.path.join(scratch, "w.weights.h5"))

@@ -249,7 +249,7 @@ class ShardedCheckpoint:
                 self._host_array_holders(), process_id))
             entries.update(iterator_state.entries(self._iterators(),
                                                   process_id))
-            mesh = getattr(engine, "device_mesh", None)
+            mesh = engine.device_mesh
             index_metadata = {
                 "save_counter": self.save_counter,
                 "backend": backend.name,

@@ -18,6 +18,7 @@ import numpy as np
 
 import keras
 
+from keras_distribute.backend import interface
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common import keras_services
 from keras_distribute.training import divergence
@@ -313,7 +314,8 @@ def _fit(engine, method, model, params: dict) -> Any:
     try:
         with keras_services.get().chief_only_writes(
                 params.get("callbacks"), engine.rank == 0,
-                getattr(engine, "collective_reads", False)):
+                isinstance(engine, interface.ShardedForwardEngine)
+                and engine.collective_reads):
             history = method(model, **params)
         model_state.take_chief_values(engine, model)
         # The chief's callback files (ModelCheckpoint & co.) are complete

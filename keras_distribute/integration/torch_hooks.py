@@ -14,9 +14,11 @@ Every Keras-private name comes from `registry`.
 
 import functools
 import threading
+from typing import Dict
 
 import keras
 
+from keras_distribute.backend import interface
 from keras_distribute.common.context import model_strategy
 from keras_distribute.integration import patching
 from keras_distribute.integration import registry
@@ -26,10 +28,22 @@ _patch = patching.patch
 _sharding_installed = False
 
 
+# engine class -> whether it is a `TorchDdpEngine` (asked once per class:
+# `_torch_engine` runs at every training step, and a runtime protocol check
+# reads each of the protocol's ~30 members)
+_ddp_engine_classes: Dict[type, bool] = {}
+
+
 def _torch_engine(model):
     strategy = model_strategy(model)
-    engine = getattr(strategy, "_engine", None)
-    return engine if getattr(engine, "in_group", False) else None
+    engine = None if strategy is None else strategy._engine
+    if engine is None:
+        return None
+    kind = type(engine)
+    if kind not in _ddp_engine_classes:
+        _ddp_engine_classes[kind] = isinstance(engine,
+                                               interface.TorchDdpEngine)
+    return engine if _ddp_engine_classes[kind] and engine.in_group else None
 
 
 def install() -> None:

@@ -36,7 +36,7 @@ class Strategy:
         from keras_distribute import integration
 
         integration.install()
-        if getattr(engine, "process_count", 1) > 1:
+        if engine.process_count > 1:
             context.register_job_strategy(self)
 
     def _set_communication_options(self, options: Any) -> None:
@@ -47,15 +47,7 @@ class Strategy:
 
         options = checked_communication_options(options)
         if options.compression is not None:
-            compress = getattr(self._engine, "set_gradient_compression",
-                               None)
-            if compress is None:
-                raise ValueError(
-                    f"{type(self).__name__} has no gradient all-reduce to "
-                    "compress on this backend (one replica). Received: "
-                    f"compression={options.compression!r}. Pass "
-                    "`kd.CommunicationOptions(compression=None)`.")
-            compress(options.compression)
+            self._engine.set_gradient_compression(options.compression)
         self._communication_options = options
 
     @property

@@ -229,9 +229,9 @@ class TPUStrategy(Strategy):
                 f"`logical_device_id` must be in [0, "
                 f"{self.num_logical_devices}). Received: "
                 f"logical_device_id={logical_device_id!r}.")
-        assign = getattr(self._engine, "assign_to_logical_device", None)
-        if assign is not None:
-            return assign(tensor, logical_device_id)
+        if isinstance(self._engine, interface.LogicalDeviceEngine):
+            return self._engine.assign_to_logical_device(tensor,
+                                                         logical_device_id)
         return self.experimental_replicate_to_logical_devices(tensor)
 
     def _in_replica(self) -> bool:

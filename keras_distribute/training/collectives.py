@@ -49,7 +49,7 @@ def _as_array(value: Any):
 def _stack(array: np.ndarray) -> np.ndarray:
     """Every process's `array` (same shape), stacked in process order."""
     engine = _engine()
-    if engine is None or getattr(engine, "process_count", 1) == 1:
+    if engine is None or engine.process_count == 1:
         return array[None]
     return engine.process_all_gather(array)
 
@@ -57,8 +57,7 @@ def _stack(array: np.ndarray) -> np.ndarray:
 def _job_position() -> tuple:
     """`(process count, process id)` of the job's strategy; `(1, 0)`."""
     engine = _engine()
-    return (getattr(engine, "process_count", 1),
-            getattr(engine, "process_id", 0)) if engine else (1, 0)
+    return (engine.process_count, engine.process_id) if engine else (1, 0)
 
 
 def process_count() -> int:

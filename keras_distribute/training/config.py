@@ -106,7 +106,7 @@ def check_same_training(engine: ReplicaEngine, model: Any) -> None:
         ValueError: naming the processes that differ from the chief and, in
             each of those, the first difference.
     """
-    if getattr(engine, "process_count", 1) == 1:
+    if engine.process_count == 1:
         return
     mine = describe(model)
     chief = json.loads(engine.broadcast_text(json.dumps(mine)))

@@ -29,7 +29,7 @@ from keras_distribute.backend.interface import ReplicaEngine
 def _needs_agreement(engine: ReplicaEngine) -> bool:
     from keras_distribute.backend import get_backend
 
-    return (getattr(engine, "process_count", 1) > 1
+    return (engine.process_count > 1
             and get_backend().name != "jax")
 
 
