@@ -37,6 +37,7 @@ from keras_distribute.backend.jax.spmd_run import SpmdRun
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 
+
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
     """Builds the engine of a strategy over `devices`."""
     return JaxEngine(devices, layout_map)
@@ -465,3 +466,16 @@ def _sum0(stacked):
 @jax.jit
 def _mean0(stacked):
     return jnp.mean(stacked, axis=0)
+
+
+class JaxTpuEngine(JaxEngine):
+    """The engine of a `kd.TPUStrategy` on JAX: a `JaxEngine` over a mesh
+    `(replicas, logical devices)` whose replicas each span
+    `num_logical_devices` devices (see `jobs.make_tpu_engine`)."""
+
+    contract: Tuple[type, ...] = JaxEngine.contract + (interface.TpuEngine,)
+
+    def __init__(self, devices: Sequence[Any], layout_map: Any,
+                 num_logical_devices: int):
+        super().__init__(devices, layout_map)
+        self.num_logical_devices = num_logical_devices

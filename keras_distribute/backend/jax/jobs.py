@@ -152,7 +152,7 @@ def _own_address(address: str) -> Optional[str]:
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None) -> "jax_backend.JaxEngine":
+                    layout_map: Any = None) -> "jax_backend.JaxTpuEngine":
     """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
     from keras.distribution import LayoutMap
 
@@ -186,10 +186,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             f" but the device assignment is {num_replicas} replicas x "
             f"{logical} logical devices. Build the LayoutMap on a "
             f"DeviceMesh of shape ({num_replicas}, {logical}).")
-    engine = jax_backend.JaxEngine(devices, layout_map)
-    engine.num_logical_devices = logical
-    engine.contract = engine.contract + (interface.TpuEngine,)
-    return engine
+    return jax_backend.JaxTpuEngine(devices, layout_map, logical)
 
 
 def _check_same_cluster(resolver: Any, timeout_s: float) -> None:

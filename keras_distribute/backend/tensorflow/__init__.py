@@ -24,6 +24,7 @@ from keras_distribute.backend.tensorflow.devices import default_devices  # noqa:
 from keras_distribute.backend.tensorflow.devices import device_name  # noqa: F401
 from keras_distribute.backend.tensorflow.devices import resolve_device
 from keras_distribute.backend.tensorflow.engine import TfEngine
+from keras_distribute.backend.tensorflow.engine import TfTpuEngine
 from keras_distribute.backend.tensorflow.fit import apply_gradients  # noqa: F401
 from keras_distribute.backend.tensorflow.fit import value_and_gradients  # noqa: F401
 from keras_distribute.common.cross_device_ops import communication_timeout_s
@@ -93,7 +94,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None) -> "TfEngine":
+                    layout_map: Any = None) -> "TfTpuEngine":
     """`tf.distribute.TPUStrategy` when this host has TPUs.
 
     Connects to the TPU cluster and initialises its TPU system (the steps of
@@ -128,11 +129,8 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             num_replicas=assignment.num_replicas)
     strategy = tf.distribute.TPUStrategy(
         resolver, experimental_device_assignment=tf_assignment)
-    engine = TfEngine(None, tf_strategy=strategy)
-    engine.num_logical_devices = (
-        assignment.num_logical_devices if assignment is not None else 1)
-    engine.contract = engine.contract + (interface.TpuEngine,)
-    return engine
+    return TfTpuEngine(strategy, assignment.num_logical_devices
+                       if assignment is not None else 1)
 
 
 def refuse_unsupported_layouts(layout_map: Any) -> None:

@@ -408,3 +408,15 @@ class _TfCollectives:
     def all_gather(self, value: Any, axis: int) -> Any:
         return self._tf_context.all_gather(
             keras.tree.map_structure(_to_tensor, value), axis)
+
+
+class TfTpuEngine(TfEngine):
+    """The engine of a `kd.TPUStrategy` on TensorFlow: a `TfEngine` over a
+    `tf.distribute.TPUStrategy` whose replicas each span
+    `num_logical_devices` cores (see `make_tpu_engine`)."""
+
+    contract: Tuple[type, ...] = TfEngine.contract + (interface.TpuEngine,)
+
+    def __init__(self, tf_strategy: Any, num_logical_devices: int):
+        super().__init__(None, tf_strategy=tf_strategy)
+        self.num_logical_devices = num_logical_devices
