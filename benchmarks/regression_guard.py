@@ -4,8 +4,8 @@ Runs each fit benchmark briefly (a few hundred steps, kd and its anchor
 interleaved, as the full scripts do), writing into a temporary directory so
 that the recorded results stay as they are, and prints each ratio next to
 the one recorded in `benchmarks/results/`. It fails only when a ratio grew
-by more than `--limit` (1.25×) over the recorded one in two short runs (a
-ratio over the limit is measured once more, and the better run counts): a
+by more than `--limit` (1.25×) over the recorded one in three short runs (a
+ratio over the limit is measured up to twice more, and the best run counts): a
 short run on a shared 2-core machine moves by several percent and now and
 then lands one slow trial; a regression that matters (a per-step cost that
 doubles kd's overhead) is slow in both runs. The full
@@ -24,6 +24,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
+# Runs after the first when a ratio is over the limit (the best run counts).
+RETRIES = 2
 
 # (backend, script, its short-run arguments, the file it writes, the one
 # recorded by the full run, the ratios compared: result key -> what it is)
@@ -88,18 +90,26 @@ def main(argv=None) -> int:
                 continue
             over = [key for key, growth in growths.items()
                     if growth > args.limit]
-            if over:
-                # A short run on a shared machine can land one slow trial:
-                # measure again and keep each ratio's better run. A real
-                # regression is slow both times.
-                print(f"{script}: over the limit; measuring once more")
+            for attempt in range(RETRIES):
+                if not over:
+                    break
+                # A short run on a shared machine can land slow trials (the
+                # compiled torch ratio moved from 1.03× to 1.37× of the
+                # recorded one between runs of one commit, 2026-12-03):
+                # measure again and keep each ratio's best run. A real
+                # regression is slow every time.
+                print(f"{script}: over the limit; measuring again "
+                      f"({attempt + 2} of {RETRIES + 1})")
                 again = _growths(directory, backend, script, options,
                                  written, recorded, ratios)
-                if again is None:
+                if again is None:  # the script failed: said above
                     failed.append(script)
-                    continue
+                    growths = {}
+                    break
                 growths = {key: min(growth, again[key])
                            for key, growth in growths.items()}
+                over = [key for key, growth in growths.items()
+                        if growth > args.limit]
             for key, growth in growths.items():
                 verdict = "ok" if growth <= args.limit else "REGRESSION"
                 print(f"{script}: {ratios[key]} at {growth:.2f}× the "
