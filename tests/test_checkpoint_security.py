@@ -153,21 +153,24 @@ def test_an_index_symlinked_outside_is_refused(written):
         read_all(path)
 
 
-def rewrite_dataset(path, dataset, make):
+def rewrite_dataset(path, dataset, make, drop_offsets=True):
     """Replaces `dataset` of shards-00000.h5 with what `make(h5, name)`
     creates there (keeping the index, checksums included, as they are).
 
-    The index's byte offsets are dropped, as in a checkpoint written before
-    kd recorded them: the reader then looks every piece up in the HDF5
-    file, which is what these tests attack. (With the offsets, it reads
-    the recorded bytes and never asks HDF5: see the offset tests.)"""
+    Unless `drop_offsets=False`, the index's byte offsets are dropped, as in
+    a checkpoint written before kd recorded them: the reader then looks
+    every piece up in the HDF5 file, which is what these tests attack.
+    (With the offsets, it reads the recorded bytes and never asks HDF5: see
+    the offset tests.)"""
     with h5py.File(os.path.join(path, "shards-00000.h5"), "r+") as h5:
         group, name = dataset.split("/")
         del h5[group][name]
         make(h5[group], name)
-    edit_index(path, lambda index: [
-        piece.pop("offset", None) for record in index["variables"].values()
-        for piece in record["pieces"]])
+    if drop_offsets:
+        edit_index(path, lambda index: [
+            piece.pop("offset", None)
+            for record in index["variables"].values()
+            for piece in record["pieces"]])
 
 
 def dataset_of(path, key):
@@ -291,11 +294,9 @@ def test_hdf5_tricks_do_not_reach_a_piece_read_at_its_offset(written):
     path, arrays, outside = written
     with h5py.File(outside / "secret.h5", "w") as h5:
         h5["p"] = arrays["mask"]
-    dataset = dataset_of(path, "mask")
-    with h5py.File(os.path.join(path, "shards-00000.h5"), "r+") as h5:
-        group, name = dataset.split("/")
-        del h5[group][name]
-        h5[group][name] = h5py.ExternalLink(str(outside / "secret.h5"), "/p")
+    rewrite_dataset(path, dataset_of(path, "mask"), lambda group, name: (
+        group.__setitem__(name, h5py.ExternalLink(
+            str(outside / "secret.h5"), "/p"))), drop_offsets=False)
     got = read_all(path)
     assert got["mask"].tobytes() == arrays["mask"].tobytes()
 

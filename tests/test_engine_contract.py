@@ -159,23 +159,30 @@ def test_this_backend_module_has_every_declared_function():
         inspect.signature(implementation).bind(*[object()] * len(wanted))
 
 
-def _probes_a_backend_module(node) -> bool:
-    target = node.args[0] if node.args else None
+def _is_a_backend_module(target) -> bool:
     return (isinstance(target, ast.Name) and target.id == "backend") or (
         isinstance(target, ast.Call) and isinstance(target.func, ast.Name)
         and target.func.id == "get_backend")
 
 
-def test_the_neutral_layer_never_probes_a_backend_module_by_name():
-    probes = []
+def _neutral_probes(probes) -> list:
+    """`path:line` of every `getattr`/`hasattr(target, name, ...)` above
+    `backend/` for which `probes(target, name)` holds."""
+    found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if "backend" in path.relative_to(PACKAGE).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("getattr", "hasattr")
-                    and _probes_a_backend_module(node)):
-                probes.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+                    and len(node.args) >= 2
+                    and probes(node.args[0], node.args[1])):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    return found
+
+
+def test_the_neutral_layer_never_probes_a_backend_module_by_name():
+    probes = _neutral_probes(lambda target, _: _is_a_backend_module(target))
     assert not probes, (
         "Declare the member in interface.BackendModule and implement it in "
         f"every backend instead of probing for it: {probes}")
@@ -212,20 +219,8 @@ def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():
 def test_the_neutral_layer_never_probes_an_engine_by_name():
     # #44: a capability is a protocol checked with `isinstance`; a member
     # every engine has is read as it is.
-    probes = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "backend" in path.relative_to(PACKAGE).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Name)
-                    and node.func.id in ("getattr", "hasattr")
-                    and len(node.args) >= 2):
-                continue
-            name = node.args[1]
-            if _reads_from_an_engine(node.args[0]) or (
-                    isinstance(name, ast.Constant) and name.value == "_engine"):
-                probes.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    probes = _neutral_probes(lambda target, name: _reads_from_an_engine(
+        target) or (isinstance(name, ast.Constant) and name.value == "_engine"))
     assert not probes, (
         "Read a member every engine has directly, and check a capability "
         f"with isinstance(engine, interface.<Protocol>): {probes}")
