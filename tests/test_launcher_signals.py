@@ -253,3 +253,48 @@ def test_a_process_ends_when_its_store_host_is_cut_off():
     board = PeerBoard(healthy, rank=0, world_size=2, timeout_s=2.0)
     board.close()
     assert healthy.values["keras_distribute/beat/0"] == "ended"
+
+
+class _MemoryStore:
+    """The job's store as `cluster_agreement` sees it, in one process."""
+
+    def __init__(self):
+        self.values = {}
+
+    def claim(self, key):
+        first = key not in self.values
+        self.values[key] = "claimed"
+        return first
+
+    def publish(self, key, text):
+        self.values[key] = text
+
+    def fetch(self, key, timeout_s):
+        return self.values.get(key)
+
+
+def test_cluster_agreement_names_a_difference_a_twin_and_a_silent_peer():
+    # The three backends hand in their own stores (tests of each in
+    # test_several_hosts.py / test_tf_multiworker.py); the rule is here.
+    from keras_distribute.cluster_resolver import SimpleClusterResolver
+    from keras_distribute.job import cluster_agreement as agreement
+
+    two = agreement.describe(SimpleClusterResolver(["a:1", "b:1"], 0))
+    three = agreement.describe(SimpleClusterResolver(["a:1", "b:1", "c:1"], 0))
+    assert two == ('{"num_processes": 2, "addresses": ["a:1", "b:1"]}')
+    store = _MemoryStore()
+    store.publish("keras_distribute/cluster/1", two)  # process 1, so far
+    agreement.check_same_cluster(store, 0, 2, two, timeout_s=0)
+    agreement.check_same_cluster(store, 1, 2, two, timeout_s=0)
+    with pytest.raises(ValueError, match="both given process index 1"):
+        agreement.check_same_cluster(store, 1, 2, two, timeout_s=0)
+
+    store = _MemoryStore()
+    store.publish("keras_distribute/cluster/0", two)
+    with pytest.raises(ValueError, match=(
+            "given different cluster descriptions. Received: process 1: "
+            r'\{"num_processes": 3.*process 0: \{"num_processes": 2')):
+        agreement.check_same_cluster(store, 1, 3, three, timeout_s=0)
+
+    with pytest.raises(TimeoutError, match="Process 1 did not publish"):
+        agreement.check_same_cluster(_MemoryStore(), 0, 2, two, timeout_s=0)

@@ -131,12 +131,18 @@ def _reference():
     return [w, b]
 
 
-def _start(two_hosts, tmp_path):
+def _start(two_hosts, tmp_path, third_worker_for=None):
+    """Starts one worker per namespace; worker `third_worker_for` (if any)
+    is told of a third worker the other never heard of."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER % {"timeout": TIMEOUT_S})
-    cluster = {"worker": [f"{address}:{PORT}" for _, address, _ in two_hosts]}
     processes = []
     for index, (namespace, _, _) in enumerate(two_hosts):
+        cluster = {"worker": [f"{address}:{PORT}"
+                              for _, address, _ in two_hosts]}
+        if index == third_worker_for:
+            third = two_hosts[0][1].rpartition(".")[0] + ".3"
+            cluster["worker"].append(f"{third}:{PORT}")
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KERAS_DISTRIBUT", "MASTER_", "XLA_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -150,6 +156,16 @@ def _start(two_hosts, tmp_path):
              str(script)], env=env, stdout=log, stderr=subprocess.STDOUT),
             log))
     return processes
+
+
+def _stop(processes):
+    """Kills the workers of `_start` still running (only those) and closes
+    their logs."""
+    for process, log in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        log.close()
 
 
 def _said(log):
@@ -217,8 +233,28 @@ def test_two_hosts_train_alike_and_a_partition_ends_both_naming_the_peer(
                     or f"task:{peer}" in texts[index]), texts[index][-3000:]
             assert peer_address in texts[index], texts[index][-3000:]
     finally:
+        _stop(processes)
+
+
+def test_workers_given_different_clusters_are_refused_across_hosts(
+        two_hosts, tmp_path):
+    # #43 start fault: worker 1's TF_CONFIG names a third worker that
+    # worker 0's does not. Both refuse before training, naming both
+    # descriptions, within the bound (JAX: both trained and exited 0).
+    processes = _start(two_hosts, tmp_path, third_worker_for=1)
+    try:
+        start = time.monotonic()
+        for process, _ in processes:
+            process.wait(timeout=BOUND_S)
+        texts = []
         for process, log in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
-            log.close()
+            log.seek(0)
+            texts.append(log.read())
+        for process, text in zip(processes, texts):
+            assert process[0].returncode != 0, text[-3000:]
+            assert "given different cluster descriptions" in text, (
+                text[-3000:])
+            assert "weights" not in _said(process[1]), text[-3000:]
+        assert time.monotonic() - start < BOUND_S
+    finally:
+        _stop(processes)

@@ -7,6 +7,7 @@ import keras_distribute as kd
 import workers_tf as workers
 from conftest import BACKEND
 from worker_common import assert_hung_peer_is_named
+from worker_common import assert_start_refused
 from worker_common import assert_survivor_fails_within
 from worker_common import assert_taken_port_is_named
 
@@ -125,6 +126,21 @@ def test_workers_that_would_train_different_models_are_refused():
 
     assert_different_training_is_refused(kd.launch(
         workers.different_training, num_processes=2, timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize("change,match", [
+    ("count", r"given different cluster descriptions.*num_processes.: "
+              r"[23].*num_processes.: [23]"),
+    # Two tasks 0 on one host: the second cannot start its server.
+    ("index", r"could not listen on its given address .*port is taken.*"
+              r"given the same task index")])
+def test_workers_given_different_clusters_are_refused(change, match):
+    # #43: TensorFlow failed the first collective, in its words ("is
+    # joining a group with size3, but that group has size 2"), or said only
+    # "Could not start gRPC server". Now the job is refused before a step
+    # runs, naming the difference.
+    assert_start_refused(workers.different_cluster_descriptions, (change,),
+                         match, TIMEOUT)
 
 
 def test_a_taken_port_is_named_before_the_job_starts():

@@ -744,6 +744,22 @@ def listing(directory):
                   if name != ".keras_distribute-lease")
 
 
+def assert_start_refused(worker, args, match, timeout, limit_s=60):
+    """A 2-process job of `worker(*args)` must be refused as it forms, with
+    a `kd.LaunchError` matching `match`, within `limit_s` (#43 start
+    faults: different cluster descriptions, one index twice)."""
+    import time
+
+    import pytest
+
+    import keras_distribute as kd
+
+    start = time.monotonic()
+    with pytest.raises(kd.LaunchError, match=match):
+        kd.launch(worker, num_processes=2, args=args, timeout=timeout)
+    assert time.monotonic() - start < limit_s
+
+
 def assert_taken_port_is_named(limit_s=60):
     """Process 0 of a 2-worker TF_CONFIG job whose own port another process
     holds must stop at once naming that port (#43: JAX's coordinator died

@@ -165,3 +165,26 @@ def different_training():
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
     return body(strategy, strategy.cluster_resolver.process_id,
                 shapes=False)
+
+
+def different_cluster_descriptions(change):
+    """Worker 1 is told of 3 workers (`change="count"`), or calls itself
+    worker 0 as well (`change="index"`), beside a worker 0 told of 2
+    (#43): the workers refuse before training, naming the difference."""
+    import keras_distribute as kd
+
+    addresses = os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")
+    rank = int(os.environ["KERAS_DISTRIBUTION_PROCESS_ID"])
+    if rank == 1:
+        if change == "count":
+            addresses = addresses + ["127.0.0.1:1"]
+        else:
+            rank = 0
+    resolver = kd.cluster_resolver.SimpleClusterResolver(addresses, rank)
+    strategy = kd.MultiWorkerMirroredStrategy(
+        resolver, kd.CommunicationOptions(timeout_seconds=20))
+    x, y = make_data()
+    with strategy.scope():
+        model = make_model(initial_weights())
+    model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    return "trained"

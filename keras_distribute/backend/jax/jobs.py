@@ -192,43 +192,26 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
 def _check_same_cluster(resolver: Any, timeout_s: float) -> None:
     """Refuses, in every process alike, a job whose processes were given
     different cluster descriptions (#43: a worker told of 3 processes
-    trained beside a coordinator told of 2, and both exited 0). Each
-    process publishes its description on the coordination service; every
-    process compares its own with process 0's, and process 0 with every
-    other's (a bounded wait). Every process then raises `ValueError`
-    naming the difference; JAX itself aborts each at exit (a job formed
-    with different task counts cannot pass its shutdown barrier)."""
-    import json
-
+    trained beside a coordinator told of 2, and both exited 0), through
+    JAX's coordination service (`keras_distribute.job.cluster_agreement`).
+    JAX itself then aborts each process at exit (a job formed with
+    different task counts cannot pass its shutdown barrier)."""
     from jax._src import distributed
+
+    from keras_distribute.job import cluster_agreement
 
     client = getattr(distributed.global_state, "client", None)
     if client is None or not hasattr(client, "blocking_key_value_get"):
         return  # another JAX: the process count check below remains
-    mine = json.dumps({"num_processes": resolver.num_processes,
-                       "addresses": list(resolver.addresses)})
-    prefix = "keras_distribute/cluster/"
-    client.key_value_set(f"{prefix}{resolver.process_id}", mine,
-                         allow_overwrite=True)
-    wait_ms = int(1000 * max(timeout_s, 10))
-    others = [0] if resolver.process_id != 0 else range(
-        1, min(jax.process_count(), resolver.num_processes))
-    for other in others:
-        theirs = client.blocking_key_value_get(f"{prefix}{other}", wait_ms)
-        if theirs != mine:
-            message = (
-                "The processes of this job were given different cluster "
-                f"descriptions. Received: process {resolver.process_id}: "
-                f"{mine}; process {other}: {theirs}. Start every worker "
-                "with the same cluster (TF_CONFIG's cluster, "
-                "KERAS_DISTRIBUTION_JOB_ADDRESSES / NUM_PROCESSES, or the "
-                "torchrun variables) and a distinct process index.")
-            # JAX cannot end such a job cleanly: its shutdown barrier at
-            # exit aborts the process (SIGABRT). The note says why first.
-            from keras_distribute.job import process_notes
-
-            process_notes.write(message)
-            raise ValueError(message)
+    store = cluster_agreement.CoordinationServiceStore(
+        set_once=client.key_value_set,
+        set_over=lambda key, text: client.key_value_set(
+            key, text, allow_overwrite=True),
+        get_waiting=client.blocking_key_value_get)
+    cluster_agreement.check_same_cluster(
+        store, resolver.process_id,
+        min(jax.process_count(), resolver.num_processes),
+        cluster_agreement.describe(resolver), max(timeout_s, 10))
     if jax.process_count() != resolver.num_processes:
         raise ValueError(
             f"jax.distributed formed a job of {jax.process_count()} "

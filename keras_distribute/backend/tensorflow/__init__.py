@@ -9,6 +9,7 @@ engine (`engine.TfEngine`) for each kind of strategy; `devices` finds
 the logical devices.
 """
 
+import errno
 from typing import Any, Optional, Sequence
 
 import tensorflow as tf
@@ -66,6 +67,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     from keras_distribute.job import addresses as job_addresses
 
     tasks = spec.get(resolver.task_type, [])
+    own = ""  # a task index outside the cluster: TensorFlow names it
     if 0 <= resolver.task_id < len(tasks):
         own = tasks[resolver.task_id]
         # TensorFlow's server listens on every interface; taken, it said
@@ -81,12 +83,24 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
         task_id=resolver.task_id, rpc_layer="grpc")
     try:
         strategy = bounded_multi_worker_strategy(tf_resolver, timeout_s)
+    except tf.errors.UnknownError as error:
+        if "Could not start gRPC server" not in str(error):
+            raise
+        raise OSError(
+            errno.EADDRINUSE,
+            f"TensorFlow's gRPC server of this task ({resolver.task_type} "
+            f"{resolver.task_id}) could not listen on its given address "
+            f"'{own}': its port is taken, by another program or by another "
+            "task of this job that was given the same task index. Give each "
+            "task its own index and a free port in TF_CONFIG (or the "
+            "cluster resolver).") from error
     except RuntimeError as error:
         raise RuntimeError(
             "tf.distribute's multi-worker collectives must be set up before "
             "TensorFlow runs anything. Create kd.MultiWorkerMirroredStrategy "
             "at the start of the program, before any tensor is made."
         ) from error
+    tf_cluster.check_same_cluster(resolver, timeout_s)
     tf_cluster.watch_peers(resolver.process_id, resolver.num_processes,
                            timeout_s, host=job_addresses.host_of(resolver),
                            store_address=resolver.coordinator_address)

@@ -185,6 +185,27 @@ class _CoordinationText:
         return None
 
 
+def check_same_cluster(resolver: Any, timeout_s: float) -> None:
+    """Refuses, in every worker alike, a job whose workers were given
+    different cluster descriptions or the same task index, before a step
+    runs (#43: TensorFlow failed the first collective, in its words, "is
+    joining a group with size3, but that group has size 2")."""
+    from tensorflow.python.eager import context as tf_context
+
+    from keras_distribute.job import cluster_agreement
+
+    service = tf_context.context()
+    store = cluster_agreement.CoordinationServiceStore(
+        set_once=service.set_config_key_value,
+        set_over=_CoordinationText(service).set,
+        get_waiting=lambda key, timeout_ms: service.get_config_key_value(
+            key, timeout_in_ms=timeout_ms))
+    cluster_agreement.check_same_cluster(
+        store, resolver.process_id,
+        resolver.num_processes, cluster_agreement.describe(resolver),
+        timeout_s)
+
+
 def watch_peers(rank: int, world_size: int, timeout_s: float,
                 host: Optional[str] = None,
                 store_address: Optional[str] = None) -> None:

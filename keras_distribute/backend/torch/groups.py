@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from keras_distribute.backend.torch import peers as torch_peers
-from keras_distribute.job import addresses
+from keras_distribute.job import addresses, cluster_agreement
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 
 
@@ -57,7 +57,7 @@ def _init_process_group(address: str, rank: int, world_size: int,
     exit (once). With `own_address` (this process's `host:port` in the
     cluster description), gloo talks over the interface that holds it; with
     `description` (the cluster as this process was told it), every process
-    checks first that all were told the same (`_check_same_cluster`)."""
+    checks first that all were told the same (`cluster_agreement`)."""
     import atexit
 
     if backend == "gloo" and own_address and world_size > 1:
@@ -80,7 +80,8 @@ def _init_process_group(address: str, rank: int, world_size: int,
             store = _store_client(host, int(port), world_size, timeout_s,
                                   f"process {rank} of {world_size}")
     if description is not None and world_size > 1:
-        _check_same_cluster(store, rank, world_size, description, timeout_s)
+        cluster_agreement.check_same_cluster(
+            _StoreAgreement(store), rank, world_size, description, timeout_s)
     dist.init_process_group(backend=backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     own_host = addresses.local_host(own_address) if own_address else None
@@ -133,52 +134,25 @@ def _store_client(host: str, port: int, world_size: int, timeout_s: float,
     return made["store"]
 
 
-def _description(resolver: Any) -> str:
-    """The cluster as `resolver` describes it, for `_check_same_cluster`."""
-    import json
+class _StoreAgreement:
+    """torch's store as the cluster agreement's store
+    (`keras_distribute.job.cluster_agreement`)."""
 
-    return json.dumps({"num_processes": resolver.num_processes,
-                       "addresses": list(resolver.addresses)})
+    def __init__(self, store: Any):
+        self._store = store
 
+    def claim(self, key: str) -> bool:
+        return int(self._store.add(key, 1)) == 1
 
-def _check_same_cluster(store: Any, rank: int, world_size: int,
-                        description: str, timeout_s: float) -> None:
-    """Refuses, before the group forms, a job whose processes were given
-    different cluster descriptions or the same process index (#43: a
-    worker told of 3 processes waited for a third that never came, and two
-    "process 0 of 2" both waited out the timeout). Each process claims its
-    index and publishes its description on the job's store; each compares
-    its own with process 0's, and process 0 with every other's. Every
-    process that finds a difference raises `ValueError` naming it."""
-    prefix = "keras_distribute/cluster/"
-    claims = store.add(f"{prefix}claims/{rank}", 1)
-    if claims > 1:
-        raise ValueError(
-            f"Two processes of this job were both given process index "
-            f"{rank} (RANK / the task index). Received: {claims} claims of "
-            f"index {rank} in a job of {world_size}. Give each process its "
-            "own index, 0 to N-1 (TF_CONFIG's task index, RANK, "
-            "KERAS_DISTRIBUTION_PROCESS_ID).")
-    store.set(f"{prefix}{rank}", description)
-    others = [0] if rank != 0 else range(1, world_size)
-    for other in others:
+    def publish(self, key: str, text: str) -> None:
+        self._store.set(key, text)
+
+    def fetch(self, key: str, timeout_s: float) -> Optional[str]:
+        # The store's own timeout (the job's) bounds the wait.
         try:
-            theirs = bytes(store.get(f"{prefix}{other}")).decode()
-        except Exception as error:  # torch's store timed out waiting for it
-            raise TimeoutError(
-                f"Process {other} did not publish its cluster description "
-                f"within {timeout_s:.0f} s (this process {rank} of "
-                f"{world_size} waited for it on the job's store). Check that "
-                "every worker started with the same cluster description."
-            ) from error
-        if theirs != description:
-            raise ValueError(
-                "The processes of this job were given different cluster "
-                f"descriptions. Received: process {rank}: {description}; "
-                f"process {other}: {theirs}. Start every worker with the "
-                "same cluster (TF_CONFIG's cluster, "
-                "KERAS_DISTRIBUTION_JOB_ADDRESSES / NUM_PROCESSES, or the "
-                "torchrun variables) and a distinct process index.")
+            return bytes(self._store.get(key)).decode()
+        except Exception:  # torch's store timed out waiting for it
+            return None
 
 
 def _use_interface_of(address: str) -> None:
@@ -303,7 +277,7 @@ def ensure_process_group() -> bool:
         resolver.num_processes, timeout_s,
         store=_store_of_this_attempt(resolver.coordinator_address, timeout_s),
         backend="nccl" if use_cuda else "gloo",
-        description=_description(resolver))
+        description=cluster_agreement.describe(resolver))
     return True
 
 
@@ -331,7 +305,7 @@ def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
                 resolver.num_processes, timeout_s, store=store,
                 backend="nccl" if use_cuda else "gloo",
                 own_address=resolver.addresses[resolver.process_id],
-                description=_description(resolver))
+                description=cluster_agreement.describe(resolver))
         except (RuntimeError, TimeoutError) as error:
             raise TimeoutError(
                 f"Not every worker joined within {timeout_s:.0f} s: process "
