@@ -46,7 +46,7 @@ def trials(megabytes: int, directory: str, repeats: int) -> dict:
     from _common import make_checkpoint_state
 
     strategy = kd.MirroredStrategy()
-    engine = strategy._engine
+    engine = strategy.engine
     rank, count = kd.process_index(), kd.process_count()
     with strategy.scope():
         model = make_checkpoint_state(megabytes, seed=0)

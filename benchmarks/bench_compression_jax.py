@@ -45,7 +45,7 @@ def step_times(build, x, y):
 def all_reduce_bytes(strategy, model):
     """Bytes of the all-reduces XLA compiled into one training step (the
     gradients and the loss), per device."""
-    engine = strategy._engine
+    engine = strategy.engine
     model.optimizer.build(model.trainable_variables)
     shape = (ARGS.batch_size, 256)
     x = jax.device_put(np.ones(shape, "float32"), engine.distribution.

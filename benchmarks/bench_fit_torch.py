@@ -70,7 +70,7 @@ def kd_times(args, compression=None, jit_compile="auto"):
     timer = EpochTimer()
     model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
               shuffle=False, verbose=0, callbacks=[timer])
-    counted = strategy._engine.gradient_bytes_reduced
+    counted = strategy.engine.gradient_bytes_reduced
     steps = args.epochs * args.steps
     # The first epoch compiles and warms up.
     return timer.per_step[1:], counted / steps if counted else None
@@ -225,7 +225,7 @@ def kd_code_microseconds(args, calls=2000):
         model = make_model()
     model.fit(x[:args.batch_size * 4], y[:args.batch_size * 4],
               batch_size=args.batch_size, epochs=1, verbose=0)
-    engine = strategy._engine
+    engine = strategy.engine
 
     def each(fn):
         fn()

@@ -49,7 +49,7 @@ def make_model():
 def variable_bytes(strategy, model):
     total = 0
     for variable in model.weights:
-        total += strategy._engine.variable_layout(variable)[1]
+        total += strategy.engine.variable_layout(variable)[1]
     return total
 
 

@@ -14,6 +14,7 @@ import pytest
 import keras
 import keras_distribute as kd
 from conftest import BACKEND
+from keras_distribute.checkpoint.lease import LEASE
 from worker_common import Interrupt
 from worker_common import listing
 from worker_common import interrupt_at as InterruptAt
@@ -666,12 +667,31 @@ def test_load_checkpoint_reader_as_in_the_tf_guide(tmp_path):
         ckpt.load_checkpoint(str(tmp_path / "nothing"))
 
 
-def test_an_interrupted_commit_is_recovered(tmp_path):
+def test_an_interrupted_commit_is_read_in_place_and_recovered_by_the_manager(
+        tmp_path):
     model = trained()
     path = ckpt.ShardedCheckpoint(model=model).save(str(tmp_path / "c"))
     os.replace(path, path + ".old")  # died between the commit's renames
+    before = sorted(os.listdir(tmp_path))
+    # Every way to read it finds it, and none changes the disk (#44: a read
+    # renamed it back): the writer or the manager does, explicitly.
     assert ckpt.latest_checkpoint(str(tmp_path)) == path
-    ckpt.ShardedCheckpoint(model=make_plain_model()).read(path).expect_partial()
+    assert ckpt.checkpoints_in(str(tmp_path)) == [path]
+    restored = make_plain_model()
+    ckpt.ShardedCheckpoint(model=restored).read(path).expect_partial()
+    for saved, read in zip(model.get_weights(), restored.get_weights()):
+        np.testing.assert_array_equal(saved, read)
+    assert dict(ckpt.list_variables(path)) == dict(
+        ckpt.list_variables(str(tmp_path)))
+    np.testing.assert_array_equal(ckpt.load_variable(path, "model/0"),
+                                  model.get_weights()[0])
+    assert ckpt.load_checkpoint(path).has_tensor("model/0")
+    assert ckpt.read_metadata(str(tmp_path))["save_counter"] == 1
+    assert sorted(os.listdir(tmp_path)) == before
+    with ckpt.CheckpointManager(ckpt.ShardedCheckpoint(model=model),
+                                str(tmp_path), checkpoint_name="c"):
+        assert sorted(os.listdir(tmp_path)) == sorted(["c-1", LEASE])
+    assert os.path.isfile(os.path.join(path, "index.json"))
 
 
 KILLED_SAVER = textwrap.dedent("""

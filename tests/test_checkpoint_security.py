@@ -675,3 +675,16 @@ def test_fuzzed_checkpoints_restore_exactly_or_raise_checkpoint_error(
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 - rss_before) / 1024
     assert grown_mb < 256, grown_mb
+
+
+def test_an_interrupted_commit_is_read_where_it_lies_but_never_a_link(written):
+    path, arrays, outside = written
+    os.replace(path, path + ".old")  # a commit died between its renames
+    assert set(read_all(path)) == set(arrays)
+    assert os.path.isdir(path + ".old") and not os.path.exists(path)
+    # A link put at `<path>.old` (to a checkpoint elsewhere) is not read.
+    os.replace(path + ".old", str(outside / "c"))
+    os.symlink(str(outside / "c"), path + ".old")
+    with pytest.raises(CheckpointError, match="not a committed"):
+        read_all(path)
+    assert os.path.islink(path + ".old") and not os.path.exists(path)

@@ -66,7 +66,7 @@ def test_jax_compressed_step_compiles_to_a_16_bit_all_reduce():
             model.compile(optimizer="sgd", loss=keras.losses.
                           SparseCategoricalCrossentropy(from_logits=True))
             model.optimizer.build(model.trainable_variables)
-        engine = strategy._engine
+        engine = strategy.engine
         x = jax.device_put(np.ones((16, 16), "float32"),
                            engine.distribution.get_data_layout(
                                (16, 16)).backend_layout)
@@ -192,7 +192,7 @@ def test_jax_compression_leaves_a_custom_train_step_alone(rng):
 def _traced_reductions(strategy):
     """`[(dtype, bytes)]` the last traced step handed to the gradient
     all-reduce, or None where the engine's own all-reduce ran."""
-    return list(strategy._engine.traced_gradient_reductions) or None
+    return list(strategy.engine.traced_gradient_reductions) or None
 
 
 @pytest.mark.needs_strategy
@@ -244,7 +244,7 @@ def test_tf_compression_with_gradient_accumulation():
                 SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         weights[compression] = model.get_weights()
-        reduced = strategy._engine.traced_gradient_reductions
+        reduced = strategy.engine.traced_gradient_reductions
         if compression:
             assert {name for name, _ in reduced} == {"float16"}
             assert sum(size for _, size in reduced) == 2 * model.count_params()

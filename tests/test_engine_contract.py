@@ -39,31 +39,27 @@ def _reads_from_an_engine(node) -> bool:
     if isinstance(node, ast.Attribute):
         return node.attr in ("engine", "_engine")
     return isinstance(node, ast.Call) and isinstance(
-        node.func, ast.Attribute) and node.func.attr == "_engine"
+        node.func, ast.Attribute) and node.func.attr == "resolve_engine"
 
 
 def _neutral_engine_reads() -> dict:
     """`{member: [files]}` the layers above `backend/` read from engines:
-    `engine.x`, `strategy._engine.x`, `self._engine().x`, and the
+    `engine.x`, `strategy.engine.x`, `checkpoint.resolve_engine().x`, and the
     `getattr`/`hasattr(engine, "x")` probes."""
     reads = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "backend" in path.relative_to(PACKAGE).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            name = None
-            if isinstance(node, ast.Attribute) and _reads_from_an_engine(
-                    node.value) and isinstance(node.ctx, ast.Load):
-                name = node.attr
-            elif (isinstance(node, ast.Call) and isinstance(node.func,
-                  ast.Name) and node.func.id in ("getattr", "hasattr")
-                  and len(node.args) >= 2
-                  and _reads_from_an_engine(node.args[0])
-                  and isinstance(node.args[1], ast.Constant)):
-                name = node.args[1].value
-            if name is not None:
-                reads.setdefault(name, []).append(
-                    str(path.relative_to(PACKAGE)))
+    for path, node in _package_nodes():
+        name = None
+        if isinstance(node, ast.Attribute) and _reads_from_an_engine(
+                node.value) and isinstance(node.ctx, ast.Load):
+            name = node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2
+              and _reads_from_an_engine(node.args[0])
+              and isinstance(node.args[1], ast.Constant)):
+            name = node.args[1].value
+        if name is not None:
+            reads.setdefault(name, []).append(str(path))
     return reads
 
 
@@ -90,13 +86,16 @@ def _check_follows(engine_class, protocol, instance=None):
         assert callable(implementation), (
             f"{engine_class.__name__} declares {protocol.__name__} but has "
             f"no {name}()")
-        wanted = [p for p in inspect.signature(function).parameters.values()
-                  if p.name != "self"]
+        parameters = [p for p in inspect.signature(
+            function).parameters.values() if p.name != "self"]
+        wanted = [p for p in parameters if p.kind != p.KEYWORD_ONLY]
+        by_name = {p.name: object() for p in parameters
+                   if p.kind == p.KEYWORD_ONLY}
         arguments = [object()] * sum(
             p.default is inspect.Parameter.empty for p in wanted)
         inspect.signature(implementation).bind(object(), *arguments)
         inspect.signature(implementation).bind(object(), *[object()] * len(
-            wanted))
+            wanted), **by_name)
 
 
 def _engine_classes():
@@ -113,15 +112,19 @@ def _engine_classes():
     return [TorchEngine, ShardedTorchEngine]
 
 
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", [0, 1, 2])
 def test_every_engine_class_follows_what_it_declares(index):
     # (a TPU engine is a class of its own: #44, no contract changes on an
-    # instance at run time)
-    classes = _engine_classes()
+    # instance at run time; the default strategy's engine is one as well)
+    from keras_distribute.strategies.default import InPlaceEngine
+
+    classes = _engine_classes() + [InPlaceEngine]
     if index >= len(classes):
         pytest.skip(f"{BACKEND} has {len(classes)} engine class(es)")
     engine_class = classes[index]
-    assert engine_class.contract, engine_class
+    # Every backend engine declares a capability; the default one none.
+    assert engine_class.contract or engine_class is InPlaceEngine, (
+        engine_class)
     for protocol in (interface.ReplicaEngine,) + engine_class.contract:
         assert protocol in PROTOCOLS
         _check_follows(engine_class, protocol)
@@ -135,6 +138,24 @@ def test_the_strategy_engine_of_this_backend_follows_its_contract():
     for protocol in (interface.ReplicaEngine,) + engine.contract:
         assert isinstance(engine, protocol), protocol
         _check_follows(type(engine), protocol, engine)
+
+def test_the_default_strategy_is_made_as_every_strategy_is():
+    # #44: its engine lacked four required members and it skipped
+    # Strategy.__init__; now its engine follows ReplicaEngine and the
+    # strategy hands it out as every strategy does (`strategy.engine`).
+    import keras_distribute as kd
+
+    strategy = kd.get_strategy()
+    engine = strategy.engine
+    assert isinstance(engine, interface.ReplicaEngine)
+    _check_follows(type(engine), interface.ReplicaEngine, engine)
+    assert engine is strategy.engine and engine.process_count == 1
+    assert engine.broadcast_text("chief") == "chief"
+    assert engine.process_all_gather([1, 2]).tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="compresses nothing. Received: "
+                       "compression='fp16'"):
+        engine.set_gradient_compression("fp16")
+
 
 def test_this_backend_module_has_every_declared_function():
     # #44: checkpoints, RNG state, layouts and TPUs were asked of backend
@@ -165,20 +186,24 @@ def _is_a_backend_module(target) -> bool:
         and target.func.id == "get_backend")
 
 
+def _package_nodes(neutral_only=True):
+    """`(path, node)` of every syntax node of the package's modules (above
+    `backend/` only, by default)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if neutral_only and "backend" in relative.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            yield relative, node
+
+
 def _neutral_probes(probes) -> list:
     """`path:line` of every `getattr`/`hasattr(target, name, ...)` above
     `backend/` for which `probes(target, name)` holds."""
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "backend" in path.relative_to(PACKAGE).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("getattr", "hasattr")
-                    and len(node.args) >= 2
-                    and probes(node.args[0], node.args[1])):
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
-    return found
+    return [f"{path}:{node.lineno}" for path, node in _package_nodes()
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2 and probes(node.args[0], node.args[1])]
 
 
 def test_the_neutral_layer_never_probes_a_backend_module_by_name():
@@ -224,3 +249,51 @@ def test_the_neutral_layer_never_probes_an_engine_by_name():
     assert not probes, (
         "Read a member every engine has directly, and check a capability "
         f"with isinstance(engine, interface.<Protocol>): {probes}")
+
+
+def test_no_module_reads_another_objects_engine_privately():
+    # #44: `strategy._engine` was read 34 times in 15 modules, and
+    # `ShardedCheckpoint._engine()` called from 8 others. The engine is
+    # handed out as `strategy.engine` and `checkpoint.resolve_engine()`.
+    found = [f"{path}:{node.lineno}"
+             for path, node in _package_nodes(neutral_only=False)
+             if isinstance(node, ast.Attribute) and node.attr == "_engine"
+             and not (isinstance(node.value, ast.Name)
+                      and node.value.id == "self")]
+    assert not found, (
+        "Read `strategy.engine` (or `checkpoint.resolve_engine()`), not "
+        f"another object's `_engine`: {found}")
+
+
+def test_the_neutral_layer_writes_no_engine_attribute():
+    # #44: `input/process_data.py` set `even_batches`, `step_inputs` and
+    # `sync_metrics_each_step` on the engine; now it hands them to
+    # `engine.trainer_call(...)`, which puts the previous ones back.
+    found = []
+    for path, node in _package_nodes():
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(
+                       node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found += [f"{path}:{node.lineno}" for target in targets
+                  if isinstance(target, ast.Attribute)
+                  and _reads_from_an_engine(target.value)]
+    assert not found, (
+        "Hand the engine what it needs through a method of its protocol "
+        f"instead of writing its attributes: {found}")
+
+
+def test_a_trainer_call_inside_another_puts_the_outer_settings_back():
+    # `fit`'s validation `evaluate` ran inside `fit` and left its
+    # `step_inputs` at None: from epoch 2 a torch step written for `x`
+    # alone got `[x]` (test_user_steps.py's autoencoder).
+    state = interface.TrainerCallState()
+    with state.trainer_call(even_batches=True, step_inputs="fit rows",
+                            sync_metrics_each_step=False):
+        with state.trainer_call(step_inputs="validation rows"):
+            assert (state.even_batches, state.step_inputs,
+                    state.sync_metrics_each_step) == (
+                True, "validation rows", False)
+        assert (state.even_batches, state.step_inputs,
+                state.sync_metrics_each_step) == (True, "fit rows", False)
+    assert (state.even_batches, state.step_inputs,
+            state.sync_metrics_each_step) == (False, None, True)

@@ -103,6 +103,6 @@ def test_train_step_all_reduces_in_the_strategys_compression():
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-2)  # Adam: 1/sqrt(v)
     np.testing.assert_allclose(accuracies, history["accuracy"], atol=0.02)
-    reduced = strategy._engine.traced_gradient_reductions
+    reduced = strategy.engine.traced_gradient_reductions
     assert {dtype for dtype, _ in reduced} == {"float16"}
     assert sum(size for _, size in reduced) == 2 * model.count_params()

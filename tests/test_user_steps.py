@@ -42,7 +42,7 @@ def _assert_logs_equal(expected, actual):
 
 @torch_only
 @pytest.mark.parametrize("kind", ["guide", "accumulation", "ddp", "twice",
-                                  "gan", "no_optimizer"])
+                                  "gan", "no_optimizer", "autoencoder"])
 def test_a_users_step_trains_like_one_process_in_every_process(
         user_step_runs, kind):
     reference, (rank0, rank1) = user_step_runs

@@ -298,7 +298,7 @@ def save_and_resume_input_iterator(strategy, model, directory):
 
     import keras_distribute as kd
 
-    process = strategy._engine.process_id
+    process = strategy.engine.process_id
 
     def input_iterator():  # each process reads its own shard of the input
         return iter(tf.data.Dataset.range(20).shard(2, process))

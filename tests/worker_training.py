@@ -109,7 +109,7 @@ def compressed_all_reduce():
         results[compression] = {
             "accuracy": accuracy, "weights": model.get_weights(),
             "wire_bytes_per_step": sum(wire) / 4, "steps": len(wire),
-            "counted": strategy._engine.gradient_bytes_reduced,
+            "counted": strategy.engine.gradient_bytes_reduced,
             "params": params}
     return results
 

@@ -68,7 +68,7 @@ def _compressed_fit(x, y):
     history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False,
                         verbose=0, validation_split=0.2)
     return {"history": history.history, "weights": model.get_weights(),
-            "reduced": strategy._engine.traced_gradient_reductions}
+            "reduced": strategy.engine.traced_gradient_reductions}
 
 
 def multi_worker_train_step():

@@ -626,7 +626,7 @@ def mesh_report(strategy, model, layout_map):
     import keras
     from torch.distributed.tensor import DTensor
 
-    engine = strategy._engine
+    engine = strategy.engine
     mesh = layout_map.device_mesh
     report = {"ranks": engine.torch_mesh.mesh.tolist(),
               "model_ranks": engine.model_mesh.mesh.tolist(),

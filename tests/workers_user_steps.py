@@ -161,9 +161,38 @@ def _models():
                     v.assign(v - 0.1 * v.value.grad)
             return {"raw_loss": loss}
 
+    class AutoEncoder(keras.Model):
+        """Trains and validates on `x` alone (keras-io's autoencoders and
+        VAE): its steps get the batch itself, as Keras hands it."""
+
+        def train_step(self, data):
+            self.zero_grad()
+            loss = torch.mean((self(data, training=True) - data) ** 2)
+            loss.backward()
+            weights = self.trainable_weights
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in weights],
+                                     weights)
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+        def test_step(self, data):
+            return {"loss": torch.mean((self(data) - data) ** 2)}
+
     return {"guide": GuideModel, "ddp": ThroughOwnDdp,
             "no_optimizer": NoOptimizer, "twice": TwoUpdates, "gan": Gan,
-            "manual": ManualUpdate}
+            "manual": ManualUpdate, "autoencoder": AutoEncoder}
+
+
+def _autoencoder(cls):
+    import keras
+
+    inputs = keras.Input((12,))
+    code = keras.layers.Dense(4, activation="tanh")(inputs)
+    model = cls(inputs, keras.layers.Dense(12)(code))
+    model.loss_tracker = keras.metrics.Mean(name="loss")
+    model.set_weights(_weights([(12, 4), (4,), (4, 12), (12,)], 7))
+    return model
 
 
 def _regressor(cls, seed):
@@ -207,10 +236,11 @@ class BatchLogs:
         return Recorder()
 
 
-def _fit(model, x, y=None, n_epochs=2, batch_size=32):
+def _fit(model, x, y=None, n_epochs=2, batch_size=32, **fit_kwargs):
     recorder = BatchLogs.make()
     history = model.fit(x, y, batch_size=batch_size, epochs=n_epochs,
-                        shuffle=False, verbose=0, callbacks=[recorder])
+                        shuffle=False, verbose=0, callbacks=[recorder],
+                        **fit_kwargs)
     return {"history": history.history, "batch_logs": recorder.logs,
             "weights": model.get_weights()}
 
@@ -249,6 +279,13 @@ def user_steps():
         gan = _gan(models["gan"])
         gan.compile(keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1))
     out["gan"] = _fit(gan, _data(96)[0])
+    # x alone, validated each epoch: the validation run inside fit must not
+    # change how the next epoch's batches reach the step (#44).
+    with strategy.scope():
+        model = _autoencoder(models["autoencoder"])
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+    out["autoencoder"] = _fit(model, _data(96)[0], n_epochs=3,
+                              validation_data=_data(40, seed=1)[0])
     return out
 
 
@@ -418,4 +455,11 @@ def tf_guide_programs(strategy):
         gan.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1),
                     keras.losses.BinaryCrossentropy(from_logits=True))
     out["gan"] = _fit(gan, _data(96)[0])
+    # x alone, validated each epoch: the validation run inside fit must not
+    # change how the next epoch's batches reach the step (#44).
+    with strategy.scope():
+        model = _autoencoder(models["autoencoder"])
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+    out["autoencoder"] = _fit(model, _data(96)[0], n_epochs=3,
+                              validation_data=_data(40, seed=1)[0])
     return out

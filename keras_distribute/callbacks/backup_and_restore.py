@@ -99,7 +99,7 @@ class BackupAndRestore(TrainingStateCallback):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._completed = False
-        if self._state._engine().process_id == 0:
+        if self._state.resolve_engine().process_id == 0:
             ownership.make_directory(self.directory, BACKUP_OWNER)
         self._manager = CheckpointManager(
             self._state, self.directory, max_to_keep=self.max_to_keep,
@@ -150,7 +150,7 @@ class BackupAndRestore(TrainingStateCallback):
             except CheckpointError as error:
                 failures.append(f"{path}: {error}")
                 self._backups.forget(path)
-                if self._state._engine().process_id == 0:
+                if self._state.resolve_engine().process_id == 0:
                     ckpt_writing.move_aside(path, _CORRUPT)
                 continue
             if failures:
@@ -217,9 +217,10 @@ class BackupAndRestore(TrainingStateCallback):
         if path is None:
             return  # nothing to resume from
         metrics = _Checkpoint(metrics=self._state._objects["metrics"])
+        path = reading.locate(path)
         saved = reading.read_index(path)["variables"]
         variables = metrics._variables_by_object()["metrics"]
-        engine = self._state._engine()
+        engine = self._state.resolve_engine()
         with (engine.restoring_metric_states(list(variables.values()))
               if isinstance(engine, interface.TorchDdpEngine)
               else contextlib.nullcontext()):
@@ -234,7 +235,7 @@ class BackupAndRestore(TrainingStateCallback):
         if self._manager is not None:
             self._manager.close()  # the directory's lease: another job's now
         integration_training.set_initial_epoch(self.model, None)
-        engine = self._state._engine()
+        engine = self._state.resolve_engine()
         # Every process has seen the last backup committed before the chief
         # deletes it (the others failed, reading a deleted backup).
         engine.barrier("keras_distribute.BackupAndRestore.end")

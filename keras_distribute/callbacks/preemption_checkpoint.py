@@ -108,14 +108,14 @@ class PreemptionCheckpoint(BackupAndRestore):
         if self._batches_since_check < self.check_every:
             return
         self._batches_since_check = 0
-        if not self._signals.anyone(self._state._engine()):
+        if not self._signals.anyone(self._state.resolve_engine()):
             return
         self.preempted = True
         self._sync_model_state()
         with self._global_metric_states():
             self._save(self._epoch, self._steps_in_epoch, logs)
         self._state.sync()  # committed before anyone leaves
-        engine = self._state._engine()
+        engine = self._state.resolve_engine()
         engine.barrier("keras_distribute.PreemptionCheckpoint.saved")
         self._signals.uninstall()
         if self.exit_code is None:

@@ -229,7 +229,7 @@ class PreemptionCheckpointHandler:
         """Saves and exits if any worker was preempted (a collective: call
         it at the same point on every worker). Arguments are those of
         `CheckpointManager.save`: `options`, `metadata`."""
-        engine = self._manager.checkpoint._engine()
+        engine = self._manager.checkpoint.resolve_engine()
         if not self._signals.anyone(engine):
             return
         if self._config.save_fn is not None:

@@ -106,7 +106,7 @@ class RayReport(BackupAndRestore):
     # --------------------------------------------------------------- resume
     def _restore_newest_readable(self) -> Optional[str]:
         checkpoint = self._state
-        engine = checkpoint._engine()
+        engine = checkpoint.resolve_engine()
         # Ray's checkpoint is the one to resume from: what an earlier attempt
         # left here was either reported (Ray has it) or never committed.
         if engine.process_id == 0:
@@ -163,7 +163,7 @@ class RayReport(BackupAndRestore):
                    for name, value in (logs or {}).items()}
         metrics.update(epoch=epoch, step=step)
         checkpoint = None
-        if path is not None and self._state._engine().process_id == 0:
+        if path is not None and self._state.resolve_engine().process_id == 0:
             checkpoint = ray.train.Checkpoint.from_directory(path)
         ray.train.report(metrics, checkpoint=checkpoint,
                          delete_local_checkpoint_after_upload=False)

@@ -161,7 +161,7 @@ class ShardedCheckpoint(TrainingStateCallback):
     def _after_best(self, path: str) -> None:
         """Links `path` into `best/` once committed; trims `best/`."""
         checkpoint = self._state
-        is_chief = checkpoint._engine().process_id == 0
+        is_chief = checkpoint.resolve_engine().process_id == 0
 
         def keep():
             if not is_chief:

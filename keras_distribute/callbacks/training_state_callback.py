@@ -133,7 +133,8 @@ class TrainingStateCallback(keras.callbacks.Callback):
         for error in finish_background_saves():
             warnings.warn(f"A background checkpoint save of an earlier, "
                           f"interrupted fit failed: {error}", stacklevel=2)
-        self._state._engine().barrier("keras_distribute.callbacks.begin")
+        self._state.resolve_engine().barrier(
+            "keras_distribute.callbacks.begin")
         callback_list = integration_training.calling_callback_list(self)
         if callback_list is not None:
             self._others = [c for c in callback_list.callbacks
@@ -171,7 +172,7 @@ class TrainingStateCallback(keras.callbacks.Callback):
     def _global_metric_states(self):
         """While saving, metric variables hold their all-process values
         (torch processes each keep their own share; a collective)."""
-        engine = self._state._engine()
+        engine = self._state.resolve_engine()
         if not isinstance(engine, interface.TorchDdpEngine):
             return contextlib.nullcontext()
         return engine.global_metric_states(self.model.metrics_variables)

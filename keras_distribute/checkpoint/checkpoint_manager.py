@@ -122,7 +122,7 @@ class CheckpointManager:
         self.keep_every_n_steps = keep_every_n_steps
         self.checkpoint_name = checkpoint_name
         self.owner = owner or f"CheckpointManager/{checkpoint_name}"
-        self._is_chief = checkpoint._engine().process_id == 0
+        self._is_chief = checkpoint.resolve_engine().process_id == 0
         self._lease: Optional[Any] = None
         self._closed = False
         self._take_lease()
@@ -140,7 +140,7 @@ class CheckpointManager:
     def _take_lease(self) -> None:
         """Takes the directory's lease for this job (process 0 takes it,
         every process learns the verdict), before anything is touched."""
-        engine = self.checkpoint._engine()
+        engine = self.checkpoint.resolve_engine()
         refusal = ""
         if self._is_chief:
             os.makedirs(self.directory, exist_ok=True)

@@ -9,7 +9,6 @@ import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
 
-from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import numpy_dtype
 
@@ -48,16 +47,18 @@ def checkpoints_in(directory: str) -> List[str]:
     """
     if not os.path.isdir(directory):
         return []
-    for name in os.listdir(directory):
-        if name.endswith(".old"):  # a commit died between its renames
-            ckpt_writing.recover(os.path.join(directory, name[:-len(".old")]))
     found = []
     for name in os.listdir(directory):
-        match = re.fullmatch(r".*-(\d+)", name)
-        path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+        # `<name>.old`: a commit died between its renames; it is listed by
+        # its own name and read where it lies (`reading.locate`).
+        match = re.fullmatch(r"(.*-(\d+))(\.old)?", name)
+        if not match:
+            continue
+        path = os.path.join(directory, match.group(1))
+        index = os.path.join(reading.locate(path), ckpt_format.INDEX)
+        if os.path.isfile(index):
+            found.append((int(match.group(2)), path))
+    return [path for _, path in sorted(set(found))]
 
 
 def _resolve(path: str) -> str:
@@ -66,7 +67,8 @@ def _resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
         return path
     latest = latest_checkpoint(path)
-    return latest if latest is not None else path  # read_index explains
+    # read_index explains a path that is no checkpoint.
+    return reading.locate(latest if latest is not None else path)
 
 
 def read_metadata(path: str) -> Dict[str, Any]:
@@ -171,8 +173,8 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str):
-        self.path = path
-        index = reading.read_index(path)
+        self.path = reading.locate(path)
+        index = reading.read_index(self.path)
         self._variables = index["variables"]
         self._keys = {key: key for key in self._variables}
         for key in self._variables:

@@ -48,7 +48,7 @@ def export_weights(checkpoint_path: str, model: Any, filepath: str,
         raise ValueError(
             "The model is not built, so its weights cannot be exported. "
             "Build it first (call it on a batch, or model.build(shape)).")
-    engine = checkpoint._engine()
+    engine = checkpoint.resolve_engine()
     if engine.process_id == 0:
         model.save_weights(filepath, overwrite=True)
     elif isinstance(engine, interface.ShardedForwardEngine) and (

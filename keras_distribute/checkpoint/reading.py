@@ -32,19 +32,45 @@ from keras_distribute.checkpoint.format import Slice
 from keras_distribute.checkpoint.format import load_index_json
 from keras_distribute.checkpoint.format import new_digest
 from keras_distribute.checkpoint.format import numpy_dtype
-from keras_distribute.checkpoint.writing import recover
 from keras_distribute.checkpoint.format import storable_dtype
 
 
+def locate(path: str) -> str:
+    """Where the committed checkpoint `path` lies now: `path`, or
+    `<path>.old` when a commit died between its two renames (the writer or
+    the manager puts it back, `writing.recover`; a read changes nothing on
+    disk).
+
+    Args:
+        path: A checkpoint directory.
+
+    Returns:
+        `<path>.old` when `path` is absent and `<path>.old` holds a
+        committed checkpoint; else `path` (`read_index` then explains).
+
+    Example:
+
+    ```python
+    index = read_index(locate(path))
+    ```
+    """
+    old = f"{os.path.abspath(path)}.old"
+    # Only a directory the commit left: never a link put there.
+    if (not os.path.lexists(path) and not os.path.islink(old)
+            and os.path.isfile(os.path.join(old, INDEX))):
+        return old
+    return path
+
+
 def read_index(path: str) -> dict:
-    """Reads and checks the index of the committed checkpoint at `path`.
+    """Reads and checks the index of the committed checkpoint at `path`
+    (`locate` first, for one a commit left at `<path>.old`).
 
     Raises:
         CheckpointError: if `path` is not a committed checkpoint, its index
             is unreadable or malformed, or its format version is newer than
             this library.
     """
-    recover(path)
     index_path = os.path.join(path, INDEX)
     if not os.path.isfile(index_path):
         raise CheckpointError(

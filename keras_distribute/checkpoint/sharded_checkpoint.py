@@ -176,11 +176,24 @@ class ShardedCheckpoint:
                 for variables in self._variables_by_object().values()
                 for key, variable in variables.items()}
 
-    def _engine(self) -> Any:
-        """The engine of the strategy the objects were created under (a
-        model's, a distributed iterator's), else the current one; outside
-        every scope in a multi-process job, the job's strategy: a save is
-        a collective with one chief, never one chief per process."""
+    def resolve_engine(self) -> Any:
+        """The engine this checkpoint's saves and restores run on.
+
+        The precedence, resolved at each call (objects may be attached
+        later): the strategy a tracked object was created under (a model's,
+        a distributed iterator's), else the current strategy; outside every
+        scope in a multi-process job, the job's strategy (a save is a
+        collective with one chief, never one chief per process).
+
+        Returns:
+            A `keras_distribute.backend.interface.ReplicaEngine`.
+
+        Example:
+
+        >>> checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+        >>> checkpoint.resolve_engine().process_id
+        0
+        """
         from keras_distribute.common import context
 
         for obj in self._leaf_objects().values():
@@ -188,12 +201,12 @@ class ShardedCheckpoint:
             if isinstance(obj, DistributedIterator):
                 strategy = obj._strategy
             if strategy is not None:
-                return strategy._engine
-        engine = context.get_strategy()._engine
+                return strategy.engine
+        engine = context.get_strategy().engine
         if engine.process_count == 1:
             job = context.latest_job_strategy()
             if job is not None:
-                return job._engine
+                return job.engine
         return engine
 
     # ---------------------------------------------------------------- write
@@ -232,7 +245,7 @@ class ShardedCheckpoint:
         started = time.perf_counter()
         options = options or CheckpointOptions()
         ckpt_format.check_metadata(metadata)
-        engine = self._engine()
+        engine = self.resolve_engine()
 
         def gather(buffers: Optional[saved_objects.HostBuffers]):
             """This process's entries and the index metadata, gathered
@@ -306,7 +319,7 @@ class ShardedCheckpoint:
         after `save_counter` and after every such name already there, as
         the chief sees it (the same in every process)."""
         number = ownership.next_number(directory, stem, self.save_counter)
-        engine = self._engine()
+        engine = self.resolve_engine()
         if engine.process_count > 1:
             number = int(engine.broadcast_text(str(number)))
         return number
@@ -364,7 +377,7 @@ class ShardedCheckpoint:
         self.sync()
         if path is None:
             return InitializationOnlyStatus()
-        path = os.path.abspath(path)
+        path = reading.locate(os.path.abspath(path))
         index = reading.read_index(path)
         saved, paths = index["variables"], index.get("object_paths", {})
         self._bytes_read = 0
@@ -384,7 +397,7 @@ class ShardedCheckpoint:
                 f"The checkpoint {path!r} holds no value for {missing[:10]}: "
                 "the objects differ from the ones saved. Nothing was "
                 "restored.")
-        engine = self._engine()
+        engine = self.resolve_engine()
         restored = set(ready)
         iterators = self._iterators()
         holders = self._host_array_holders()
@@ -507,6 +520,6 @@ class ShardedCheckpoint:
         status = self.read(save_path, options)
         if save_path is None:
             return status
-        self.save_counter = int(reading.read_index(save_path).get(
-            "save_counter", 0))
+        index = reading.read_index(reading.locate(save_path))
+        self.save_counter = int(index.get("save_counter", 0))
         return status

@@ -167,10 +167,10 @@ class DistributedDataset:
             ValueError: if the dataset is not a `tf.data.Dataset`.
         """
         return per_replica_spec(
-            self._dataset, len(self._strategy._engine.local_replica_ids))
+            self._dataset, len(self._strategy.engine.local_replica_ids))
 
     def __iter__(self) -> "DistributedIterator":
-        engine = self._strategy._engine
+        engine = self._strategy.engine
         dataset, local_ids = self._dataset, engine.local_replica_ids
         per_worker = False
         if engine.num_input_pipelines > 1:
@@ -240,7 +240,7 @@ class DistributedDatasetsFromFunction:
         """The spec of each step's values (see
         `DistributedDataset.element_spec`)."""
         return per_replica_spec(
-            self._dataset, len(self._strategy._engine.local_replica_ids))
+            self._dataset, len(self._strategy.engine.local_replica_ids))
 
     def __iter__(self) -> "DistributedIterator":
         elements, data_iterator = open_source(self._dataset)
@@ -251,12 +251,12 @@ class DistributedDatasetsFromFunction:
     def _steps(self, elements: Iterator[Any]) -> Iterator[Any]:
         import keras
 
-        num_replicas = len(self._strategy._engine.local_replica_ids)
+        num_replicas = len(self._strategy.engine.local_replica_ids)
         group = []
         for element in elements:
             group.append(element)
             if len(group) == num_replicas:
-                yield self._strategy._engine.put_per_replica(
+                yield self._strategy.engine.put_per_replica(
                     group, on_device=self._options.fetch_to_device
                 )
                 group = []
@@ -265,7 +265,7 @@ class DistributedDatasetsFromFunction:
                 lambda leaf: leaf if leaf is None else leaf[:0], group[0]
             )
             group += [empty] * (num_replicas - len(group))
-            yield self._strategy._engine.put_per_replica(
+            yield self._strategy.engine.put_per_replica(
                 group, on_device=self._options.fetch_to_device
             )
 
@@ -299,7 +299,7 @@ def as_trainer_input(strategy: Any, data: Any, argument: str) -> Any:
             "or pass the dataset itself.")
     if isinstance(data, DistributedDataset):
         return data._dataset  # global batches, split by the strategy
-    engine = strategy._engine
+    engine = strategy.engine
     num_replicas = len(engine.local_replica_ids)
     if engine.num_input_pipelines > 1 or not hasattr(data._dataset,
                                                      "rebatch"):

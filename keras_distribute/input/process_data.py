@@ -3,9 +3,11 @@
 Every process sees the whole input; this module hands Keras, in each process,
 only that process's rows of every global batch (as a `keras.utils.PyDataset`)
 and puts `predict` outputs back together in input order. The engine decides
-how a batch is split (`engine.split_rows(batch)` gives this process's
-`(start, stop)` and whether the batch is instead given whole to every
-process), shares the shuffling seed (`engine.shared_seed()`) and gathers rows
+how a batch is split (`engine.rows_to_feed(batch)` gives this process's
+`(start, stop)` of the batch it feeds next, or the whole batch when it is
+given whole to every process; `engine.split_rows` answers the same for any
+pipeline and changes nothing), holds the settings of the call in progress
+(`engine.trainer_call(...)`), shares the shuffling seed (`engine.shared_seed()`) and gathers rows
 (`engine.gather_rows(array)`). No framework is imported here.
 """
 
@@ -104,7 +106,7 @@ class ArrayShards(keras.utils.PyDataset):
             seed = self._engine.shared_seed()
             self._order = np.random.default_rng(seed).permutation(self._num)
         rows = self._order[index * self._batch:(index + 1) * self._batch]
-        start, stop = self._engine.split_rows(len(rows))
+        start, stop = self._engine.rows_to_feed(len(rows))
         rows = rows[start:stop]
         x, y, sample_weight = (_take(part, rows) for part in self._data)
         return _pack(x, y, sample_weight)
@@ -150,7 +152,7 @@ class SourceShards(keras.utils.PyDataset):
         leaves = [a for a in keras.tree.flatten(element) if a is not None]
         batch = leaves[0].shape[0]
         self.batch_sizes.append(batch)
-        start, stop = self._engine.split_rows(batch)
+        start, stop = self._engine.rows_to_feed(batch)
         local = _take(element, slice(start, stop))
         self.bare_inputs = not isinstance(local, (tuple, list))
         return tuple(local) if isinstance(local, (tuple, list)) else (local,)
@@ -221,8 +223,8 @@ def with_process_rules(engine: ReplicaEngine, method: Callable) -> Callable:
     Example:
 
     ```python
-    fit = process_data.with_process_rules(strategy._engine, keras.Model.fit)
-    strategy._engine.call_trainer(fit, model, (x, y), {"epochs": 2})
+    fit = process_data.with_process_rules(strategy.engine, keras.Model.fit)
+    strategy.engine.call_trainer(fit, model, (x, y), {"epochs": 2})
     ```
     """
     if engine.fit_per_process:
@@ -272,11 +274,8 @@ def call_sharded(engine, method, model, args, kwargs) -> Any:
         params.pop("_use_cached_eval_dataset", None)
         data = _shard(engine, params, False)
         params.update(x=data, y=None, sample_weight=None, batch_size=None)
-        engine.step_inputs = data
-        try:
+        with engine.trainer_call(step_inputs=data):
             return method(model, **params)
-        finally:
-            engine.step_inputs = None
     if name == "predict":
         data = _shard(engine, params, False)
         params.update(x=data, batch_size=None)
@@ -301,17 +300,17 @@ def _fit(engine, method, model, params: dict) -> Any:
     data = _shard(engine, params, bool(params.get("shuffle", True)))
     params.update(x=data, y=None, sample_weight=None, batch_size=None,
                   shuffle=False, validation_split=0.0)
-    engine.even_batches = isinstance(data, ArrayShards) and data.splits_evenly()
-    engine.step_inputs = data
     # Collective: callback lists may differ by process (a chief-only
     # ModelCheckpoint), and one process all-reducing metrics every step
     # while another does not would hang both.
-    engine.sync_metrics_each_step = engine.any_process(
-        _batch_logs_are_read(params))
+    sync_metrics_each_step = engine.any_process(_batch_logs_are_read(params))
     params["callbacks"] = model_state.with_chief_state(
         engine, divergence.with_divergence_check(
             engine, peer_board.counting_epochs(params.get("callbacks"))))
-    try:
+    with engine.trainer_call(
+            even_batches=isinstance(data, ArrayShards)
+            and data.splits_evenly(),
+            step_inputs=data, sync_metrics_each_step=sync_metrics_each_step):
         with keras_services.get().chief_only_writes(
                 params.get("callbacks"), engine.rank == 0,
                 isinstance(engine, interface.ShardedForwardEngine)
@@ -322,10 +321,6 @@ def _fit(engine, method, model, params: dict) -> Any:
         # before any process goes on to read them.
         engine.barrier("keras_distribute.fit_end")
         return history
-    finally:
-        engine.even_batches = False
-        engine.step_inputs = None
-        engine.sync_metrics_each_step = True
 
 
 def _train_validation_split(arrays, split: float):
@@ -369,16 +364,14 @@ def _on_batch(engine, method, model, params: dict) -> Any:
     x = params["x"]
     check_cardinality(x, params.get("y"), params.get("sample_weight"))
     batch = keras.tree.flatten(x)[0].shape[0]
-    start, stop = engine.split_rows(batch)
+    start, stop = engine.rows_to_feed(batch)
     for key in ("x", "y", "sample_weight"):
         if params.get(key) is not None:
             params[key] = _take(params[key], slice(start, stop))
     if method.__name__ != "predict_on_batch":
-        engine.even_batches = batch % engine.num_replicas == 0
-        try:
+        with engine.trainer_call(
+                even_batches=batch % engine.num_replicas == 0):
             return method(model, **params)
-        finally:
-            engine.even_batches = False
     return _unshard(engine, method(model, **params), [batch])
 
 

@@ -61,7 +61,7 @@ def _strategy_for(model, method_name: str):
         if current is None:
             return None
         strays = [v.path for v in model.variables
-                  if not current._engine.owns_variable(v)]
+                  if not current.engine.owns_variable(v)]
         if strays:
             raise ValueError(
                 f"`{method_name}` was called inside {current!r}.scope() on a "
@@ -98,7 +98,7 @@ def _adopt_strays(model, strategy) -> None:
     seen = (strategy, tuple(map(id, variables)))
     if model.__dict__.get("_kd_adopted") == seen:
         return
-    strategy._engine.adopt_variables(variables)
+    strategy.engine.adopt_variables(variables)
     object.__setattr__(model, "_kd_adopted", seen)
 
 
@@ -149,7 +149,7 @@ def _wrap_trainer_method(name: str, original):
         args, kwargs = _global_batches(strategy, name, args, kwargs)
         with strategy.scope():
             _adopt_strays(self, strategy)
-            engine = strategy._engine
+            engine = strategy.engine
             return engine.call_trainer(
                 process_data.with_process_rules(engine, original), self,
                 args, kwargs)

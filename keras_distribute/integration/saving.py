@@ -70,7 +70,7 @@ def atomic_save(original: Callable) -> Callable:
     @functools.wraps(original)
     def method(self, filepath, *args, **kwargs):
         strategy = model_strategy(self)
-        engine = None if strategy is None else strategy._engine
+        engine = None if strategy is None else strategy.engine
         if engine is None or engine.process_count <= 1 or not isinstance(
                 filepath, (str, os.PathLike)) or "://" in str(filepath) or (
                 kwargs.get("overwrite") is False and os.path.exists(

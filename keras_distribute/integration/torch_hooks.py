@@ -36,7 +36,7 @@ _ddp_engine_classes: Dict[type, bool] = {}
 
 def _torch_engine(model):
     strategy = model_strategy(model)
-    engine = None if strategy is None else strategy._engine
+    engine = None if strategy is None else strategy.engine
     if engine is None:
         return None
     kind = type(engine)

@@ -24,9 +24,11 @@ class _IdentityCollectives:
         return value
 
 
-class _InPlaceEngine:
-    """Engine of the default strategy: no devices to manage."""
+class InPlaceEngine:
+    """Engine of the default strategy: one replica, no devices to manage,
+    every collective of one process (`interface.ReplicaEngine`)."""
 
+    contract: tuple = ()  # no optional capability
     devices = ()
     num_replicas = 1
     local_replica_ids = (0,)
@@ -35,6 +37,9 @@ class _InPlaceEngine:
     device_mesh = None
     distribution = None
     fit_per_process = False  # one process: nothing to split
+
+    def __init__(self) -> None:
+        self.gradient_compression = None
 
     def scope(self):
         return contextlib.nullcontext()
@@ -88,6 +93,19 @@ class _InPlaceEngine:
     def barrier(self, name: str) -> None:
         pass
 
+    def broadcast_text(self, text: str) -> str:
+        return text
+
+    def process_all_gather(self, array: Any) -> Any:
+        return np.asarray(array)[None]
+
+    def set_gradient_compression(self, name: str) -> None:
+        raise ValueError(
+            "The default strategy (outside every strategy's scope) "
+            "all-reduces nothing, so it compresses nothing. Received: "
+            f"compression={name!r}. Pass kd.CommunicationOptions to the "
+            "strategy whose scope the model is made in.")
+
     def call_trainer(self, method, model, args, kwargs):
         return method(model, *args, **kwargs)
 
@@ -95,9 +113,11 @@ class _InPlaceEngine:
 class DefaultStrategy(Strategy):
     """The strategy in effect outside every `scope()`: one replica."""
 
+    # No Keras hooks: the default strategy changes nothing.
+    _installs_keras_hooks = False
+
     def __init__(self):
-        # No Keras hooks: the default strategy changes nothing.
-        self._engine = _InPlaceEngine()
+        super().__init__(InPlaceEngine())
         self._replica_context = context.ReplicaContext(
             self, 0, _IdentityCollectives()
         )

@@ -23,7 +23,7 @@ class StrategyExtended:
         Returns:
             `True` if the strategy laid the variable out.
         """
-        return self._strategy._engine.owns_variable(variable)
+        return self._strategy.engine.owns_variable(variable)
 
     @property
     def worker_devices(self) -> tuple:
@@ -31,7 +31,7 @@ class StrategyExtended:
         from keras_distribute.backend import get_backend
 
         return tuple(
-            get_backend().device_name(d) for d in self._strategy._engine.devices
+            get_backend().device_name(d) for d in self._strategy.engine.devices
         )
 
     parameter_devices = worker_devices
@@ -42,12 +42,12 @@ class StrategyExtended:
         other files (the chief, process 0), as in tf.distribute. A
         `kd.checkpoint.ShardedCheckpoint` save is still called by every
         process (each writes its own pieces)."""
-        return self._strategy._engine.process_id == 0
+        return self._strategy.engine.process_id == 0
 
     @property
     def should_save_summary(self) -> bool:
         """Whether this process writes summaries (TensorBoard): the chief."""
-        return self._strategy._engine.process_id == 0
+        return self._strategy.engine.process_id == 0
 
     @property
     def experimental_should_init(self) -> bool:

@@ -31,13 +31,39 @@ class Strategy:
         engine: The backend engine that owns devices and collectives.
     """
 
+    # Whether making the strategy installs kd's Keras hooks (the default
+    # strategy changes nothing in Keras).
+    _installs_keras_hooks = True
+
     def __init__(self, engine: ReplicaEngine):
         self._engine = engine
-        from keras_distribute import integration
+        if self._installs_keras_hooks:
+            from keras_distribute import integration
 
-        integration.install()
+            integration.install()
         if engine.process_count > 1:
             context.register_job_strategy(self)
+
+    @property
+    def engine(self) -> ReplicaEngine:
+        """The backend engine that runs this strategy (see
+        `keras_distribute.backend.interface.ReplicaEngine`).
+
+        For code built on kd (checkpoints, callbacks, collectives) that
+        needs the engine's devices, process index or collectives; a Keras
+        program needs none of it. Check an optional capability with
+        `isinstance(strategy.engine, interface.<Protocol>)`.
+
+        Returns:
+            The engine, the same object for the strategy's whole life.
+
+        Example:
+
+        >>> strategy = kd.MirroredStrategy()
+        >>> strategy.engine.process_id
+        0
+        """
+        return self._engine
 
     def _set_communication_options(self, options: Any) -> None:
         """Checks `options` (a `kd.CommunicationOptions` or None) and hands

@@ -24,7 +24,7 @@ def _engine():
     strategy = context.latest_job_strategy()
     if strategy is None and context.has_strategy():
         strategy = context.get_strategy()
-    return None if strategy is None else strategy._engine
+    return None if strategy is None else strategy.engine
 
 
 def _as_array(value: Any):

@@ -120,7 +120,7 @@ def _torch_fit_in_a_launched_process(policy=None):
         "kd": [w.astype("float32") for w in model.get_weights()],
         "process_group": dist.get_backend() if dist.is_initialized()
         else None,
-        "device": str(strategy._engine.device),
+        "device": str(strategy.engine.device),
     }
 
 

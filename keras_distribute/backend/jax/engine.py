@@ -43,7 +43,7 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
     return JaxEngine(devices, layout_map)
 
 
-class JaxEngine(SpmdRun):
+class JaxEngine(SpmdRun, interface.TrainerCallState):
     """The per-strategy JAX engine (see `interface.ReplicaEngine`)."""
 
     # Its `fit` runs per process in a multi-process job; `constrain` lays
@@ -77,10 +77,6 @@ class JaxEngine(SpmdRun):
         if self.multi_process:
             # Each process is handed its own rows (input/process_data.py).
             self.distribution.auto_shard_dataset = False
-        # Set by a multi-process `fit` (process_data.py).
-        self.even_batches = False
-        self.sync_metrics_each_step = True
-        self.step_inputs = None  # set by `fit`/`evaluate` (interface)
         self.mesh = self.device_mesh.backend_mesh
         self._device_set = frozenset(self.mesh.devices.flat)
         self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose keys matched
@@ -290,21 +286,24 @@ class JaxEngine(SpmdRun):
 
     # ---------------------------------------------------- several processes
     def split_rows(self, batch: int, rank: Optional[int] = None):
-        """This process's rows of a global batch.
+        """A process's rows of a global batch (this process's by default).
 
         A batch that divides by the replica count is cut into equal
         per-process slices (laid out sharded); any other batch is given
         whole to every process and laid out replicated, which keeps the
         single-device result.
         """
-        whole = batch % self.num_replicas != 0
-        if rank is None:
-            rank = self.rank
-            self.distribution.batch_given_whole = whole
-        if whole:
+        if batch % self.num_replicas != 0:
             return 0, batch
+        rank = self.rank if rank is None else rank
         per_process = batch // self.world_size
         return rank * per_process, (rank + 1) * per_process
+
+    def rows_to_feed(self, batch: int):
+        """`split_rows(batch)`, and the batch laid out to match (whole:
+        replicated; split: sharded over the batch axis)."""
+        self.distribution.batch_given_whole = batch % self.num_replicas != 0
+        return self.split_rows(batch)
 
     def shared_seed(self) -> int:
         """A seed from the global numpy RNG, the same in every process (each

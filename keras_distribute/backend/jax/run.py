@@ -157,7 +157,7 @@ def apply_gradients(optimizer: Any, grads: List[Any],
     the strategy's compression dtype when it has one."""
     from keras_distribute.common import context
 
-    engine = context.get_strategy()._engine
+    engine = context.get_strategy().engine
     dtype = getattr(engine, "gradient_compression", None)
     dtypes = [g.dtype for g in grads]
     if dtype is not None:

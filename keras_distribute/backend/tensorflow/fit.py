@@ -212,7 +212,7 @@ def compress_for_all_reduce(grads: Any) -> tuple:
         return g
 
     compressed = [compress(g) for g in grads]
-    engine.traced_gradient_reductions = [
+    engine.traced_gradient_reductions[:] = [
         (g.dtype.name, g.shape.num_elements() * g.dtype.size)
         for g in compressed if isinstance(g, tf.Tensor)]
 

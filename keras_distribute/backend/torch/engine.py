@@ -28,6 +28,7 @@ from keras_distribute.common import context
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 from keras_distribute.backend.torch import peers as torch_peers
+from keras_distribute.backend.torch import training as torch_training
 from keras_distribute.backend.torch.groups import ensure_process_group
 from keras_distribute.backend.torch.variables import whole_value
 
@@ -45,7 +46,7 @@ def _variable_keys(variables: list) -> list:
     return keys
 
 
-class TorchEngine:
+class TorchEngine(interface.TrainerCallState):
     """The per-strategy torch engine (see `interface.ReplicaEngine`)."""
 
     # One process per replica, Keras' torch trainer stepping through it.
@@ -88,16 +89,11 @@ class TorchEngine:
         # all-reduces so far (what goes on the wire, per process).
         self.gradient_compression = None
         self.gradient_bytes_reduced = 0
-        self.even_batches = False  # set by `fit` when every batch splits evenly
-        # Set by `fit`: whether per-batch logs have a reader (a progress bar,
-        # a callback with batch hooks); if not, train steps skip the metric
-        # all-reduce and only the epoch-end results are made global.
-        self.sync_metrics_each_step = True
-        # Set by `fit`/`evaluate`: the per-process dataset Keras iterates
-        # (`bare_inputs`: its batches are `x` alone, handed to a user's
-        # step as Keras hands them, not as `(x,)`).
-        self.step_inputs: Any = None
-        self._in_train_step = False
+        # even_batches, sync_metrics_each_step and step_inputs (`bare_inputs`:
+        # its batches are `x` alone, handed to a user's step as Keras hands
+        # them, not as `(x,)`): interface.TrainerCallState.
+        # Keras' train step through the held DDP, and its metric reads.
+        self.train_steps = torch_training.TrainSteps(self)
 
     # ------------------------------------------------------------ variables
     def scope(self):
@@ -194,8 +190,6 @@ class TorchEngine:
                      kwargs: dict) -> Any:
         if not self.in_group:
             return method(model, *args, **kwargs)
-        from keras_distribute.backend.torch import training as torch_training
-
         self._trainer_calls += 1
         try:
             with torch_peers.naming_a_lost_peer(), \
@@ -345,7 +339,7 @@ class TorchEngine:
                 group = [p for p in parts if p.dtype == dtype]
                 flat = torch.cat([p.reshape(-1) for p in group]) * scale
                 dtype_sent = flat.dtype
-                flat = self._all_reduce_sum(self.compress_gradients(flat))
+                flat = self.all_reduce_sum(self.compress_gradients(flat))
                 flat = flat.to(dtype_sent)
                 offset = 0
                 for part in group:
@@ -365,27 +359,21 @@ class TorchEngine:
         flat = torch.tensor([float(_detached(logs[key])) * share
                              for key in scalars],
                             dtype=torch.float64, device=self.device)
-        self._all_reduce_sum(flat)
+        self.all_reduce_sum(flat)
         return {**logs, **{key: float(value)
                            for key, value in zip(scalars, flat.tolist())}}
 
     def train_step(self, model: Any, data: Any) -> Any:
         """Keras' torch train step, forwarding through the held DDP."""
-        from keras_distribute.backend.torch import training as torch_training
-
-        return torch_training.train_step(self, model, data)
+        return self.train_steps.train_step(model, data)
 
     def global_metric_states(self, variables: Sequence[Any]):
         """Metric variables with their all-process values, for a read."""
-        from keras_distribute.backend.torch import training as torch_training
-
-        return torch_training.global_metric_states(self, variables)
+        return self.train_steps.global_metric_states(variables)
 
     def restoring_metric_states(self, variables: Sequence[Any]):
         """Around a restore of all-process metric values (a context)."""
-        from keras_distribute.backend.torch import training as torch_training
-
-        return torch_training.restoring_metric_states(self, variables)
+        return self.train_steps.restoring_metric_states(variables)
 
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:
@@ -483,7 +471,7 @@ class TorchEngine:
                 (v.value - old if v.aggregation == "sum" else v.value)
                 .double().reshape(-1).to(self.device)
                 for v, old in zip(variables, before)])
-            self._all_reduce_sum(flat)
+            self.all_reduce_sum(flat)
             offset = 0
             for variable, old in zip(variables, before):
                 part = flat[offset:offset + old.numel()].reshape(old.shape)
@@ -498,14 +486,14 @@ class TorchEngine:
         (value,) = values  # this process's one replica
         tensor = _to_tensor(value).to(self.device)
         if axis is None:
-            total = self._all_reduce_sum(tensor.clone())
+            total = self.all_reduce_sum(tensor.clone())
             return total / self.num_replicas if op is ReduceOp.MEAN else total
         _check_axis(axis, tensor.dim())
-        total = self._all_reduce_sum(tensor.sum(dim=axis))
+        total = self.all_reduce_sum(tensor.sum(dim=axis))
         if op is ReduceOp.SUM:
             return total
         count = torch.tensor(float(tensor.shape[axis]), device=self.device)
-        return total / self._all_reduce_sum(count)
+        return total / self.all_reduce_sum(count)
 
     def gather(self, values: Sequence[Any], axis: int) -> Any:
         tensor = _to_tensor(values[0]).to(self.device)
@@ -518,7 +506,7 @@ class TorchEngine:
         return self.all_gather(tensor, axis)
 
     @torch_peers.collective
-    def _all_reduce_sum(self, tensor):
+    def all_reduce_sum(self, tensor):
         """Sums `tensor` over the replicas, in place."""
         if self.in_group and self.num_replicas > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
@@ -649,7 +637,7 @@ class _TorchCollectives:
             tensor = _to_tensor(leaf).to(self._engine.device).clone()
             if not torch.is_floating_point(tensor) and op is ReduceOp.MEAN:
                 tensor = tensor.float()
-            total = self._engine._all_reduce_sum(tensor)
+            total = self._engine.all_reduce_sum(tensor)
             # Global now: an optimizer given it applies it as it is.
             return user_steps.mark_reduced(
                 total / self._engine.num_replicas if op is ReduceOp.MEAN

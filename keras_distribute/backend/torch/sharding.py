@@ -328,10 +328,8 @@ class ShardedTorchEngine(TorchEngine):
                 offset += tensor.numel()
 
     def train_step(self, model: Any, data: Any) -> Any:
-        from keras_distribute.backend.torch import training as torch_training
-
         with implicit_replication():  # plain scalars next to DTensor slots
-            return torch_training.train_step(self, model, data)
+            return super().train_step(model, data)
 
     @contextlib.contextmanager
     def global_metric_states(self, variables: Sequence[Any]):

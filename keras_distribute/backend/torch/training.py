@@ -1,9 +1,10 @@
 """The training step and metric reads of the torch engine.
 
-`train_step` is Keras' torch train step with the forward pass going through
-the `DistributedDataParallel` the engine holds (a `DDP(model)` that Keras'
-`fit` bypasses would sync nothing); `global_metric_states` gives metric
-variables their all-process values while Keras reads them.
+`TrainSteps.train_step` is Keras' torch train step with the forward pass
+going through the `DistributedDataParallel` the engine holds (a `DDP(model)`
+that Keras' `fit` bypasses would sync nothing);
+`TrainSteps.global_metric_states` gives metric variables their all-process
+values while Keras reads them.
 """
 
 import contextlib
@@ -13,44 +14,111 @@ from typing import Any, Sequence
 import torch
 
 
-def train_step(engine, model: Any, data: Any) -> Any:
-    """Keras' torch train step, forwarding through the held DDP."""
-    import keras
+class TrainSteps:
+    """The torch engine's train step and its metric reads: a component
+    each engine owns (`engine.train_steps`), holding the step's own state
+    (whether Keras is computing a train step's metrics)."""
 
-    tree = keras.tree
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    wrapper = engine.step_begins(model)  # counted; the held DDP
-    if model._call_has_training_arg:
-        y_pred = wrapper(x, training=True)
-    else:
-        y_pred = wrapper(x)
-    model.zero_grad()
-    loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                               sample_weight=sample_weight, training=True)
-    local = next(i for i in tree.flatten(x) if i is not None).shape[0]
-    model._loss_tracker.update_state(loss, sample_weight=local)
-    if model.optimizer is not None:
-        loss = model.optimizer.scale_loss(loss)
-    if not engine.even_batches:
-        # DDP averages over processes; weigh each by its share of the
-        # global batch so that an uneven split gives the global mean.
-        total = engine._all_reduce_sum(
-            torch.tensor(float(local), device=engine.device))
-        loss = loss * (engine.num_replicas * local / total)
-    if model.trainable_weights:
-        loss.backward()
-        weights = model.trainable_weights[:]
-        engine.sync_gradients(weights)
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self._in_train_step = False
+
+    def train_step(self, model: Any, data: Any) -> Any:
+        """Keras' torch train step, forwarding through the held DDP."""
+        import keras
+
+        engine = self._engine
+        tree = keras.tree
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        wrapper = engine.step_begins(model)  # counted; the held DDP
+        if model._call_has_training_arg:
+            y_pred = wrapper(x, training=True)
+        else:
+            y_pred = wrapper(x)
+        model.zero_grad()
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                   sample_weight=sample_weight, training=True)
+        local = next(i for i in tree.flatten(x) if i is not None).shape[0]
+        model._loss_tracker.update_state(loss, sample_weight=local)
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+        if not engine.even_batches:
+            # DDP averages over processes; weigh each by its share of the
+            # global batch so that an uneven split gives the global mean.
+            total = engine.all_reduce_sum(
+                torch.tensor(float(local), device=engine.device))
+            loss = loss * (engine.num_replicas * local / total)
+        if model.trainable_weights:
+            loss.backward()
+            weights = model.trainable_weights[:]
+            engine.sync_gradients(weights)
+            with torch.no_grad():
+                model.optimizer.apply([v.value.grad for v in weights], weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        self._in_train_step = True
+        try:
+            return model.compute_metrics(x, y, y_pred,
+                                         sample_weight=sample_weight)
+        finally:
+            self._in_train_step = False
+
+    @contextlib.contextmanager
+    def global_metric_states(self, variables: Sequence[Any]):
+        """Temporarily gives metric variables their all-process values.
+
+        Variables aggregated by `"sum"` are summed over processes, `"mean"`
+        averaged, `"only_first_replica"` taken from rank 0; one flat
+        all-reduce serves them all. Local values are restored on exit, so
+        accumulation goes on locally.
+        """
+        engine = self._engine
+        variables = [v for v in variables
+                     if getattr(v, "aggregation", "none") != "none"]
+        if not variables or (
+            self._in_train_step and not engine.sync_metrics_each_step
+        ):
+            yield
+            return
+        local = [v.value.detach().clone() for v in variables]
+        flat = torch.cat([
+            (t.double() if v.aggregation != "only_first_replica" or
+             engine.input_pipeline_id == 0 else torch.zeros_like(t, dtype=torch.float64)
+             ).reshape(-1)
+            for v, t in zip(variables, local)]).to(engine.device)
+        engine.all_reduce_sum(flat)
+        offset = 0
         with torch.no_grad():
-            model.optimizer.apply([v.value.grad for v in weights], weights)
-    else:
-        warnings.warn("The model does not have any trainable weights.")
-    engine._in_train_step = True
-    try:
-        return model.compute_metrics(x, y, y_pred,
-                                     sample_weight=sample_weight)
-    finally:
-        engine._in_train_step = False
+            for variable, value in zip(variables, local):
+                part = flat[offset:offset + value.numel()].reshape(value.shape)
+                offset += value.numel()
+                if variable.aggregation == "mean":
+                    part = part / engine.num_replicas
+                variable.value.copy_(part.to(value.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for variable, value in zip(variables, local):
+                    variable.value.copy_(value)
+
+    @contextlib.contextmanager
+    def restoring_metric_states(self, variables: Sequence[Any]):
+        """Around assigning all-process metric values (a restore).
+
+        Pending rank-0 broadcasts of new variables (compiled metrics) land
+        first, not on the restored values; afterwards only replica 0 keeps the
+        summed (`"sum"`) values and the others hold zero, so that reading them
+        sums to the restored values again.
+        """
+        engine = self._engine
+        engine.broadcast_new_variables()
+        yield
+        if engine.input_pipeline_id != 0:
+            with torch.no_grad():
+                for variable in variables:
+                    if getattr(variable, "aggregation", None) == "sum":
+                        variable.value.zero_()
 
 
 def compiled_ddp_mode(engine, model: Any):
@@ -96,63 +164,6 @@ def compiled_ddp_mode(engine, model: Any):
     return config.patch(optimize_ddp=False)
 
 
-@contextlib.contextmanager
-def global_metric_states(engine, variables: Sequence[Any]):
-    """Temporarily gives metric variables their all-process values.
-
-    Variables aggregated by `"sum"` are summed over processes, `"mean"`
-    averaged, `"only_first_replica"` taken from rank 0; one flat
-    all-reduce serves them all. Local values are restored on exit, so
-    accumulation goes on locally.
-    """
-    variables = [v for v in variables
-                 if getattr(v, "aggregation", "none") != "none"]
-    if not variables or (
-        engine._in_train_step and not engine.sync_metrics_each_step
-    ):
-        yield
-        return
-    local = [v.value.detach().clone() for v in variables]
-    flat = torch.cat([
-        (t.double() if v.aggregation != "only_first_replica" or
-         engine.input_pipeline_id == 0 else torch.zeros_like(t, dtype=torch.float64)
-         ).reshape(-1)
-        for v, t in zip(variables, local)]).to(engine.device)
-    engine._all_reduce_sum(flat)
-    offset = 0
-    with torch.no_grad():
-        for variable, value in zip(variables, local):
-            part = flat[offset:offset + value.numel()].reshape(value.shape)
-            offset += value.numel()
-            if variable.aggregation == "mean":
-                part = part / engine.num_replicas
-            variable.value.copy_(part.to(value.dtype))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for variable, value in zip(variables, local):
-                variable.value.copy_(value)
-
-
-@contextlib.contextmanager
-def restoring_metric_states(engine, variables: Sequence[Any]):
-    """Around assigning all-process metric values (a restore).
-
-    Pending rank-0 broadcasts of new variables (compiled metrics) land
-    first, not on the restored values; afterwards only replica 0 keeps the
-    summed (`"sum"`) values and the others hold zero, so that reading them
-    sums to the restored values again.
-    """
-    engine.broadcast_new_variables()
-    yield
-    if engine.input_pipeline_id != 0:
-        with torch.no_grad():
-            for variable in variables:
-                if getattr(variable, "aggregation", None) == "sum":
-                    variable.value.zero_()
-
-
 def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
     """`(loss, gradients, y_pred)` by `loss.backward()` on this replica."""
     model.zero_grad()
@@ -171,7 +182,7 @@ def apply_gradients(optimizer: Any, grads: Sequence[Any],
 
     # The default strategy's in-place engine has no compression (and no
     # other process): its all-reduce is the identity.
-    compress = getattr(context.get_strategy()._engine, "compress_gradients",
+    compress = getattr(context.get_strategy().engine, "compress_gradients",
                        None) or (lambda g: g)
     dtypes = [g.dtype for g in grads]
     grads = context.replica_context_of("apply_gradients").all_reduce(

@@ -1,7 +1,7 @@
 """Steps a user writes, distributed on torch processes.
 
 Keras' own train step forwards through the DDP the engine holds
-(`training.train_step`). A model that overrides `train_step` or
+(`training.TrainSteps.train_step`). A model that overrides `train_step` or
 `test_step` (keras-io's "Customizing what happens in fit()" for torch, a
 GAN with two optimizers) replaces it, while each process still trains on
 its share of every global batch: without more, each process would apply
@@ -121,7 +121,7 @@ class StepSession:
             if self._even:
                 self._share = 1.0 / self.engine.num_replicas
             else:
-                total = float(self.engine._all_reduce_sum(torch.tensor(
+                total = float(self.engine.all_reduce_sum(torch.tensor(
                     float(self.rows), dtype=torch.float64,
                     device=self.engine.device)).item())
                 self._share = self.rows / total if total else 0.0
