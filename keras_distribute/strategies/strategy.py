@@ -5,7 +5,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from keras_distribute.common.input_context import InputContext
 from keras_distribute.common import context
-from keras_distribute.input import datasets as input_lib
+from keras_distribute.input import datasets
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.reduce_op import check_reduce_axis
@@ -432,7 +432,7 @@ class Strategy:
     # ------------------------------------------------------------------ input
     def experimental_distribute_dataset(self, dataset: Any,
                                         options: Optional[
-                                            input_lib.InputOptions] = None
+                                            datasets.InputOptions] = None
                                         ) -> Any:
         """Splits each global batch of `dataset` across the replicas.
 
@@ -462,11 +462,11 @@ class Strategy:
         native = self._engine.distribute_dataset(dataset, options)
         if native is not None:
             return native
-        return input_lib.DistributedDataset(self, dataset, options)
+        return datasets.DistributedDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable,
                                           options: Optional[
-                                              input_lib.InputOptions] = None
+                                              datasets.InputOptions] = None
                                           ) -> Any:
         """Builds the input pipeline(s) with `dataset_fn(input_context)`.
 
@@ -519,13 +519,13 @@ class Strategy:
             dataset_fn_once, options, input_context)
         if native is not None:
             return native
-        return input_lib.DistributedDatasetsFromFunction(
+        return datasets.DistributedDatasetsFromFunction(
             self, dataset_fn_once, input_context, options
         )
 
     def experimental_distribute_datasets_from_function(
             self, dataset_fn: Callable,
-            options: Optional[input_lib.InputOptions] = None) -> Any:
+            options: Optional[datasets.InputOptions] = None) -> Any:
         """The former name of `distribute_datasets_from_function` (TF 2.3),
         which tf.distribute still accepts; the same call.
 
@@ -574,7 +574,8 @@ class Strategy:
         return self._engine.put_per_replica(structures, on_device=True)
 
     def _check_options(self, options):
-        if options is not None and not isinstance(options, input_lib.InputOptions):
+        if options is not None and not isinstance(options,
+                                                  datasets.InputOptions):
             raise ValueError(
                 "Expected `options` to be a `kd.InputOptions`. Received: "
                 f"options of type {type(options).__name__}."

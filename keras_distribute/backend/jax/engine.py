@@ -30,8 +30,8 @@ from keras_distribute.backend.jax.collectives import as_array
 from keras_distribute.backend.jax.devices import device_name
 from keras_distribute.backend.jax.layouts import StrategyDataParallel
 from keras_distribute.backend.jax.layouts import StrategyModelParallel
-from keras_distribute.backend.jax.layouts import warn_unmatched_keys
-from keras_distribute.backend.jax.layouts import check_layout_map
+from keras_distribute.common.layouts import check_layout_map
+from keras_distribute.common.layouts import warn_unmatched_keys
 from keras_distribute.backend.jax.predict import process_local_predictions
 from keras_distribute.backend.jax.spmd_run import SpmdRun
 from keras_distribute.common.reduce_op import ReduceOp

@@ -11,21 +11,21 @@ from keras.distribution import DeviceMesh
 
 from keras_distribute.common import keras_services
 from keras_distribute.backend import interface
-from keras_distribute.backend.jax import engine as jax_backend
+from keras_distribute.backend.jax import engine as jax_engine
 from keras_distribute.backend.jax.devices import resolve_device
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None) -> "jax_backend.JaxEngine":
+                             layout_map: Any = None) -> "jax_engine.JaxEngine":
     """Joins the `jax.distributed` job `resolver` describes; all devices."""
     timeout_s = int(communication_timeout_s(timeout_s))
     if resolver.num_processes == 1 and not jax.distributed.is_initialized():
         # One process: no job to join, so no jax.distributed (which must
         # start before JAX runs anything): this process's devices, at any
         # time, as TensorFlow's one-worker strategy.
-        return jax_backend.make_engine(list(jax.devices()), layout_map)
+        return jax_engine.make_engine(list(jax.devices()), layout_map)
     if not jax.distributed.is_initialized():
         # SIGTERM must still end a process (JAX's preemption service would
         # swallow it); a dead peer is then noticed within the timeout.
@@ -105,7 +105,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             f"Received: {resolver!r}.")
     if jax.process_count() > 1:
         keras_services.get().install_chief_values()
-    return jax_backend.make_engine(list(jax.devices()), layout_map)
+    return jax_engine.make_engine(list(jax.devices()), layout_map)
 
 
 def _cpu_collectives_over_own_address(resolver: Any) -> None:
@@ -152,7 +152,7 @@ def _own_address(address: str) -> Optional[str]:
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None) -> "jax_backend.JaxTpuEngine":
+                    layout_map: Any = None) -> "jax_engine.JaxTpuEngine":
     """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
     from keras.distribution import LayoutMap
 
@@ -177,7 +177,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     if layout_map is None:
         mesh = DeviceMesh(
             shape=(num_replicas, logical), axis_names=["batch", "model"],
-            devices=np.array([jax_backend.device_name(d) for d in devices]
+            devices=np.array([jax_engine.device_name(d) for d in devices]
                              ).reshape(num_replicas, logical))
         layout_map = LayoutMap(mesh)
     elif tuple(layout_map.device_mesh.shape) != (num_replicas, logical):
@@ -186,7 +186,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             f" but the device assignment is {num_replicas} replicas x "
             f"{logical} logical devices. Build the LayoutMap on a "
             f"DeviceMesh of shape ({num_replicas}, {logical}).")
-    return jax_backend.JaxTpuEngine(devices, layout_map, logical)
+    return jax_engine.JaxTpuEngine(devices, layout_map, logical)
 
 
 def _check_same_cluster(resolver: Any, timeout_s: float) -> None:

@@ -11,9 +11,7 @@ from keras.distribution import DataParallel
 from keras.distribution import ModelParallel
 from keras.distribution import TensorLayout
 
-from keras_distribute.common.layouts import warn_unmatched_keys  # noqa: F401
 from keras_distribute.common.layouts import check_layout_fits
-from keras_distribute.common.layouts import check_layout_map  # noqa: F401
 
 
 class StrategyLayouts:

@@ -153,8 +153,6 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
 
 
 class ShardedTorchEngine(TorchEngine):
-    # Layers' forward passes run on their sharded values.
-    contract: Tuple[type, ...] = (interface.ShardedForwardEngine,)
     """Variables laid out by a LayoutMap over a (batch, model...) mesh.
 
     The first mesh axis is the batch axis: each of its positions is one
@@ -163,6 +161,9 @@ class ShardedTorchEngine(TorchEngine):
     its sharded variables as DTensors on that model sub-mesh. A 1-D mesh is
     all model axis: one replica over every process.
     """
+
+    # Layers' forward passes run on their sharded values.
+    contract: Tuple[type, ...] = (interface.ShardedForwardEngine,)
 
     collective_reads = True  # reading a sharded variable whole is collective
     # A built layer's variables are broadcast before they are cut
