@@ -77,7 +77,8 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
             f"TensorFlow's gRPC server of this task ({resolver.task_type} "
             f"{resolver.task_id}, given '{own}')",
             "give this task a free port in TF_CONFIG (or the cluster "
-            "resolver)")
+            "resolver); if another task of this job holds it, the two were "
+            "given the same task index: give each task its own")
     tf_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type=resolver.task_type,
         task_id=resolver.task_id, rpc_layer="grpc")
