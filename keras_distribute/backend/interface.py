@@ -295,9 +295,10 @@ class BackendModule(Protocol):
         model_losses)` and its gradients over `model.trainable_variables`
         (in `kd.train_step`, inside `run`)."""
 
-    def apply_gradients(self, optimizer: Any, grads: Any,
-                        variables: Any) -> None:
-        """Combines the replicas' gradients (sum) and applies them once."""
+    def apply_gradients(self, engine: ReplicaEngine, optimizer: Any,
+                        grads: Any, variables: Any) -> None:
+        """Combines the replicas' gradients (sum) and applies them once,
+        as `engine` (the running strategy's) all-reduces them."""
 
     name: str
 

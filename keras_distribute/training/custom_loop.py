@@ -63,6 +63,7 @@ def train_step(model: Any, optimizer: Any, loss_fn: Callable, x: Any,
     ```
     """
     from keras_distribute.backend import get_backend
+    from keras_distribute.common import context
 
     def compute_loss(y_pred: Any, model_losses: Sequence[Any]) -> Any:
         import keras
@@ -78,7 +79,8 @@ def train_step(model: Any, optimizer: Any, loss_fn: Callable, x: Any,
 
     backend = get_backend()
     loss, grads, y_pred = backend.value_and_gradients(model, compute_loss, x)
-    backend.apply_gradients(optimizer, grads, model.trainable_variables)
+    backend.apply_gradients(context.get_strategy().engine, optimizer, grads,
+                            model.trainable_variables)
     for metric in metrics:
         metric.update_state(y, y_pred)
     return loss

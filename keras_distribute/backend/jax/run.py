@@ -151,14 +151,13 @@ def value_and_gradients(model: Any, compute_loss: Callable, x: Any) -> tuple:
     return loss, grads, y_pred
 
 
-def apply_gradients(optimizer: Any, grads: List[Any],
+def apply_gradients(engine: Any, optimizer: Any, grads: List[Any],
                     variables: List[Any]) -> None:
     """Sums the replicas' gradients, then applies them (inside `run`); in
-    the strategy's compression dtype when it has one."""
+    `engine`'s compression dtype when it has one."""
     from keras_distribute.common import context
 
-    engine = context.get_strategy().engine
-    dtype = getattr(engine, "gradient_compression", None)
+    dtype = engine.gradient_compression
     dtypes = [g.dtype for g in grads]
     if dtype is not None:
         grads = [g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating)

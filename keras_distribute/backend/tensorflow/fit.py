@@ -185,9 +185,12 @@ def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
     return loss, tape.gradient(loss, model.trainable_variables), y_pred
 
 
-def apply_gradients(optimizer: Any, grads: Any, variables: Any) -> None:
+def apply_gradients(engine: Any, optimizer: Any, grads: Any,
+                    variables: Any) -> None:
     """In a tf.distribute replica context the optimizer sums the replicas'
-    gradients itself (what the tutorials rely on)."""
+    gradients itself (what the tutorials rely on); its all-reduce applies
+    the strategy's compression (`compress_for_all_reduce`), so `engine` is
+    not read here."""
     optimizer.apply_gradients(zip(grads, variables))
 
 
