@@ -11,6 +11,7 @@ tensor or DTensor (`variables`).
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from keras_distribute.backend import interface
@@ -25,7 +26,6 @@ from keras_distribute.backend.torch.engine import on_variable_created  # noqa: F
 from keras_distribute.backend.torch.groups import ensure_process_group
 from keras_distribute.backend.torch.groups import join_process_group
 from keras_distribute.backend.torch.sharding import ShardedTorchEngine
-from keras_distribute.backend.torch.training import apply_gradients  # noqa: F401
 from keras_distribute.backend.torch.training import value_and_gradients  # noqa: F401
 from keras_distribute.backend.torch.variables import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.torch.variables import checkpoint_pieces  # noqa: F401
@@ -33,6 +33,24 @@ from keras_distribute.backend.torch.variables import checkpoint_snapshot  # noqa
 from keras_distribute.common.layouts import sharded_axes
 
 name = "torch"
+
+
+def apply_gradients(engine: Any, optimizer: Any, grads: Sequence[Any],
+                    variables: Sequence[Any]) -> None:
+    """Sums the processes' gradients, then applies them (in `engine`'s
+    compression dtype, counted, when it is a torch engine)."""
+    from keras_distribute.common import context
+
+    # The default strategy's in-place engine has no compression (and no
+    # other process): its all-reduce is the identity.
+    compress = (engine.compress_gradients if isinstance(engine, TorchEngine)
+                else lambda g: g)
+    dtypes = [g.dtype for g in grads]
+    grads = context.replica_context_of("apply_gradients").all_reduce(
+        "sum", [compress(g) for g in grads])
+    grads = [g.to(dtype) for g, dtype in zip(grads, dtypes)]
+    with torch.no_grad():
+        optimizer.apply(grads, variables)
 
 
 def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine":

@@ -173,22 +173,3 @@ def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
     grads = [v.value.grad for v in model.trainable_variables]
     return loss.detach(), grads, y_pred.detach() if hasattr(
         y_pred, "detach") else y_pred
-
-
-def apply_gradients(engine: Any, optimizer: Any, grads: Sequence[Any],
-                    variables: Sequence[Any]) -> None:
-    """Sums the processes' gradients, then applies them (in `engine`'s
-    compression dtype, counted, when it is a torch engine)."""
-    from keras_distribute.backend.torch.engine import TorchEngine
-    from keras_distribute.common import context
-
-    # The default strategy's in-place engine has no compression (and no
-    # other process): its all-reduce is the identity.
-    compress = (engine.compress_gradients if isinstance(engine, TorchEngine)
-                else lambda g: g)
-    dtypes = [g.dtype for g in grads]
-    grads = context.replica_context_of("apply_gradients").all_reduce(
-        "sum", [compress(g) for g in grads])
-    grads = [g.to(dtype) for g, dtype in zip(grads, dtypes)]
-    with torch.no_grad():
-        optimizer.apply(grads, variables)
