@@ -286,7 +286,9 @@ def test_a_trainer_call_inside_another_puts_the_outer_settings_back():
     # `fit`'s validation `evaluate` ran inside `fit` and left its
     # `step_inputs` at None: from epoch 2 a torch step written for `x`
     # alone got `[x]` (test_user_steps.py's autoencoder).
-    state = interface.TrainerCallState()
+    from keras_distribute.backend.trainer_call import TrainerCallState
+
+    state = TrainerCallState()
     with state.trainer_call(even_batches=True, step_inputs="fit rows",
                             sync_metrics_each_step=False):
         with state.trainer_call(step_inputs="validation rows"):

@@ -14,9 +14,8 @@ declares and that the neutral layer reads nothing from an engine that no
 protocol declares.
 """
 
-import contextlib
-from typing import (Any, Callable, ContextManager, Iterator, Optional,
-                    Protocol, Sequence, runtime_checkable)
+from typing import (Any, Callable, ContextManager, Optional, Protocol,
+                    Sequence, runtime_checkable)
 
 from keras_distribute.common.devices import DeviceSpec
 from keras_distribute.common.devices import parse_device_name
@@ -125,7 +124,7 @@ class ProcessDataEngine(ReplicaEngine, Protocol):
 
     rank: int  # this process's index in the job (as `process_id`)
     # The settings of the trainer call in progress (`trainer_call`), read by
-    # the engine's own steps; see `TrainerCallState`.
+    # the engine's own steps; see `trainer_call.TrainerCallState`.
     even_batches: bool
     sync_metrics_each_step: bool
     step_inputs: Any
@@ -158,62 +157,6 @@ class ProcessDataEngine(ReplicaEngine, Protocol):
     def gather_rows(self, array: Any) -> Any:
         """Every process's rows of `array`, concatenated in process order
         (rows may differ in number between processes)."""
-
-
-_UNCHANGED: Any = ...
-
-
-class TrainerCallState:
-    """What the neutral layer tells a `ProcessDataEngine` about the trainer
-    call in progress, held by the engine (the defaults, written once, are
-    those outside every call), and the rows of each batch it feeds.
-
-    `input/process_data.py` sets them for a `fit`, `evaluate` or
-    `train_on_batch` through `trainer_call`, never by writing the engine's
-    fields; a call inside another (`fit`'s validation `evaluate`) changes
-    only what it gives and puts the outer call's settings back after.
-
-    - `even_batches`: every batch of the call splits evenly over the
-      replicas (the replicas then skip the uneven-batch reweighting).
-    - `sync_metrics_each_step`: per-batch logs have a reader, so each
-      train step makes the metrics global (else only the epoch-end results
-      are).
-    - `step_inputs`: the per-process dataset Keras iterates (
-      `input/process_data.py`'s ArrayShards or SourceShards; None outside).
-    """
-
-    even_batches: bool = False
-    sync_metrics_each_step: bool = True
-    step_inputs: Any = None
-
-    def split_rows(self, batch: int, pipeline: Optional[int] = None
-                   ) -> tuple:
-        """Each engine's own split (`ProcessDataEngine.split_rows`)."""
-        raise NotImplementedError
-
-    def rows_to_feed(self, batch: int) -> tuple:
-        """This process's rows of the global batch it feeds next; an engine
-        that lays a batch out by how it was split records it here."""
-        return self.split_rows(batch)
-
-    @contextlib.contextmanager
-    def trainer_call(self, *, even_batches: Any = _UNCHANGED,
-                     step_inputs: Any = _UNCHANGED,
-                     sync_metrics_each_step: Any = _UNCHANGED
-                     ) -> Iterator[None]:
-        previous = (self.even_batches, self.step_inputs,
-                    self.sync_metrics_each_step)
-        if even_batches is not _UNCHANGED:
-            self.even_batches = bool(even_batches)
-        if step_inputs is not _UNCHANGED:
-            self.step_inputs = step_inputs
-        if sync_metrics_each_step is not _UNCHANGED:
-            self.sync_metrics_each_step = bool(sync_metrics_each_step)
-        try:
-            yield
-        finally:
-            (self.even_batches, self.step_inputs,
-             self.sync_metrics_each_step) = previous
 
 
 @runtime_checkable

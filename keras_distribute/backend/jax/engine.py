@@ -25,6 +25,7 @@ import keras
 from keras.distribution import DeviceMesh
 
 from keras_distribute.backend import interface
+from keras_distribute.backend import trainer_call
 from keras_distribute.backend.jax import compression as jax_compression
 from keras_distribute.backend.jax.collectives import as_array
 from keras_distribute.backend.jax.devices import device_name
@@ -43,7 +44,7 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
     return JaxEngine(devices, layout_map)
 
 
-class JaxEngine(SpmdRun, interface.TrainerCallState):
+class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
     """The per-strategy JAX engine (see `interface.ReplicaEngine`)."""
 
     # Its `fit` runs per process in a multi-process job; `constrain` lays

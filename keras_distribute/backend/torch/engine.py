@@ -23,6 +23,7 @@ from keras.distribution import DeviceMesh
 
 from keras_distribute.common import keras_services
 from keras_distribute.backend import interface
+from keras_distribute.backend import trainer_call
 from keras_distribute.common.batches import balanced_bounds
 from keras_distribute.common import context
 from keras_distribute.common.reduce_op import ReduceOp
@@ -46,7 +47,7 @@ def _variable_keys(variables: list) -> list:
     return keys
 
 
-class TorchEngine(interface.TrainerCallState):
+class TorchEngine(trainer_call.TrainerCallState):
     """The per-strategy torch engine (see `interface.ReplicaEngine`)."""
 
     # One process per replica, Keras' torch trainer stepping through it.
@@ -91,7 +92,7 @@ class TorchEngine(interface.TrainerCallState):
         self.gradient_bytes_reduced = 0
         # even_batches, sync_metrics_each_step and step_inputs (`bare_inputs`:
         # its batches are `x` alone, handed to a user's step as Keras hands
-        # them, not as `(x,)`): interface.TrainerCallState.
+        # them, not as `(x,)`): trainer_call.TrainerCallState.
         # Keras' train step through the held DDP, and its metric reads.
         self.train_steps = torch_training.TrainSteps(self)
 
