@@ -19,7 +19,14 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || echo "no nvidia-smi" > "$out/nvidia-smi.txt"
-"$python" -c "import keras, sys; print('keras', keras.__version__, 'python', sys.version.split()[0])" \
+KERAS_BACKEND=torch "$python" -c "
+import sys, importlib, keras
+print('keras', keras.__version__, 'python', sys.version.split()[0])
+for name in ('torch', 'jax', 'jaxlib', 'numpy', 'h5py'):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as error:
+        print(name, 'not importable:', error)" \
   | tee "$out/versions.txt" || exit 1
 status=0
 for backend in ${KD_GPU_BACKENDS:-torch jax}; do

@@ -222,6 +222,16 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
                         args=("c",), timeout=TIMEOUT)
     assert spawned[0]["parent"] == os.getpid()
     monkeypatch.delenv("KERAS_HOME")
+    assert starting.start_method() == "forkserver"
+    # On the torch backend with a CUDA GPU a launch spawns: CUDA, which
+    # the server's `import keras` starts, does not survive a fork.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert starting.torch_backend_sees_cuda()
+    assert starting.start_method() == "spawn"
+    monkeypatch.undo()
+    assert not starting.torch_backend_sees_cuda()
     monkeypatch.setenv("KERAS_DISTRIBUTE_START_METHOD", "spawn")
     assert starting.start_method() == "spawn"
     monkeypatch.setenv("KERAS_DISTRIBUTE_START_METHOD", "fork")

@@ -25,6 +25,12 @@ starts as a spawned one would:
 - Python's default SIGINT handler (`KeyboardInterrupt`), and the `atexit`
   handlers run at the end (a forked process leaves through `os._exit`).
 
+On the torch backend with a CUDA GPU the launch always spawns: importing
+Keras there asks torch for its GPUs, which starts CUDA in the fork server,
+and CUDA started in a parent does not survive a fork (each forked process
+failed at its first tensor with "CUDA error: initialization error", found
+on the GPU tier's first run).
+
 `KERAS_DISTRIBUTE_START_METHOD=spawn` restores a fresh interpreter per
 process; platforms without a fork server (Windows) always spawn.
 
@@ -68,7 +74,8 @@ def start_method() -> str:
 
     Returns:
         "spawn" when `KERAS_DISTRIBUTE_START_METHOD=spawn`, when the platform
-        has no fork server, or when a variable imports read changed since
+        has no fork server, on the torch backend with a CUDA GPU (see
+        `torch_backend_sees_cuda`), or when a variable imports read changed since
         this process's fork server started; else "forkserver".
 
     Raises:
@@ -89,12 +96,42 @@ def start_method() -> str:
             "server that imported Keras once) or set it to 'spawn' (a fresh "
             "interpreter per process).")
     if (wanted == "spawn"
-            or "forkserver" not in multiprocessing.get_all_start_methods()):
+            or "forkserver" not in multiprocessing.get_all_start_methods()
+            or torch_backend_sees_cuda()):
         return "spawn"
     started_with = _server["import_env"]
     if started_with is not None and started_with != import_time_env():
         return "spawn"
     return "forkserver"
+
+
+def torch_backend_sees_cuda() -> bool:
+    """Whether this process runs Keras on torch with a CUDA GPU visible.
+
+    Such a launch cannot fork: the fork server's `import keras` asks torch
+    whether CUDA is available, which starts CUDA there, and a process
+    forked after that fails at its first CUDA call. Only modules this
+    process already imported are looked at (`kd.launch` is called after
+    `import keras_distribute`, which imports Keras and its backend).
+
+    Returns:
+        True when Keras is imported with the torch backend and
+        `torch.cuda.is_available()`; else False.
+
+    Example:
+
+    >>> torch_backend_sees_cuda()  # a CPU machine
+    False
+    """
+    keras = sys.modules.get("keras")
+    torch = sys.modules.get("torch")
+    if keras is None or torch is None:
+        return False
+    try:
+        return (keras.backend.backend() == "torch"
+                and bool(torch.cuda.is_available()))
+    except Exception:  # a stand-in module, a broken CUDA install: no GPU
+        return False
 
 
 def context_for_launch() -> Tuple[Any, bool]:

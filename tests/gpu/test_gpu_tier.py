@@ -124,16 +124,52 @@ def _torch_fit_in_a_launched_process(policy=None):
     }
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="torch's NCCL path")
-def test_torch_mirrored_strategy_on_nccl_matches_plain_fit():
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's CUDA path")
+def test_torch_mirrored_strategy_on_the_gpu_matches_plain_fit():
+    # One launched process is one replica on cuda:0, with no process group
+    # (nothing to reduce with); the NCCL group needs two GPUs (below).
     (result,) = kd.launch(_torch_fit_in_a_launched_process, 1, timeout=300)
     if ON_GPU:
-        assert result["process_group"] == "nccl"
+        assert result["process_group"] is None
         assert result["device"].startswith("cuda")
     for a, b in zip(result["plain"], result["kd"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
     record("gpu_parity_torch", {"max_difference": float(max(
         np.abs(a - b).max() for a, b in zip(result["plain"], result["kd"])))})
+
+
+def _torch_two_replicas_on_nccl():
+    import torch
+    import torch.distributed as dist
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, y = data()
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = make_model()
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    return {"kd": [w.astype("float32") for w in model.get_weights()],
+            "process_group": dist.get_backend(),
+            "device": str(strategy.engine.device)}
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's NCCL path")
+@pytest.mark.skipif(GPUS < 2, reason="the NCCL group of two replicas needs "
+                    "two GPUs (NCCL refuses two ranks on one device); this "
+                    f"machine has {GPUS}")
+def test_torch_two_replicas_on_nccl_match_plain_fit():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, y = data()
+    plain = make_model()
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    results = kd.launch(_torch_two_replicas_on_nccl, 2, timeout=300)
+    assert [r["process_group"] for r in results] == ["nccl", "nccl"]
+    assert [r["device"] for r in results] == ["cuda:0", "cuda:1"]
+    for result in results:
+        for a, b in zip(plain.get_weights(), result["kd"]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's GPU devices")
