@@ -1083,3 +1083,119 @@ def different_cluster_descriptions(change):
     os.environ["KERAS_DISTRIBUTE_TIMEOUT"] = "20"
     kd.MirroredStrategy()
     return "trained"
+
+
+FSDP_LAYOUTS = {
+    # Every variable sharded over the batch axis (FSDP / ZeRO-3).
+    "fsdp": [(".*embed/embeddings", ("batch", None)),
+             (".*up/kernel", ("batch", None)), (".*up/bias", ("batch",)),
+             (".*down/kernel", ("batch", None))],
+    # Batch x model: both axes cut the embedding and the first kernel.
+    "fsdp_x_model": [(".*embed/embeddings", ("batch", "model")),
+                     (".*up/kernel", ("batch", "model")),
+                     (".*up/bias", ("model",)),
+                     (".*down/kernel", ("model", None))],
+}
+
+
+def fully_sharded_fit(directory, shape, kind, restore_from=None):
+    """fit / evaluate / predict / checkpoint with variables sharded over
+    the batch axis (FSDP-style) on a `shape` mesh of processes; with
+    `restore_from`, first a checkpoint written by another mesh is read
+    into a fresh model (reshard N -> M)."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    size = int(np.prod(shape))
+    mesh = keras.distribution.DeviceMesh(
+        tuple(shape), ["batch", "model"], [f"cpu:{r}" for r in range(size)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in FSDP_LAYOUTS[kind]:
+        layout_map[key] = axes
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    _, x, y, _ = make_sharded_parts(dropout=False)
+    with strategy.scope():
+        model, _, _, _ = make_sharded_parts(dropout=False)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+                      metrics=["mae"])
+    restored = None
+    if restore_from is not None:
+        with strategy.scope():
+            fresh, _, _, _ = make_sharded_parts(seed=9, dropout=False)
+        kd.checkpoint.ShardedCheckpoint(model=fresh).read(
+            restore_from).expect_partial()
+        restored = fresh.get_weights()
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                        verbose=0)
+    path = kd.checkpoint.ShardedCheckpoint(
+        model=model, optimizer=model.optimizer).write(
+            os.path.join(directory, "ckpt"))
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "history": history.history,
+        "weights": model.get_weights(),
+        "local_shapes": _local_shapes(model.weights),
+        "slot_shapes": _local_shapes(model.optimizer.variables),
+        "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+        "predict": model.predict(x, batch_size=16, verbose=0),
+        "path": path,
+        "restored": restored,
+    }
+
+
+def _local_shapes(variables):
+    return [tuple(v.value.to_local().shape) if hasattr(
+        v.value, "to_local") else None for v in variables]
+
+
+def gemma_causal_lm(seed=3):
+    """A small keras-hub GemmaCausalLM, compiled (the JAX test's model)."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=2,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=64,
+        head_dim=8)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone,
+                                           preprocessor=None)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), weighted_metrics=[])
+    return model
+
+
+def gemma_data():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, size=(32, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1],
+         "padding_mask": np.ones((32, 8), "int32")}
+    return x, tokens[:, 1:]
+
+
+def gemma_with_its_layout_map(shape):
+    """keras-hub's GemmaBackbone.get_layout_map, as written, on a `shape`
+    mesh of processes (its batch axis shards variables: FSDP-style)."""
+    _setup()
+    import keras
+    import keras_hub
+
+    import keras_distribute as kd
+
+    size = int(np.prod(shape))
+    mesh = keras.distribution.DeviceMesh(
+        tuple(shape), ["batch", "model"], [f"cpu:{r}" for r in range(size)])
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model = gemma_causal_lm()
+    x, y = gemma_data()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    embeddings = model.backbone.get_layer("token_embedding").embeddings
+    return {"weights": model.get_weights(),
+            "embeddings_local": tuple(embeddings.value.to_local().shape),
+            "layout": strategy.describe_layout(model.backbone,
+                                               print_fn=lambda _: None)}

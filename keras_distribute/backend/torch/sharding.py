@@ -15,8 +15,15 @@ brought back to its variable's placement as it is accumulated; optimizer
 slots take their variable's placement. Reading a sharded variable whole
 (`get_weights`, `numpy()`) is a collective: every process must do it.
 
-Sharding a variable over the batch axis (FSDP-style) is not supported here
-yet: it raises, pointing to the JAX backend.
+A variable whose layout also shards it over the batch axis (FSDP / ZeRO-3
+style: keras-hub's `get_layout_map`, `kd.layouts.fully_sharded`) is a
+DTensor on the whole mesh, so each process holds its 1/N of it along the
+batch axis, and so do its gradient and its optimizer slots. When its layer
+runs, DTensor gathers it over the batch axis (`redistribute` to
+`Replicate`) into the model sub-mesh view the layer computes with; that
+view's gradient enters DTensor's backward as a partial sum over the
+replicas, which DTensor reduce-scatters back onto the shards. The gathered
+values live only for the step that needs them.
 """
 
 import contextlib
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
@@ -55,18 +63,6 @@ def check_mesh(layout_map: Any, world_size: int) -> None:
     `world_size` processes."""
     mesh = layout_map.device_mesh
     size = math.prod(mesh.shape)
-    if len(mesh.shape) > 1 and mesh.shape[0] > 1:
-        batch_axis = mesh.axis_names[0]
-        for key, layout in layout_map.items():
-            if batch_axis in layout_axes(layout):
-                raise NotImplementedError(
-                    f"The layout for {key!r} shards a variable over the batch "
-                    f"axis {batch_axis!r} (FSDP-style); on the torch backend "
-                    "variables may be sharded over the model axes only, and "
-                    "are replicated over the batch axis. Received: layout "
-                    f"axes={tuple(layout.axes)}, mesh shape "
-                    f"{tuple(mesh.shape)}. Use None for the batch axis, a "
-                    "batch axis of size 1, or the JAX backend.")
     for key, layout in layout_map.items():
         named = [name for axis in layout.axes for name in axis_names(axis)]
         twice = sorted({name for name in named if named.count(name) > 1})
@@ -190,6 +186,7 @@ class ShardedTorchEngine(TorchEngine):
         shape = tuple(self.keras_mesh.shape)
         names = list(self.keras_mesh.axis_names)
         self.model_axes = names[1:]
+        self.batch_axis = names[0]
         ranks = mesh_ranks(self.keras_mesh, device, self.world_size)
         # Keras 3.16 makes the torch mesh of a keras.distribution mesh, and
         # the placements of its layouts, itself: the engine uses Keras' own
@@ -226,6 +223,26 @@ class ShardedTorchEngine(TorchEngine):
             placements.append(Shard(dims[0]) if dims else Replicate())
         return placements
 
+    def is_fully_sharded(self, layout: Optional[Any]) -> bool:
+        """Whether `layout` shards over the batch axis too (FSDP-style):
+        its variable is then a DTensor on the whole mesh."""
+        return (layout is not None and self.num_replicas > 1
+                and self.batch_axis in layout_axes(layout))
+
+    def whole_mesh_placements(self, layout: Any) -> list:
+        """The torch placement on each dimension of the whole mesh (the
+        batch axis first) of a layout."""
+        axes = list(layout.axes)
+        if self.keras_layouts:
+            return list(TensorLayout(axes, self.keras_mesh).backend_layout
+                        .placements)
+        placements = []
+        for name in [self.batch_axis] + list(self.model_axes):
+            dims = [d for d, axis in enumerate(axes)
+                    if name in axis_names(axis)]
+            placements.append(Shard(dims[0]) if dims else Replicate())
+        return placements
+
     def shard_layer(self, layer: Any) -> None:
         """Makes the variables of `layer` DTensors when the map shards one.
 
@@ -249,7 +266,12 @@ class ShardedTorchEngine(TorchEngine):
             else:
                 layout = TensorLayout([None] * len(variable.shape),
                                       self.device_mesh)
-            self._to_dtensor(variable, layout, self.placements(layout))
+            if self.is_fully_sharded(layout):
+                self._to_dtensor(variable, layout,
+                                 self.whole_mesh_placements(layout),
+                                 self.torch_mesh)
+            else:
+                self._to_dtensor(variable, layout, self.placements(layout))
         object.__setattr__(layer, "_kd_sharded_engine", self)
         if hasattr(layer, "_torch_params"):  # tracked already: track again
             layer._track_variables()
@@ -260,14 +282,15 @@ class ShardedTorchEngine(TorchEngine):
         if isinstance(value, DTensor) and not isinstance(variable._value,
                                                          DTensor):
             self._to_dtensor(variable, getattr(reference, "_layout", None),
-                             list(value.placements))
+                             list(value.placements), value.device_mesh)
 
-    def _to_dtensor(self, variable: Any, layout: Any, placements: list):
+    def _to_dtensor(self, variable: Any, layout: Any, placements: list,
+                    mesh: Optional[Any] = None):
         local = variable._value.detach()
-        # Every process of the model sub-mesh takes its part of the value
-        # of the sub-mesh's first process (the same in every sub-mesh: the
-        # values were broadcast from rank 0 first, or are optimizer zeros).
-        value = distribute_tensor(local, self.model_mesh, placements,
+        # Every process takes its part of the value of the mesh's first
+        # process (the same in every process: the values were broadcast
+        # from rank 0 first, or are optimizer zeros).
+        value = distribute_tensor(local, mesh or self.model_mesh, placements,
                                   src_data_rank=0)
         parameter = torch.nn.Parameter(value,
                                        requires_grad=variable.trainable)
@@ -315,7 +338,14 @@ class ShardedTorchEngine(TorchEngine):
         if self.num_replicas == 1:
             return
         grads = [v.value.grad for v in variables if v.value.grad is not None]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        # A fully sharded variable's gradient was reduce-scattered over the
+        # replicas in the backward pass (a sum): it is averaged in place.
+        with torch.no_grad():
+            for grad in grads:
+                if self._on_whole_mesh(grad):
+                    grad.to_local().div_(self.num_replicas)
+        local = [g.to_local() if isinstance(g, DTensor) else g
+                 for g in grads if not self._on_whole_mesh(g)]
         if not local:
             return
         flat = torch.cat([t.reshape(-1) for t in local])
@@ -327,6 +357,59 @@ class ShardedTorchEngine(TorchEngine):
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(
                     tensor))
                 offset += tensor.numel()
+
+    def _on_whole_mesh(self, value: Any) -> bool:
+        return (isinstance(value, DTensor)
+                and value.device_mesh.ndim == self.torch_mesh.ndim
+                and self.num_replicas > 1)
+
+    @contextlib.contextmanager
+    def gathered_variables(self, layer: Any):
+        """While a layer runs: each of its fully sharded variables reads as
+        its model sub-mesh view, gathered over the batch axis by DTensor.
+
+        The view's gradient is declared a partial sum over the replicas
+        (`to_local(grad_placements=...)`), so DTensor's backward
+        reduce-scatters it onto the variable's shards. A non-trainable
+        variable the layer assigned (a moving statistic) is written back
+        to its shard afterwards.
+        """
+        own = [v for v in list(getattr(layer, "_trainable_variables", []))
+               + list(getattr(layer, "_non_trainable_variables", []))
+               if self._on_whole_mesh(getattr(v, "_value", None))]
+        swapped = []
+        try:
+            for variable in own:
+                parameter = variable._value
+                placements = list(parameter.placements)
+                gathered = parameter.redistribute(
+                    self.torch_mesh, [Replicate()] + placements[1:])
+                local = gathered.to_local(
+                    grad_placements=[Partial()] + placements[1:])
+                view = DTensor.from_local(local, self.model_mesh,
+                                          placements[1:], run_check=False)
+                variable._value = view
+                swapped.append((variable, parameter, view))
+            yield
+        finally:
+            for variable, parameter, view in swapped:
+                if variable._value is not view or not variable.trainable:
+                    self._write_back(variable._value, parameter)
+                variable._value = parameter
+
+    def _write_back(self, value: Any, parameter: Any) -> None:
+        """Copies this process's shard of a (gathered) `value` into the
+        whole-mesh `parameter`: an assignment made while it was gathered."""
+        with torch.no_grad():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            whole = DTensor.from_local(
+                value.detach(), self.torch_mesh,
+                [Replicate()] + list(parameter.placements)[1:],
+                run_check=False)
+            shard = whole.redistribute(self.torch_mesh,
+                                       list(parameter.placements))
+            parameter.to_local().copy_(shard.to_local())
 
     def train_step(self, model: Any, data: Any) -> Any:
         with implicit_replication():  # plain scalars next to DTensor slots
@@ -364,7 +447,7 @@ class ShardedTorchEngine(TorchEngine):
                    "meta" for leaf in keras.tree.flatten((args, kwargs))):
             return forward(layer, *args, **kwargs)  # symbolic call
         args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
-        with implicit_replication():
+        with implicit_replication(), self.gathered_variables(layer):
             outputs = forward(layer, *args, **kwargs)
         return keras.tree.map_structure(whole_value, outputs)
 

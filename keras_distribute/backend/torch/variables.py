@@ -130,12 +130,15 @@ def split_sharded(variables: Sequence[Any], *parallel: Sequence[Any]):
     and the plain ones: torch's `_foreach_*` ops, which Keras' torch
     optimizers use, refuse lists mixing DTensors and tensors. Yields
     `(variables, *parallel)` per non-empty group, in order."""
-    kinds = [_is_dtensor(getattr(v, "_value", v)) for v in variables]
-    for kind in (True, False):
-        index = [i for i, k in enumerate(kinds) if k is kind]
-        if index:
-            yield tuple([values[i] for i in index]
-                        for values in (variables,) + parallel)
+    def kind(variable):  # DTensors grouped by their mesh (no cross-mesh op)
+        value = getattr(variable, "_value", variable)
+        return (value.device_mesh.ndim,) if _is_dtensor(value) else ()
+
+    kinds = [kind(v) for v in variables]
+    for group in sorted(set(kinds), reverse=True):
+        index = [i for i, k in enumerate(kinds) if k == group]
+        yield tuple([values[i] for i in index]
+                    for values in (variables,) + parallel)
 
 
 def zero_variables(variables: Sequence[Any]) -> None:
@@ -158,10 +161,12 @@ def local_region(value: Any) -> tuple:
 
 def writes_piece(engine: Any, value: Any) -> bool:
     """Whether this process writes its piece of `value` to a checkpoint:
-    in replica 0 only, and first along the model dimensions that replicate
-    it (every piece once)."""
+    first along the mesh dimensions that replicate it (every piece once),
+    and in replica 0 only unless the value is sharded over the replicas too
+    (a DTensor on the whole mesh, batch axis included)."""
     coordinate = value.device_mesh.get_coordinate()
-    return engine.input_pipeline_id == 0 and all(
+    whole_mesh = value.device_mesh.ndim == engine.torch_mesh.ndim
+    return (whole_mesh or engine.input_pipeline_id == 0) and all(
         c == 0 for c, p in zip(coordinate, value.placements)
         if not isinstance(p, Shard))
 
