@@ -679,8 +679,11 @@ def test_keras_hub_gemma_layout_map_with_a_batch_axis_matches_one_process():
         pytest.skip(f"keras-hub does not import here: {error}")
     results = kd.launch(workers.gemma_with_its_layout_map, num_processes=2,
                         args=((2, 1),), timeout=TIMEOUT)
-    reference = workers.gemma_causal_lm()
-    x, y = workers.gemma_data()
+    from worker_common import gemma_causal_lm
+    from worker_common import gemma_data
+
+    reference = gemma_causal_lm()
+    x, y = gemma_data()
     reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     for result in results:
         assert result["embeddings_local"] == (64, 8)  # (64, 16) over 2

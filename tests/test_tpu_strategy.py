@@ -84,22 +84,6 @@ def test_transformer_block_sharded_over_model_axis_matches_one_device():
     assert "(None, 'model')" in text
 
 
-def gemma_causal_lm(seed=3):
-    import keras_hub
-
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=64, num_layers=2, num_query_heads=2,
-        num_key_value_heads=2, hidden_dim=16, intermediate_dim=64,
-        head_dim=8)
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone,
-                                           preprocessor=None)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), weighted_metrics=[])
-    return model
-
-
 def test_keras_hub_gemma_with_its_own_layout_map_matches_one_device():
     try:
         import keras_hub
@@ -108,11 +92,10 @@ def test_keras_hub_gemma_with_its_own_layout_map_matches_one_device():
                     f"{keras.__version__}: {error}")
     import jax
 
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, 64, size=(32, 9)).astype("int32")
-    x = {"token_ids": tokens[:, :-1],
-         "padding_mask": np.ones((32, 8), "int32")}
-    y = tokens[:, 1:]
+    from worker_common import gemma_causal_lm
+    from worker_common import gemma_data
+
+    x, y = gemma_data()
     reference = gemma_causal_lm()
     reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
 

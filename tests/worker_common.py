@@ -795,3 +795,31 @@ def assert_taken_port_is_named(limit_s=60):
             and "End the process that holds it" in run.stderr), (
         run.stderr[-2000:])
     assert elapsed < limit_s, elapsed
+
+
+def gemma_causal_lm(seed=3):
+    """A small keras-hub GemmaCausalLM, compiled."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=2,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=64,
+        head_dim=8)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone,
+                                           preprocessor=None)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), weighted_metrics=[])
+    return model
+
+
+def gemma_data():
+    """Token ids and next tokens for `gemma_causal_lm`."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, size=(32, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1],
+         "padding_mask": np.ones((32, 8), "int32")}
+    return x, tokens[:, 1:]
+

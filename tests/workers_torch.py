@@ -1150,32 +1150,6 @@ def _local_shapes(variables):
         v.value, "to_local") else None for v in variables]
 
 
-def gemma_causal_lm(seed=3):
-    """A small keras-hub GemmaCausalLM, compiled (the JAX test's model)."""
-    import keras
-    import keras_hub
-
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=64, num_layers=2, num_query_heads=2,
-        num_key_value_heads=2, hidden_dim=16, intermediate_dim=64,
-        head_dim=8)
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone,
-                                           preprocessor=None)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), weighted_metrics=[])
-    return model
-
-
-def gemma_data():
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, 64, size=(32, 9)).astype("int32")
-    x = {"token_ids": tokens[:, :-1],
-         "padding_mask": np.ones((32, 8), "int32")}
-    return x, tokens[:, 1:]
-
-
 def gemma_with_its_layout_map(shape):
     """keras-hub's GemmaBackbone.get_layout_map, as written, on a `shape`
     mesh of processes (its batch axis shards variables: FSDP-style)."""
@@ -1184,6 +1158,8 @@ def gemma_with_its_layout_map(shape):
     import keras_hub
 
     import keras_distribute as kd
+    from worker_common import gemma_causal_lm
+    from worker_common import gemma_data
 
     size = int(np.prod(shape))
     mesh = keras.distribution.DeviceMesh(
