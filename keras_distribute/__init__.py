@@ -20,6 +20,7 @@ model.fit(x, y, batch_size=256, epochs=3)   # 256 = global batch size
 from keras_distribute import checkpoint
 from keras_distribute import integration  # registers what it installs
 from keras_distribute import cluster_resolver
+from keras_distribute import layouts
 from keras_distribute.strategies import default as _default_strategy  # noqa: F401
 from keras_distribute.common.context import ReplicaContext
 from keras_distribute.common.context import ValueContext
@@ -118,6 +119,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "cluster_resolver",
+    "layouts",
     "compute_average_loss",
     "experimental",
     "experimental_connect_to_cluster",

@@ -142,19 +142,20 @@ def test_the_reader_counts_lazy_imports():
 PACKAGE_ORDER = ("common", "job", "cluster_resolver", "backend", "training",
                  "input", "checkpoint", "integration", "strategies",
                  "callbacks", "launch", "root")
-ROOT_MODULES = {"keras_distribute", "keras_distribute.experimental"}
+ROOT_MODULES = {"keras_distribute", "keras_distribute.experimental",
+                "keras_distribute.layouts"}
 def _package(module: str) -> str:
     return "root" if module in ROOT_MODULES else module.split(".")[1]
 
 
 def test_every_module_has_a_package(graph):
-    # The package root holds only `__init__` and `experimental`; every other
-    # module lives in one of the packages.
+    # The package root holds only `__init__` and the public namespaces
+    # `experimental` and `layouts`; every other module lives in a package.
     _, files = graph
     assert {_package(m) for m in files} <= set(PACKAGE_ORDER), sorted(
         m for m in files if _package(m) not in PACKAGE_ORDER)
     assert sorted(p.name for p in PACKAGE.glob("*.py")) == [
-        "__init__.py", "experimental.py"]
+        "__init__.py", "experimental.py", "layouts.py"]
 
 
 def test_packages_import_only_the_packages_before_them(graph):

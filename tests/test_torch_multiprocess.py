@@ -631,16 +631,17 @@ def test_data_times_model_parallel_over_four_processes(tmp_path):
 
 def test_fully_sharded_variables_train_like_one_process_and_reshard(
         tmp_path):
-    # FSDP-style: every variable of the map sharded over the batch axis of
-    # a (2, 1) mesh; 2 replicas, each process holds half of each variable,
-    # of its gradient and of its Adam slots.
+    # FSDP in one line (kd.layouts.fully_sharded over a 1-D mesh of 2):
+    # 2 replicas; each process holds half of every variable of 32 elements
+    # or more (on its largest even dimension), of its gradient and of its
+    # Adam slots; the smaller ones are replicated.
     results = kd.launch(workers.fully_sharded_fit, num_processes=2,
-                        args=(str(tmp_path / "two"), (2, 1), "fsdp"),
+                        args=(str(tmp_path / "two"), (2,), "one_line"),
                         timeout=TIMEOUT)
     model, _, history, x, y = single_process_sharded_reference(dropout=False)
     for result in results:
         assert result["replicas"] == 2
-        assert result["local_shapes"] == [(6, 8), (20, 16), (8,), (8, 3),
+        assert result["local_shapes"] == [(6, 8), (20, 16), (16,), (8, 3),
                                           (3,), None, None]
         assert result["slot_shapes"][2:6] == [(6, 8), (6, 8), (20, 16),
                                               (20, 16)]
@@ -655,11 +656,12 @@ def test_fully_sharded_variables_train_like_one_process_and_reshard(
         results[0]["path"]).expect_partial()
     for a, b in zip(plain.get_weights(), trained):
         np.testing.assert_array_equal(a, b)
-    # 2 -> 4, another cut: a (2, 2) batch x model map reads it, then trains
-    # like one process itself.
+    # 2 -> 4, another cut: the one-line FSDP composed with a model-axis
+    # map on a (2, 2) mesh (batch x model) reads it, then trains like one
+    # process itself.
     results = kd.launch(workers.fully_sharded_fit, num_processes=4,
                         args=(str(tmp_path / "four"), (2, 2),
-                              "fsdp_x_model", results[0]["path"]),
+                              "one_line_x_model", results[0]["path"]),
                         timeout=TIMEOUT)
     for result in results:
         for a, b in zip(result["restored"], trained):

@@ -1110,10 +1110,19 @@ def fully_sharded_fit(directory, shape, kind, restore_from=None):
 
     size = int(np.prod(shape))
     mesh = keras.distribution.DeviceMesh(
-        tuple(shape), ["batch", "model"], [f"cpu:{r}" for r in range(size)])
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in FSDP_LAYOUTS[kind]:
-        layout_map[key] = axes
+        tuple(shape), ["batch", "model"][:len(shape)],
+        [f"cpu:{r}" for r in range(size)])
+    if kind == "one_line":  # the one-line FSDP, over a 1-D mesh
+        layout_map = kd.layouts.fully_sharded(mesh, min_size=32)
+    else:
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for key, axes in FSDP_LAYOUTS.get(kind, ()):
+            layout_map[key] = axes
+    if kind == "one_line_x_model":  # composed with a model-axis map
+        _, _, _, model_axis_layouts = make_sharded_parts()
+        for key, axes in model_axis_layouts:
+            layout_map[key] = axes
+        layout_map = kd.layouts.fully_sharded(layout_map, min_size=32)
     strategy = kd.MirroredStrategy(layout_map=layout_map)
     _, x, y, _ = make_sharded_parts(dropout=False)
     with strategy.scope():

@@ -31,7 +31,22 @@ def sharded_axes(layout_map: Any) -> List[str]:
     axes = []
     for layout in layout_map.values():
         axes += [name for name in layout_axes(layout) if name not in axes]
+    # A map that shards by a rule rather than by entries
+    # (`kd.layouts.fully_sharded`) names the axes it shards over.
+    for name in getattr(layout_map, "shards_over", ()):
+        if name not in axes:
+            axes.append(name)
     return axes
+
+
+def variable_layout(layout_map: Any, path: str, shape: Any) -> Any:
+    """The layout `layout_map` gives the variable `path` of `shape`: its
+    entry, or what a rule-based map (`kd.layouts.fully_sharded`) computes
+    from the shape; None for replicated."""
+    layout_for = getattr(layout_map, "layout_for", None)
+    if layout_for is not None:
+        return layout_for(path, shape)
+    return layout_map[path]
 
 
 def axis_size(mesh: Any, axis: Any) -> int:

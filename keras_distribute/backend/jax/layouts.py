@@ -46,6 +46,16 @@ class StrategyLayouts:
         return self._data_layouts[key]
 
     def get_variable_layout(self, variable):
+        layout_map = getattr(self, "_kd_layout_map", None)
+        if (getattr(layout_map, "layout_for", None) is not None
+                and getattr(variable, "_layout", None) is None):
+            # A rule-based map (kd.layouts.fully_sharded) reads the shape.
+            layout = layout_map.layout_for(variable.path, variable.shape)
+            if layout is None:
+                layout = TensorLayout([None] * len(variable.shape),
+                                      self.device_mesh)
+            check_layout_fits(layout, variable.path, variable.shape)
+            return layout
         layout = super().get_variable_layout(variable)
         if layout is not None:
             check_layout_fits(layout, variable.path, variable.shape)
@@ -61,6 +71,7 @@ class StrategyDataParallel(StrategyLayouts, DataParallel):
 class StrategyModelParallel(StrategyLayouts, ModelParallel):
     def __init__(self, layout_map, batch_dim_name):
         super().__init__(layout_map=layout_map, batch_dim_name=batch_dim_name)
+        self._kd_layout_map = layout_map
         axis = layout_map.device_mesh.axis_names.index(batch_dim_name)
         self._init_layout_cache(layout_map.device_mesh.shape[axis])
 

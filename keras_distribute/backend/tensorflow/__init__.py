@@ -161,6 +161,9 @@ def _refuse_sharded(layout_map: Any) -> None:
         key: layout.axes for key, layout in layout_map.items()
         if layout_axes(layout)
     }
+    for axis in getattr(layout_map, "shards_over", ()):  # fully_sharded
+        sharded[f"every variable of at least {layout_map.min_size} "
+                f"elements, over {axis!r}"] = (axis,)
     if sharded:
         raise NotImplementedError(
             "Sharded variable layouts are not supported on the "

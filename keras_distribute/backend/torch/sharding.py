@@ -56,6 +56,7 @@ from keras_distribute.common.layouts import check_layout_fits
 from keras_distribute.common.layouts import check_layout_map
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import layout_axes
+from keras_distribute.common.layouts import variable_layout
 
 
 def check_mesh(layout_map: Any, world_size: int) -> None:
@@ -179,7 +180,14 @@ class ShardedTorchEngine(TorchEngine):
         # of the step a DTensor (docs/keras_versions.md).
         self.distribution = None
         self.keras_mesh = mesh
-        if len(mesh.shape) == 1:  # all model: a batch axis of size 1 first
+        if len(mesh.shape) == 1 and mesh.axis_names[0] in getattr(
+                layout_map, "shards_over", ()):
+            # kd.layouts.fully_sharded over a 1-D mesh: all batch axis (as
+            # on JAX), with a model axis of size 1 after it.
+            self.keras_mesh = DeviceMesh(
+                (mesh.shape[0], 1), list(mesh.axis_names) + ["kd_model"],
+                devices=np.reshape(mesh.devices, (mesh.shape[0], 1)))
+        elif len(mesh.shape) == 1:  # all model: a batch axis of size 1 first
             self.keras_mesh = DeviceMesh(
                 (1, mesh.shape[0]), ["kd_replica"] + list(mesh.axis_names),
                 devices=np.reshape(mesh.devices, (1, mesh.shape[0])))
@@ -253,7 +261,8 @@ class ShardedTorchEngine(TorchEngine):
                + list(getattr(layer, "_non_trainable_variables", []))
                if getattr(v, "_kd_engine", None) is self
                and v._value is not None and not isinstance(v._value, DTensor)]
-        layouts = [self.layout_map[v.path] for v in own]
+        layouts = [variable_layout(self.layout_map, v.path, v.shape)
+                   for v in own]
         if not any(layout is not None and layout_axes(layout)
                    for layout in layouts):
             return
