@@ -332,3 +332,66 @@ def test_fit_step_time_on_the_gpu_is_recorded():
         "native_step_ms": plain_ms, "kd_step_ms": kd_step_ms,
         "ratio": kd_step_ms / plain_ms})
     assert kd_step_ms > 0 and plain_ms > 0
+
+
+def _torch_fully_sharded_on_nccl():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, y = data()
+    world = torch.distributed.get_world_size() if (
+        torch.distributed.is_initialized()) else 2
+    prefix = "gpu" if torch.cuda.is_available() else "cpu"  # dry run: gloo
+    mesh = keras.distribution.DeviceMesh(
+        (2,), ["batch"], [f"{prefix}:{r}" for r in range(2)])
+    strategy = kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=0))
+    with strategy.scope():
+        model = make_model()
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    kernel = model.layers[0].kernel.value
+    return {"weights": [w.astype("float32") for w in model.get_weights()],
+            "kernel_local": tuple(kernel.to_local().shape),
+            "world": world}
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's FSDP over NCCL")
+@pytest.mark.skipif(ON_GPU and GPUS < 2, reason="FSDP over an NCCL group "
+                    "needs two GPUs (NCCL refuses two ranks on one device); this "
+                    f"machine has {GPUS}")
+def test_torch_fully_sharded_on_nccl_matches_plain_fit():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, y = data()
+    plain = make_model()
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    results = kd.launch(_torch_fully_sharded_on_nccl, 2, timeout=300)
+    for result in results:
+        assert result["kernel_local"] == (16, 16)  # (16, 32) over 2
+        for a, b in zip(plain.get_weights(), result["weights"]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's GPU devices")
+def test_jax_fully_sharded_over_the_gpus_matches_plain_fit():
+    import jax
+
+    _exact_matmuls()
+    x, y = data()
+    plain = make_model()
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    devices = jax.devices()
+    mesh = keras.distribution.DeviceMesh((len(devices),), ["batch"], devices)
+    strategy = kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=0))
+    with strategy.scope():
+        model = make_model()
+    model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    kernel = model.layers[0].kernel.value
+    shards = {s.data.shape for s in kernel.addressable_shards}
+    record("gpu_fully_sharded_jax", {"devices": len(devices),
+                                     "kernel_shards": sorted(shards)})
+
