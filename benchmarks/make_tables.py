@@ -361,7 +361,37 @@ def divergence_table():
     return "\n".join(rows)
 
 
-TABLES = {"fit": fit_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
+def _mib(value):
+    return f"{value / 2**20:.1f}"
+
+
+def memory_table():
+    entry = _load("memory_torch")
+    r = entry["result"]
+    whole = r["model_bytes"] + r["adam_bytes"]
+    rows = [f"Per process, MiB (model {_mib(r['model_bytes'])} MiB, Adam "
+            f"{_mib(r['adam_bytes'])} MiB; {r['layers']} × {r['width']}² "
+            f"layers, {r['batch_per_process']} rows per process per step); "
+            f"{_run(entry)}:", "",
+            "| processes | | params | gradients | optimizer | step peak "
+            "above rest | step time | goal: (model + Adam) / N × 1.2 |",
+            "|---|---|---|---|---|---|---|---|"]
+    for world, row in sorted(r["processes"].items(), key=lambda i: int(i[0])):
+        goal = whole / int(world) * 1.2
+        for name, label in (("kd", "kd `fully_sharded`"),
+                            ("fsdp2", "FSDP2 loop (anchor)")):
+            m = row[name]
+            held = m["param_bytes"] + m["optimizer_bytes"]
+            rows.append(
+                f"| {world} | {label} | {_mib(m['param_bytes'])} | "
+                f"{_mib(m['grad_bytes'])} | {_mib(m['optimizer_bytes'])} | "
+                f"{_mib(m['step_peak_bytes'])} | {_ms(m['step_ms'])} | "
+                f"{_mib(held)} {'≤' if held <= goal else '>'} "
+                f"{_mib(goal)} |")
+    return "\n".join(rows)
+
+
+TABLES = {"fit": fit_table, "memory": memory_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
           "checkpoint_many": checkpoint_many_table,

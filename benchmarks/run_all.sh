@@ -9,7 +9,8 @@ python=${PYTHON:-.venv/bin/python}
 export TF_CPP_MIN_LOG_LEVEL=2
 for script in bench_fit_jax bench_fit_tf bench_fit_torch \
               bench_model_parallel_jax bench_model_parallel_torch \
-              bench_compression_torch bench_compression_jax; do
+              bench_compression_torch bench_compression_jax \
+              bench_memory_torch; do
   echo "=== $script ==="
   "$python" "benchmarks/$script.py"
 done
