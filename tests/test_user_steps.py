@@ -57,6 +57,22 @@ def test_a_users_step_trains_like_one_process_in_every_process(
 
 
 @torch_only
+def test_a_users_step_with_fully_sharded_variables_trains_like_one_process():
+    # FSDP (kd.layouts.fully_sharded): each variable's gradient is DTensor's
+    # reduce-scatter, weighted by each process's share of the global batch
+    # inside a user's step (the guide's last batch splits 2 + 3); it is
+    # never all-reduced again with the other processes' shards.
+    reference = workers.fully_sharded_user_steps(1)
+    ranks = kd.launch(workers.fully_sharded_user_steps, num_processes=2,
+                      args=(2,), timeout=TIMEOUT)
+    for rank in ranks:
+        assert rank["kernel_local"] == (4, 3)  # (4, 6) over 2
+        for kind in ("guide", "twice", "gan"):
+            _assert_same_weights(reference[kind], rank[kind], 1e-5)
+            _assert_same_weights(ranks[0][kind], rank[kind], 0)
+
+
+@torch_only
 @pytest.mark.parametrize("kind", ["ddp", "twice", "gan"])
 def test_a_users_step_logs_global_values(user_step_runs, kind):
     reference, (rank0, _) = user_step_runs

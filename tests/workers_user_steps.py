@@ -289,6 +289,41 @@ def user_steps():
     return out
 
 
+def fully_sharded_user_steps(processes):
+    """The guide's step, a step that calls its optimizer twice and the GAN
+    with every variable sharded over the batch axis of a 1-D mesh of
+    `processes` (kd.layouts.fully_sharded; 1: no sharding, the reference)."""
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    torch.set_num_threads(1)
+    models = _models()
+    if processes > 1:
+        mesh = keras.distribution.DeviceMesh(
+            (processes,), ["batch"], [f"cpu:{r}" for r in range(processes)])
+        strategy = kd.MirroredStrategy(
+            layout_map=kd.layouts.fully_sharded(mesh, min_size=0))
+    else:
+        strategy = kd.MirroredStrategy()
+    out = {}
+    x, y = _data(101)  # the last batch, 5 rows, splits 2 + 3
+    for kind in ("guide", "twice"):
+        with strategy.scope():
+            model = _regressor(models[kind], 1)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        out[kind] = _fit(model, x, y)["weights"]
+    with strategy.scope():
+        gan = _gan(models["gan"])
+        gan.compile(keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1))
+    out["gan"] = _fit(gan, _data(96)[0])["weights"]
+    kernel = gan.discriminator.layers[0].kernel.value
+    out["kernel_local"] = tuple(kernel.to_local().shape) if hasattr(
+        kernel, "to_local") else tuple(kernel.shape)
+    return out
+
+
 def diverging_step(mode):
     """A step that bypasses the optimizer: the check's error (or warning)."""
     import warnings

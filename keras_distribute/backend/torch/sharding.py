@@ -395,6 +395,8 @@ class ShardedTorchEngine(TorchEngine):
                     self.torch_mesh, [Replicate()] + placements[1:])
                 local = gathered.to_local(
                     grad_placements=[Partial()] + placements[1:])
+                if local.requires_grad:
+                    local.register_hook(self._weigh_replica_gradient)
                 view = DTensor.from_local(local, self.model_mesh,
                                           placements[1:], run_check=False)
                 variable._value = view
@@ -405,6 +407,30 @@ class ShardedTorchEngine(TorchEngine):
                 if variable._value is not view or not variable.trainable:
                     self._write_back(variable._value, parameter)
                 variable._value = parameter
+
+    def _weigh_replica_gradient(self, grad: Any) -> Any:
+        """This process's part of a fully sharded variable's gradient,
+        before DTensor sums it over the replicas: inside a user's step
+        (`user_steps`), weighted by the process's share of the global
+        batch, so the sum is the global batch's gradient as for the other
+        variables (`sum_gradients`); in Keras' own step, as it is (averaged
+        in `sync_gradients`, as DDP does)."""
+        from keras_distribute.backend.torch import user_steps
+
+        session = user_steps.current_session()
+        if session is None or session.engine is not self:
+            return grad
+        return grad * session.share()
+
+    def sum_gradients(self, grads: Sequence[Any], scale: float) -> list:
+        """The replicas' gradients summed, each times its `scale`: a fully
+        sharded variable's gradient is that sum already (DTensor
+        reduce-scattered it, weighted in `_weigh_replica_gradient`); the
+        others are all-reduced as on any torch engine."""
+        grads = list(grads)
+        super().sum_gradients(
+            [g for g in grads if not self._on_whole_mesh(g)], scale)
+        return grads
 
     def _write_back(self, value: Any, parameter: Any) -> None:
         """Copies this process's shard of a (gathered) `value` into the
