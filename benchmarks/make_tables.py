@@ -391,7 +391,34 @@ def memory_table():
     return "\n".join(rows)
 
 
-TABLES = {"fit": fit_table, "memory": memory_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
+def memory_jax_table():
+    entry = _load("memory_jax")
+    r = entry["result"]
+    whole = r["model_bytes"] + r["adam_bytes"]
+    rows = [f"Per device, MiB (model {_mib(r['model_bytes'])} MiB, Adam "
+            f"{_mib(r['adam_bytes'])} MiB; {r['layers']} × {r['width']}² "
+            f"layers, {r['batch_per_device']} rows per device per step); "
+            f"{_run(entry)}:", "",
+            "| devices | | params | optimizer | step time | goal: (model + "
+            "Adam) / N × 1.2 |",
+            "|---|---|---|---|---|---|"]
+    for count, row in sorted(r["devices"].items(), key=lambda i: int(i[0])):
+        goal = whole / int(count) * 1.2
+        for name, label in (("kd", "kd `fully_sharded`"),
+                            ("model_parallel",
+                             "Keras `ModelParallel`, same map (anchor)")):
+            m = row[name]
+            held = m["param_bytes"] + m["optimizer_bytes"]
+            rows.append(
+                f"| {count} | {label} | {_mib(m['param_bytes'])} | "
+                f"{_mib(m['optimizer_bytes'])} | {_ms(m['step_ms'])} | "
+                f"{_mib(held)} {'≤' if held <= goal else '>'} "
+                f"{_mib(goal)} |")
+    return "\n".join(rows)
+
+
+TABLES = {"fit": fit_table, "memory": memory_table,
+          "memory_jax": memory_jax_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
           "checkpoint_many": checkpoint_many_table,

@@ -10,7 +10,7 @@ export TF_CPP_MIN_LOG_LEVEL=2
 for script in bench_fit_jax bench_fit_tf bench_fit_torch \
               bench_model_parallel_jax bench_model_parallel_torch \
               bench_compression_torch bench_compression_jax \
-              bench_memory_torch; do
+              bench_memory_torch bench_memory_jax; do
   echo "=== $script ==="
   "$python" "benchmarks/$script.py"
 done
