@@ -365,56 +365,50 @@ def _mib(value):
     return f"{value / 2**20:.1f}"
 
 
-def memory_table():
-    entry = _load("memory_torch")
+def _memory_rows(name, unit, count_key, anchors, columns):
+    """The rows of a memory table: per `unit`, for each count and each of
+    `anchors` ((key, label)), the `columns` ((key, header)) in MiB, the
+    step time, and params + optimizer against (model + Adam) / N × 1.2."""
+    entry = _load(name)
     r = entry["result"]
     whole = r["model_bytes"] + r["adam_bytes"]
-    rows = [f"Per process, MiB (model {_mib(r['model_bytes'])} MiB, Adam "
+    per_unit = r.get("batch_per_process", r.get("batch_per_device"))
+    headers = " | ".join(header for _, header in columns)
+    rows = [f"Per {unit}, MiB (model {_mib(r['model_bytes'])} MiB, Adam "
             f"{_mib(r['adam_bytes'])} MiB; {r['layers']} × {r['width']}² "
-            f"layers, {r['batch_per_process']} rows per process per step); "
+            f"layers, {per_unit} rows per {unit} per step); "
             f"{_run(entry)}:", "",
-            "| processes | | params | gradients | optimizer | step peak "
-            "above rest | step time | goal: (model + Adam) / N × 1.2 |",
-            "|---|---|---|---|---|---|---|---|"]
-    for world, row in sorted(r["processes"].items(), key=lambda i: int(i[0])):
-        goal = whole / int(world) * 1.2
-        for name, label in (("kd", "kd `fully_sharded`"),
-                            ("fsdp2", "FSDP2 loop (anchor)")):
-            m = row[name]
+            f"| {count_key} | | {headers} | step time | goal: (model + Adam) "
+            "/ N × 1.2 |",
+            "|---|---|" + "---|" * len(columns) + "---|---|"]
+    for count, row in sorted(r[count_key].items(), key=lambda i: int(i[0])):
+        goal = whole / int(count) * 1.2
+        for key, label in anchors:
+            m = row[key]
             held = m["param_bytes"] + m["optimizer_bytes"]
+            cells = " | ".join(_mib(m[column]) for column, _ in columns)
             rows.append(
-                f"| {world} | {label} | {_mib(m['param_bytes'])} | "
-                f"{_mib(m['grad_bytes'])} | {_mib(m['optimizer_bytes'])} | "
-                f"{_mib(m['step_peak_bytes'])} | {_ms(m['step_ms'])} | "
+                f"| {count} | {label} | {cells} | {_ms(m['step_ms'])} | "
                 f"{_mib(held)} {'≤' if held <= goal else '>'} "
                 f"{_mib(goal)} |")
     return "\n".join(rows)
+
+
+def memory_table():
+    return _memory_rows(
+        "memory_torch", "process", "processes",
+        (("kd", "kd `fully_sharded`"), ("fsdp2", "FSDP2 loop (anchor)")),
+        (("param_bytes", "params"), ("grad_bytes", "gradients"),
+         ("optimizer_bytes", "optimizer"),
+         ("step_peak_bytes", "step peak above rest")))
 
 
 def memory_jax_table():
-    entry = _load("memory_jax")
-    r = entry["result"]
-    whole = r["model_bytes"] + r["adam_bytes"]
-    rows = [f"Per device, MiB (model {_mib(r['model_bytes'])} MiB, Adam "
-            f"{_mib(r['adam_bytes'])} MiB; {r['layers']} × {r['width']}² "
-            f"layers, {r['batch_per_device']} rows per device per step); "
-            f"{_run(entry)}:", "",
-            "| devices | | params | optimizer | step time | goal: (model + "
-            "Adam) / N × 1.2 |",
-            "|---|---|---|---|---|---|"]
-    for count, row in sorted(r["devices"].items(), key=lambda i: int(i[0])):
-        goal = whole / int(count) * 1.2
-        for name, label in (("kd", "kd `fully_sharded`"),
-                            ("model_parallel",
-                             "Keras `ModelParallel`, same map (anchor)")):
-            m = row[name]
-            held = m["param_bytes"] + m["optimizer_bytes"]
-            rows.append(
-                f"| {count} | {label} | {_mib(m['param_bytes'])} | "
-                f"{_mib(m['optimizer_bytes'])} | {_ms(m['step_ms'])} | "
-                f"{_mib(held)} {'≤' if held <= goal else '>'} "
-                f"{_mib(goal)} |")
-    return "\n".join(rows)
+    return _memory_rows(
+        "memory_jax", "device", "devices",
+        (("kd", "kd `fully_sharded`"),
+         ("model_parallel", "Keras `ModelParallel`, same map (anchor)")),
+        (("param_bytes", "params"), ("optimizer_bytes", "optimizer")))
 
 
 TABLES = {"fit": fit_table, "memory": memory_table,
