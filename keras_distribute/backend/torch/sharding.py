@@ -282,6 +282,10 @@ class ShardedTorchEngine(TorchEngine):
             else:
                 self._to_dtensor(variable, layout, self.placements(layout))
         object.__setattr__(layer, "_kd_sharded_engine", self)
+        # The variables its forward gathers, found once here rather than
+        # at every call (`gathered_variables`).
+        object.__setattr__(layer, "_kd_fully_sharded", [
+            v for v in own if self._on_whole_mesh(v._value)])
         if hasattr(layer, "_torch_params"):  # tracked already: track again
             layer._track_variables()
 
@@ -383,9 +387,10 @@ class ShardedTorchEngine(TorchEngine):
         variable the layer assigned (a moving statistic) is written back
         to its shard afterwards.
         """
-        own = [v for v in list(getattr(layer, "_trainable_variables", []))
-               + list(getattr(layer, "_non_trainable_variables", []))
-               if self._on_whole_mesh(getattr(v, "_value", None))]
+        own = layer.__dict__.get("_kd_fully_sharded", ())
+        if not own:  # model-axis sharding only: nothing to gather
+            yield
+            return
         swapped = []
         try:
             for variable in own:
