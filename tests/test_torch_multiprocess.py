@@ -608,6 +608,10 @@ def test_data_times_model_parallel_over_four_processes(tmp_path):
         assert_mesh_is_keras(result["mesh"], [[0, 2], [1, 3]],
                              [[0, 2], [1, 3]][rank % 2])
     assert_like_single_process(results, model, history, x, y, atol=1e-5)
+    for result in results:  # rank 1 changed its half of up/kernel
+        variable, message = result["diverged"]
+        assert variable == result["up_kernel_path"]
+        assert "between process 0 and process 1" in message
     for result in results:  # interrupted mid-epoch, resumed: the same run
         for a, b in zip(result["resumed"], result["weights"]):
             np.testing.assert_array_equal(a, b)

@@ -691,17 +691,37 @@ def sharded_data_parallel_fit(directory):
         pass
     resumed, resumed_history = fit([kd.callbacks.BackupAndRestore(
         backup, save_freq=4)])
+    weights = model.get_weights()
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0)
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    # The divergence check compares the pieces that several processes
+    # hold (here each model-axis half, on its 2 replicas): one replica's
+    # half changed behind the optimizer's back is named.
+    strategy.check_replicas_agree(model)  # no error
+    import torch
+
+    kernel = model.get_layer("up").kernel
+    if torch.distributed.get_rank() == 1:  # replica 1, the first half
+        with torch.no_grad():
+            kernel.value.to_local().add_(1.0)
+    try:
+        strategy.check_replicas_agree(model)
+        diverged = None
+    except kd.ReplicasDivergedError as raised:
+        diverged = (raised.variable, str(raised))
     return {
+        "diverged": diverged,
+        "up_kernel_path": kernel.path,
         "mesh": mesh_report(strategy, model, layout_map),
         "resumed": resumed.get_weights(),
         "resumed_history": resumed_history,
         "replicas": strategy.num_replicas_in_sync,
         "history": history.history,
-        "weights": model.get_weights(),
+        "weights": weights,
         "local_shapes": [tuple(v.value.to_local().shape) if hasattr(
             v.value, "to_local") else None for v in model.weights],
-        "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
-        "predict": model.predict(x, batch_size=16, verbose=0),
+        "evaluate": evaluated,
+        "predict": predicted,
         "path": path,
     }
 

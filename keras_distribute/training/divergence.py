@@ -6,8 +6,9 @@ distributed `fit` (and on demand, `strategy.check_replicas_agree(model)`)
 every process fingerprints each copy it holds of the model's trainable
 variables and of its optimizer's variables (a 63-bit xxh3 digest of the
 bytes), copies of one region are compared within the process (the replicas
-of one process: JAX's devices, TensorFlow's mirrored copies) and whole copies
-across processes (one small all-gather). A difference raises
+of one process: JAX's devices, TensorFlow's mirrored copies) and copies of
+one region across processes (whole copies, and the pieces of a sharded
+variable that several processes hold; one small all-gather). A difference raises
 `kd.ReplicasDivergedError` in every process alike, naming the first variable
 that differs and the likely causes; `set_divergence_check("warn")` (or
 `KERAS_DISTRIBUTE_DIVERGENCE_CHECK=warn`) warns instead, `"off"` skips it.
@@ -97,14 +98,23 @@ def _digest(array: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(data) & ((1 << 63) - 1)
 
 
+def _region_key(region: tuple) -> int:
+    """A 63-bit key of a region (`((start, stop), ...)`), equal in every
+    process for one region."""
+    return _digest(np.asarray(region, np.int64))
+
+
 def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
-                  ) -> Tuple[np.ndarray, int]:
-    """`(whole-copy digests (-1: none held here), index of the first
-    variable whose copies differ inside this process (-1: none))`."""
+                  ) -> Tuple[np.ndarray, np.ndarray, int]:
+    """`(region keys, digests, index of the first variable whose copies
+    differ inside this process (-1: none))`: for each variable, the key and
+    digest of one region this process holds — its whole copy, else its
+    first piece in region order (a sharded variable: processes holding the
+    same piece compare it) — or -1 and -1 when it holds none."""
+    keys = np.full(len(named), -1, np.int64)
     digests = np.full(len(named), -1, np.int64)
     local_difference = -1
     for index, (_, variable) in enumerate(named):
-        whole = whole_region(tuple(variable.shape))
         seen, differ = _copy_digests(engine, variable)
         if differ:
             # Read once more before calling it a divergence: a copy read
@@ -113,8 +123,12 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
             seen, differ = _copy_digests(engine, variable)
         if differ and local_difference < 0:
             local_difference = index
-        digests[index] = seen.get(tuple(whole), -1)
-    return digests, local_difference
+        if seen:
+            whole = tuple(whole_region(tuple(variable.shape)))
+            region = whole if whole in seen else min(seen)
+            keys[index] = _region_key(region)
+            digests[index] = seen[region]
+    return keys, digests, local_difference
 
 
 def _copy_digests(engine: ReplicaEngine, variable: Any) -> Tuple[dict, bool]:
@@ -157,22 +171,29 @@ def find_divergence(engine: ReplicaEngine, model: Any) -> Optional[Tuple[str, st
         return ("(the variable lists)",
                 "the processes hold different numbers of trainable and "
                 f"optimizer variables: {counts.tolist()} by process")
-    digests, local = _fingerprints(engine, named)
+    keys, digests, local = _fingerprints(engine, named)
     everyone = np.asarray(engine.process_all_gather(
-        np.concatenate([[local], digests]).astype(np.int64)))
-    locals_, table = everyone[:, 0], everyone[:, 1:]
+        np.concatenate([[local], keys, digests]).astype(np.int64)))
+    locals_ = everyone[:, 0].tolist()
+    key_table = everyone[:, 1:1 + len(named)]
+    digest_table = everyone[:, 1 + len(named):]
     for index, (name, _) in enumerate(named):
-        if index in locals_.tolist():
-            process = locals_.tolist().index(index)
+        if index in locals_:
+            process = locals_.index(index)
             values = (_small_values(engine, named[index][1])
                       if process == engine.process_id else "")
             return name, (f"between the replicas of process {process}"
                           f"{values}")
-        held = [(p, int(d)) for p, d in enumerate(table[:, index]) if d >= 0]
-        different = [p for p, d in held if d != held[0][1]]
-        if different:
-            return name, (f"between process {held[0][0]} and process "
-                          f"{different[0]}")
+        first_holder: dict = {}  # region key -> (process, digest)
+        for process, (key, digest) in enumerate(
+                zip(key_table[:, index].tolist(),
+                    digest_table[:, index].tolist())):
+            if key < 0:
+                continue
+            holder = first_holder.setdefault(key, (process, digest))
+            if holder[1] != digest:
+                return name, (f"between process {holder[0]} and process "
+                              f"{process}")
     return None
 
 

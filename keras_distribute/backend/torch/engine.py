@@ -31,6 +31,7 @@ from keras_distribute.common.values import PerReplica
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch import training as torch_training
 from keras_distribute.backend.torch.groups import ensure_process_group
+from keras_distribute.backend.torch.variables import local_region
 from keras_distribute.backend.torch.variables import whole_value
 
 def _variable_keys(variables: list) -> list:
@@ -142,17 +143,17 @@ class TorchEngine(trainer_call.TrainerCallState):
         return getattr(variable, "_kd_engine", None) is self
 
     def replica_copies(self, variable: Any) -> list:
-        """This process's copy; a sharded variable's local part covers no
-        whole region (compared nowhere)."""
+        """This process's copy: a plain variable whole, a sharded one's
+        local piece with its region (processes holding the same piece, e.g.
+        the replicas of a model-axis shard, are compared)."""
         from torch.distributed.tensor import DTensor
 
         value = variable.value if isinstance(variable, keras.Variable) else (
             variable)
         if isinstance(value, DTensor):
-            return []
-        array = value.detach().cpu().numpy() if value.dtype != (
-            torch.bfloat16) else value.detach().view(torch.int16).cpu().numpy()
-        return [(interface.whole_region(tuple(value.shape)), array)]
+            return [(local_region(value), _digestible(value.to_local()))]
+        return [(interface.whole_region(tuple(value.shape)),
+                 _digestible(value))]
 
     def adopt_variables(self, variables: Sequence[Any]) -> None:
         for variable in variables:
@@ -650,3 +651,11 @@ class _TorchCollectives:
         return keras.tree.map_structure(
             lambda leaf: self._engine.all_gather(
                 _to_tensor(leaf).to(self._engine.device), axis), value)
+
+
+def _digestible(tensor: Any) -> np.ndarray:
+    """A tensor's bytes as a host array (bfloat16 as its 16-bit pattern)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.cpu().numpy()
