@@ -396,6 +396,11 @@ def test_fit_takes_a_distributed_dataset_as_tf_distribute_does(strategy):
             np.testing.assert_allclose(history[key], expected[key],
                                        rtol=1e-5)
         assert_same_weights(reference, model)
+        # As many optimizer steps as batches: the call that finds the
+        # dataset exhausted (its length is unknown to Keras on TF) counted
+        # one more on some replicas (a divergence) or all.
+        assert int(model.optimizer.iterations) == int(
+            reference.optimizer.iterations) == 2 * 4
         np.testing.assert_allclose(
             model.predict(distributed, verbose=0),
             reference.predict(train, verbose=0), atol=1e-5)

@@ -169,6 +169,12 @@ ROWS: Tuple[Row, ...] = (
         "in cross-replica context on gradients all-reduced first",
         "3.10-3.16", parameters=("self", "grads", "trainable_variables"),
         backends=("tensorflow",)),
+    Row("TFOptimizer.apply", (),
+        "TF: the update (iteration count included) waits for the "
+        "gradients, so the call that finds a dataset of unknown length "
+        "exhausted changes no replica's copy", "3.10-3.16",
+        parameters=("self", "grads", "trainable_variables"),
+        backends=("tensorflow",)),
     Row("tf_trainer", ((_S + "backend.tensorflow.trainer", ""),),
         "TF: multi-worker fit (keras#20585) and the first uneven batch",
         "3.10-3.16", "keras#20585", backends=("tensorflow",)),

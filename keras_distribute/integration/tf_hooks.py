@@ -23,6 +23,14 @@
    EMA with `ema_overwrite_frequency`): tf.distribute refuses a `merge_call`
    inside a replica's control flow, so those updates run in cross-replica
    context, on gradients all-reduced before the condition.
+7. An optimizer's update waits for its gradients. Keras counts
+   `iterations` with an op that needs no data; on a dataset of unknown
+   length (e.g. from `distribute_datasets_from_function`) each epoch ends
+   with a call whose `get_next` fails, and the count ran in it anyway, on
+   some replicas or all (copies one apart: a divergence; or one count too
+   many per epoch, which Keras alone on TF counts too). Under a kd strategy
+   the whole update depends on the gradients: a step without data changes
+   nothing.
 
 Every Keras-private name comes from `registry`.
 """
@@ -95,6 +103,7 @@ def install() -> None:
     _install_tf_lazy_build_fix()
     _install_tf_cross_replica_apply()
     _install_tf_gradient_compression()
+    _install_tf_update_after_gradients()
 
 
 def _install_tf_optimizer_build_fix() -> None:
@@ -328,3 +337,27 @@ def _install_tf_gradient_compression() -> None:
 
     patching.patch(optimizer_class, "_all_reduce_sum_gradients",
                    _all_reduce_sum_gradients)
+
+
+def _install_tf_update_after_gradients() -> None:
+    """Inside a graph step of a kd strategy, every op of the optimizer's
+    `apply` (its iteration count included) waits for the gradients (see
+    the module docstring, 7)."""
+    import tensorflow as tf
+
+    from keras_distribute.backend.tensorflow import fit as tf_fit
+
+    optimizer_class = registry.resolve("TFOptimizer")
+    original = optimizer_class.apply
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if tf.executing_eagerly() or tf_fit.current_engine() is None:
+            return original(self, grads, trainable_variables)
+        grads = list(grads)
+        tensors = [g.values if isinstance(g, tf.IndexedSlices) else g
+                   for g in grads if g is not None]
+        with tf.control_dependencies(tensors):
+            return original(self, grads, trainable_variables)
+
+    patching.patch(optimizer_class, "apply", apply)
