@@ -118,8 +118,10 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
         seen, differ = _copy_digests(engine, variable)
         if differ:
             # Read once more before calling it a divergence: a copy read
-            # while the runtime still wrote it (seen once in a long CI run
-            # on TensorFlow, not reproduced since) must not fail a fit.
+            # while the runtime still wrote it must not fail a fit. (The
+            # TF difference once blamed on that was a real one: an
+            # iteration count run on some replicas only, now fixed in
+            # integration/tf_hooks.py.)
             seen, differ = _copy_digests(engine, variable)
         if differ and local_difference < 0:
             local_difference = index
