@@ -6,11 +6,25 @@
   reason naming the backend (`requires_strategy`).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# XLA's compilation cache, one per run, shared by every process of it
+# (pytest-xdist's workers and the processes a test starts inherit it): the
+# suite compiles the same small models' steps again and again (JAX only).
+# Keyed by the program, its devices and XLA's flags, it changes what runs
+# in no way; removed when the run ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _xla_cache = tempfile.mkdtemp(prefix="kd-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
