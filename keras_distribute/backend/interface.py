@@ -48,7 +48,9 @@ class ReplicaEngine(Protocol):
 
     def run(self, strategy: Any, fn: Callable, args: tuple,
             kwargs: dict) -> Any:
-        """Runs `fn` once per replica; returns `PerReplica` leaves."""
+        """Runs `fn` once per replica, each call inside
+        `strategy.enter_replica(replica_id, collectives)` (the strategy
+        makes and enters its replica context); returns `PerReplica` leaves."""
 
     def reduce(self, op: ReduceOp, values: Sequence[Any],
                axis: Optional[int]) -> Any:

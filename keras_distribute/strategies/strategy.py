@@ -194,6 +194,35 @@ class Strategy:
         with context._enter(self), self._engine.scope():
             yield self
 
+    @contextlib.contextmanager
+    def enter_replica(self, replica_id_in_sync_group: Any, collectives: Any
+                      ) -> Iterator[context.ReplicaContext]:
+        """Makes this strategy's replica context for one replica and enters
+        it: what `kd.get_replica_context()` returns while a replica's `fn`
+        runs. Engines call it inside `run`, around each replica's call; the
+        context is left on exit, also on an error.
+
+        Args:
+            replica_id_in_sync_group: The replica's id (a traced integer
+                inside a compiled step).
+            collectives: The engine's object that performs the replica's
+                `all_reduce` and `all_gather`.
+
+        Returns:
+            A context manager giving the `kd.ReplicaContext`.
+
+        Example:
+
+        ```python
+        with strategy.enter_replica(0, collectives) as ctx:
+            fn()  # kd.get_replica_context() is ctx
+        ```
+        """
+        replica_context = context.ReplicaContext(
+            self, replica_id_in_sync_group, collectives)
+        with context._enter(self, replica_context):
+            yield replica_context
+
     # ------------------------------------------------------------------- run
     def run(self, fn: Callable, args: tuple = (),
             kwargs: Optional[dict] = None) -> Any:

@@ -15,7 +15,6 @@ import numpy as np
 
 import keras
 
-from keras_distribute.common import context
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 
@@ -136,16 +135,13 @@ def run_in_threads(engine, strategy, fn, leaves, kinds, treedef):
             call_args, call_kwargs = jax.tree_util.tree_unflatten(
                 treedef, full
             )
-            ctx = context.ReplicaContext(
-                strategy, replica,
-                ThreadCollectives(rendezvous, replica, device),
-            )
+            collectives = ThreadCollectives(rendezvous, replica, device)
             # Each replica reads its device's copy of the variables, and
             # its assignments are combined after every replica finished.
             scope = scopes[replica] = jax_run.VariableScope(
                 lambda v: jax_run.local_copy(v, device))
             with jax.default_device(device), engine.scope(), scope, (
-                    context._enter(strategy, ctx)):
+                    strategy.enter_replica(replica, collectives)):
                 results[replica] = fn(*call_args, **call_kwargs)
         except BaseException as error:  # re-raised in the caller
             errors[replica] = error

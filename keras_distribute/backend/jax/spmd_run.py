@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec
 
 import keras
 
-from keras_distribute.common import context
 from keras_distribute.backend.jax import collectives as jax_collectives
 from keras_distribute.backend.jax import run as jax_run
 from keras_distribute.backend.jax.collectives import as_array
@@ -139,12 +138,10 @@ class SpmdRun:
                 for kind, static in zip(kinds, statics)
             ]
             call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-            ctx = context.ReplicaContext(
-                strategy, jax.lax.axis_index(axis), collectives
-            )
             given = {id(v): value for v, value in zip(variables, values)}
             scope = jax_run.VariableScope(lambda v: given.get(id(v)))
-            with scope, context._enter(strategy, ctx):
+            with scope, strategy.enter_replica(jax.lax.axis_index(axis),
+                                               collectives):
                 result = fn(*call_args, **call_kwargs)
             found.update(read=scope.read, written=scope.written)
             updates = [

@@ -14,7 +14,6 @@ from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute.backend import interface
-from keras_distribute.common import context
 from keras_distribute.job import peer_board
 from keras_distribute.backend.tensorflow import cluster as tf_cluster
 from keras_distribute.backend.tensorflow import fit as tf_fit
@@ -326,11 +325,8 @@ class TfEngine:
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
         def replica_fn(*call_args, **call_kwargs):
             tf_context = tf.distribute.get_replica_context()
-            ctx = context.ReplicaContext(
-                strategy, tf_context.replica_id_in_sync_group,
-                _TfCollectives(tf_context),
-            )
-            with context._enter(strategy, ctx):
+            with strategy.enter_replica(tf_context.replica_id_in_sync_group,
+                                        _TfCollectives(tf_context)):
                 try:
                     return fn(*call_args, **call_kwargs)
                 except IndexError as error:

@@ -413,14 +413,14 @@ class TorchEngine(trainer_call.TrainerCallState):
         local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
         call_args = keras.tree.map_structure(local, args)
         call_kwargs = keras.tree.map_structure(local, kwargs)
-        ctx = context.ReplicaContext(strategy, self.local_replica_ids[0],
-                                     _TorchCollectives(self))
         aggregated = (self._agreed(self._live_aggregated())
                       if self.in_group and self.num_replicas > 1 else [])
         before = [v.value.detach().clone() for v in aggregated]
         from keras_distribute.backend.torch import user_steps
 
-        with context._enter(strategy, ctx), user_steps.in_run(self):
+        with strategy.enter_replica(self.local_replica_ids[0],
+                                    _TorchCollectives(self)), (
+                user_steps.in_run(self)):
             result = fn(*call_args, **call_kwargs)
         if aggregated:
             self._combine_aggregated(aggregated, before)
