@@ -16,14 +16,8 @@ slots take their variable's placement. Reading a sharded variable whole
 (`get_weights`, `numpy()`) is a collective: every process must do it.
 
 A variable whose layout also shards it over the batch axis (FSDP / ZeRO-3
-style: keras-hub's `get_layout_map`, `kd.layouts.fully_sharded`) is a
-DTensor on the whole mesh, so each process holds its 1/N of it along the
-batch axis, and so do its gradient and its optimizer slots. When its layer
-runs, DTensor gathers it over the batch axis (`redistribute` to
-`Replicate`) into the model sub-mesh view the layer computes with; that
-view's gradient enters DTensor's backward as a partial sum over the
-replicas, which DTensor reduce-scatters back onto the shards. The gathered
-values live only for the step that needs them.
+style) is a DTensor on the whole mesh, 1/N per process, gathered while its
+layer runs: `fully_sharded.py`.
 """
 
 import contextlib
@@ -36,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
@@ -50,6 +43,7 @@ from keras_distribute.backend import interface
 from keras_distribute.common import keras_services
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch.engine import TorchEngine
+from keras_distribute.backend.torch.fully_sharded import FullyShardedVariables
 from keras_distribute.backend.torch.variables import whole_value
 from keras_distribute.common.layouts import warn_unmatched_keys
 from keras_distribute.common.layouts import check_layout_fits
@@ -149,7 +143,7 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
     return grid
 
 
-class ShardedTorchEngine(TorchEngine):
+class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
     """Variables laid out by a LayoutMap over a (batch, model...) mesh.
 
     The first mesh axis is the batch axis: each of its positions is one
@@ -226,26 +220,6 @@ class ShardedTorchEngine(TorchEngine):
             return list(whole.placements)[1:]
         placements = []
         for name in self.model_axes:
-            dims = [d for d, axis in enumerate(axes)
-                    if name in axis_names(axis)]
-            placements.append(Shard(dims[0]) if dims else Replicate())
-        return placements
-
-    def is_fully_sharded(self, layout: Optional[Any]) -> bool:
-        """Whether `layout` shards over the batch axis too (FSDP-style):
-        its variable is then a DTensor on the whole mesh."""
-        return (layout is not None and self.num_replicas > 1
-                and self.batch_axis in layout_axes(layout))
-
-    def whole_mesh_placements(self, layout: Any) -> list:
-        """The torch placement on each dimension of the whole mesh (the
-        batch axis first) of a layout."""
-        axes = list(layout.axes)
-        if self.keras_layouts:
-            return list(TensorLayout(axes, self.keras_mesh).backend_layout
-                        .placements)
-        placements = []
-        for name in [self.batch_axis] + list(self.model_axes):
             dims = [d for d, axis in enumerate(axes)
                     if name in axis_names(axis)]
             placements.append(Shard(dims[0]) if dims else Replicate())
@@ -371,62 +345,6 @@ class ShardedTorchEngine(TorchEngine):
                     tensor))
                 offset += tensor.numel()
 
-    def _on_whole_mesh(self, value: Any) -> bool:
-        return (isinstance(value, DTensor)
-                and value.device_mesh.ndim == self.torch_mesh.ndim
-                and self.num_replicas > 1)
-
-    @contextlib.contextmanager
-    def gathered_variables(self, layer: Any):
-        """While a layer runs: each of its fully sharded variables reads as
-        its model sub-mesh view, gathered over the batch axis by DTensor.
-
-        The view's gradient is declared a partial sum over the replicas
-        (`to_local(grad_placements=...)`), so DTensor's backward
-        reduce-scatters it onto the variable's shards. A non-trainable
-        variable the layer assigned (a moving statistic) is written back
-        to its shard afterwards.
-        """
-        own = layer.__dict__.get("_kd_fully_sharded", ())
-        if not own:  # model-axis sharding only: nothing to gather
-            yield
-            return
-        swapped = []
-        try:
-            for variable in own:
-                parameter = variable._value
-                placements = list(parameter.placements)
-                gathered = parameter.redistribute(
-                    self.torch_mesh, [Replicate()] + placements[1:])
-                local = gathered.to_local(
-                    grad_placements=[Partial()] + placements[1:])
-                if local.requires_grad:
-                    local.register_hook(self._weigh_replica_gradient)
-                view = DTensor.from_local(local, self.model_mesh,
-                                          placements[1:], run_check=False)
-                variable._value = view
-                swapped.append((variable, parameter, view))
-            yield
-        finally:
-            for variable, parameter, view in swapped:
-                if variable._value is not view or not variable.trainable:
-                    self._write_back(variable._value, parameter)
-                variable._value = parameter
-
-    def _weigh_replica_gradient(self, grad: Any) -> Any:
-        """This process's part of a fully sharded variable's gradient,
-        before DTensor sums it over the replicas: inside a user's step
-        (`user_steps`), weighted by the process's share of the global
-        batch, so the sum is the global batch's gradient as for the other
-        variables (`sum_gradients`); in Keras' own step, as it is (averaged
-        in `sync_gradients`, as DDP does)."""
-        from keras_distribute.backend.torch import user_steps
-
-        session = user_steps.current_session()
-        if session is None or session.engine is not self:
-            return grad
-        return grad * session.share()
-
     def sum_gradients(self, grads: Sequence[Any], scale: float) -> list:
         """The replicas' gradients summed, each times its `scale`: a fully
         sharded variable's gradient is that sum already (DTensor
@@ -436,20 +354,6 @@ class ShardedTorchEngine(TorchEngine):
         super().sum_gradients(
             [g for g in grads if not self._on_whole_mesh(g)], scale)
         return grads
-
-    def _write_back(self, value: Any, parameter: Any) -> None:
-        """Copies this process's shard of a (gathered) `value` into the
-        whole-mesh `parameter`: an assignment made while it was gathered."""
-        with torch.no_grad():
-            if isinstance(value, DTensor):
-                value = value.to_local()
-            whole = DTensor.from_local(
-                value.detach(), self.torch_mesh,
-                [Replicate()] + list(parameter.placements)[1:],
-                run_check=False)
-            shard = whole.redistribute(self.torch_mesh,
-                                       list(parameter.placements))
-            parameter.to_local().copy_(shard.to_local())
 
     def train_step(self, model: Any, data: Any) -> Any:
         with implicit_replication():  # plain scalars next to DTensor slots
