@@ -70,6 +70,11 @@ def test_a_users_step_with_fully_sharded_variables_trains_like_one_process():
         for kind in ("guide", "twice", "gan"):
             _assert_same_weights(reference[kind], rank[kind], 1e-5)
             _assert_same_weights(ranks[0][kind], rank[kind], 0)
+        # A step that wraps the model in its own DDP: DDP cannot take
+        # DTensors; kd says so, and what to do instead.
+        assert "DistributedDataParallel cannot wrap a model whose " \
+            "variables kd shards" in rank["ddp_error"]
+        assert "forward through the model itself" in rank["ddp_error"]
 
 
 @torch_only

@@ -321,6 +321,15 @@ def fully_sharded_user_steps(processes):
     kernel = gan.discriminator.layers[0].kernel.value
     out["kernel_local"] = tuple(kernel.to_local().shape) if hasattr(
         kernel, "to_local") else tuple(kernel.shape)
+    if processes > 1:  # a step that wraps the model in its own DDP
+        with strategy.scope():
+            model = _regressor(models["ddp"], 1)
+            model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            out["ddp_error"] = None
+        except RuntimeError as error:
+            out["ddp_error"] = str(error)
     return out
 
 

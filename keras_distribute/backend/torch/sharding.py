@@ -22,6 +22,7 @@ layer runs: `fully_sharded.py`.
 
 import contextlib
 import math
+import os
 import weakref
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -374,7 +375,23 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         if model.built and model not in self._keys_checked:
             warn_unmatched_keys(self.layout_map, model)
             self._keys_checked.add(model)
-        return super().call_trainer(method, model, args, kwargs)
+        try:
+            return super().call_trainer(method, model, args, kwargs)
+        except RuntimeError as error:
+            if not _raised_in_ddp(error) or not any(
+                    isinstance(getattr(v, "_value", None), DTensor)
+                    for v in model.variables):
+                raise
+            first_line = str(error).strip().split("\n")[0]
+            raise RuntimeError(
+                "torch's DistributedDataParallel cannot wrap a model whose "
+                "variables kd shards (the layout map's DTensors). Received: "
+                "a DistributedDataParallel made around this model, which "
+                f"failed with \"{first_line}\". Under a sharded layout kd "
+                "combines the replicas' gradients itself, in Keras' step "
+                "and in your own `train_step` alike. Fix: forward through "
+                "the model itself (`self(x)`), not a DDP of it; or train "
+                "without a `layout_map` to use DDP.") from error
 
     def sharded_forward(self, forward: Callable, layer: Any, args: tuple,
                         kwargs: dict) -> Any:
@@ -394,6 +411,17 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         with implicit_replication(), self.gathered_variables(layer):
             outputs = forward(layer, *args, **kwargs)
         return keras.tree.map_structure(whole_value, outputs)
+
+
+def _raised_in_ddp(error: BaseException) -> bool:
+    """Whether `error` was raised inside torch's DistributedDataParallel."""
+    ddp_file = os.path.join("torch", "nn", "parallel", "distributed.py")
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename.endswith(ddp_file):
+            return True
+        traceback = traceback.tb_next
+    return False
 
 
 def _align_gradient(parameter: Any) -> None:
