@@ -31,6 +31,7 @@ from keras_distribute.common.values import PerReplica
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch import training as torch_training
 from keras_distribute.backend.torch.groups import ensure_process_group
+from keras_distribute.backend.torch.variables import host_view
 from keras_distribute.backend.torch.variables import local_region
 from keras_distribute.backend.torch.variables import whole_value
 
@@ -151,9 +152,9 @@ class TorchEngine(trainer_call.TrainerCallState):
         value = variable.value if isinstance(variable, keras.Variable) else (
             variable)
         if isinstance(value, DTensor):
-            return [(local_region(value), _digestible(value.to_local()))]
+            return [(local_region(value), host_view(value.to_local()))]
         return [(interface.whole_region(tuple(value.shape)),
-                 _digestible(value))]
+                 host_view(value))]
 
     def adopt_variables(self, variables: Sequence[Any]) -> None:
         for variable in variables:
@@ -651,11 +652,3 @@ class _TorchCollectives:
         return keras.tree.map_structure(
             lambda leaf: self._engine.all_gather(
                 _to_tensor(leaf).to(self._engine.device), axis), value)
-
-
-def _digestible(tensor: Any) -> np.ndarray:
-    """A tensor's bytes as a host array (bfloat16 as its 16-bit pattern)."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.cpu().numpy()
