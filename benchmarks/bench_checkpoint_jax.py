@@ -25,11 +25,11 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 from _args import checkpoint_args
 from _results import record
-import tempfile
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -65,7 +65,6 @@ def timed(fn):
 
 
 def save_all(model, directory: str) -> dict:
-    import jax
     import numpy as np
 
     import keras_distribute as kd

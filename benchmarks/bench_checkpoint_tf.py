@@ -48,7 +48,6 @@ def main():
     args = checkpoint_args(__doc__, devices=4).parse_args()
     kd.simulate_cpu_devices(args.devices)
     import tensorflow as tf
-
     from _common import checkpoint_summary
     from _common import make_checkpoint_state
 

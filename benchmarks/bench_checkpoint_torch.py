@@ -41,9 +41,9 @@ def trials(megabytes: int, directory: str, repeats: int) -> dict:
     import numpy as np
     import torch
     import torch.distributed.checkpoint as dcp
+    from _common import make_checkpoint_state
 
     import keras_distribute as kd
-    from _common import make_checkpoint_state
 
     strategy = kd.MirroredStrategy()
     engine = strategy.engine
@@ -116,8 +116,9 @@ def trials(megabytes: int, directory: str, repeats: int) -> dict:
 
 
 def main():
-    import keras_distribute as kd
     from _common import checkpoint_summary
+
+    import keras_distribute as kd
 
     args = checkpoint_args(__doc__).parse_args()
     directory = tempfile.mkdtemp(dir=args.directory, prefix="kd-bench-")

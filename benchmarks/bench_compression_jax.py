@@ -1,4 +1,5 @@
-"""Compressed gradient all-reduce on JAX (8 simulated devices): step time and bytes.
+"""Compressed gradient all-reduce on JAX (8 simulated devices): step time
+and bytes.
 
 For each of no compression, fp16 and bf16: `model.fit` under
 `kd.MirroredStrategy(communication_options=kd.CommunicationOptions(
@@ -9,7 +10,8 @@ training step (parsed from the optimized HLO): what crosses between devices.
 Prints one JSON object.
 
 Usage:
-    python benchmarks/bench_compression_jax.py [--devices 8] [--steps 60] [--trials 5]
+    python benchmarks/bench_compression_jax.py [--devices 8] [--steps 60] \
+        [--trials 5]
 """
 
 import contextlib
@@ -26,12 +28,12 @@ os.environ.setdefault(
     "XLA_FLAGS", f"--xla_force_host_platform_device_count={ARGS.devices}")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import fit_step_times  # noqa: E402
+from _common import make_model  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
-from _common import fit_step_times, make_model  # noqa: E402
 from keras_distribute.backend.jax import compression as jax_compression  # noqa: E402
 
 _ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4}

@@ -32,10 +32,11 @@ def native_times(args, compression):
 
 def main():
     import numpy as np
+    from _common import make_model
+    from bench_fit_torch import kd_times
+    from bench_fit_torch import parse_args
 
     import keras_distribute as kd
-    from _common import make_model
-    from bench_fit_torch import kd_times, parse_args
 
     args = parse_args()
     params = make_model().count_params()

@@ -44,10 +44,10 @@ def measure(steps, batch_size, trials, repeats):
     """`{epoch_s, check_s, replicas, processes}` in this process (one
     process of a launch on torch)."""
     import keras
-
-    import keras_distribute as kd
     from _common import fit_step_times
     from _common import make_model
+
+    import keras_distribute as kd
 
     if keras.backend.backend() == "torch":
         import torch

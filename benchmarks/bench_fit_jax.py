@@ -22,9 +22,10 @@ os.environ.setdefault(
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import fit_step_times  # noqa: E402
+from _common import make_model  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
-from _common import fit_step_times, make_model  # noqa: E402
 
 
 def step_times(build, x, y):

@@ -21,9 +21,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _common import fit_step_times  # noqa: E402
+from _common import make_model  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
-from _common import fit_step_times, make_model  # noqa: E402
 
 kd.simulate_cpu_devices(ARGS.devices)
 

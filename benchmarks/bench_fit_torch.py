@@ -58,8 +58,10 @@ def kd_times(args, compression=None, jit_compile="auto"):
     import torch
 
     torch.set_num_threads(1)
+    from _common import EpochTimer
+    from _common import make_model
+
     import keras_distribute as kd
-    from _common import EpochTimer, make_model
 
     x, y = _data(args)
     strategy = kd.MirroredStrategy(
@@ -90,8 +92,9 @@ def _torch_loop_times(args, distributed: bool, compression=None):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from keras_distribute.backend.torch import ensure_process_group
     from _common import make_model
+
+    from keras_distribute.backend.torch import ensure_process_group
 
     rank, world = 0, 2
     if distributed:
@@ -159,8 +162,10 @@ def keras_data_parallel_times(args):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from _common import EpochTimer
+    from _common import make_model
+
     from keras_distribute.backend.torch import ensure_process_group
-    from _common import EpochTimer, make_model
 
     ensure_process_group()  # Keras' `initialize` on the launcher's group
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -187,7 +192,8 @@ def keras_single_times(args, jit_compile="auto"):
     import torch
 
     torch.set_num_threads(1)
-    from _common import EpochTimer, make_model
+    from _common import EpochTimer
+    from _common import make_model
 
     x, y = _data(args)
     half = len(x) // 2
@@ -215,9 +221,10 @@ def kd_code_microseconds(args, calls=2000):
     import torch
 
     torch.set_num_threads(1)
+    from _common import make_model
+
     import keras_distribute as kd
     from keras_distribute.input.process_data import ArrayShards
-    from _common import make_model
 
     x, y = _data(args)
     strategy = kd.MirroredStrategy()

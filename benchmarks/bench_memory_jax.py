@@ -59,9 +59,9 @@ def _make_model(width):
 
 def _trial(name, width, steps, devices, x, y):
     import keras
+    from _common import EpochTimer
 
     import keras_distribute as kd
-    from _common import EpochTimer
 
     count = len(devices)
     mesh = keras.distribution.DeviceMesh((count,), ["batch"], devices)
@@ -104,7 +104,7 @@ def _trial(name, width, steps, devices, x, y):
         "optimizer_bytes": _device_bytes(model.optimizer.variables, device),
         "step_ms": 1000 * timer.per_step[0],
     }
-    del model
+    model = None  # frees it (the closures above are done with it)
     keras.backend.clear_session()
     return result
 

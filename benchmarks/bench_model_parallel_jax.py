@@ -34,12 +34,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from keras.distribution import DeviceMesh, LayoutMap  # noqa: E402
-
-import keras_distribute as kd  # noqa: E402
 from _common import EpochTimer  # noqa: E402
 from _common import make_wide_mlp  # noqa: E402
 from _common import sharded_vs_replicated  # noqa: E402
+from keras.distribution import DeviceMesh  # noqa: E402
+from keras.distribution import LayoutMap  # noqa: E402
+
+import keras_distribute as kd  # noqa: E402
 
 
 def make_model():

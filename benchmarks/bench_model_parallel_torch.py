@@ -47,11 +47,12 @@ def measure(steps, trials, width):
     import keras
     import numpy as np
     import torch
-    from keras.distribution import DeviceMesh, LayoutMap
-
-    import keras_distribute as kd
     from _common import EpochTimer
     from _common import make_wide_mlp
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
+
+    import keras_distribute as kd
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -84,8 +85,9 @@ def measure(steps, trials, width):
 
 def main():
     args = parse_args()
-    import keras_distribute as kd
     from _common import sharded_vs_replicated
+
+    import keras_distribute as kd
 
     results = kd.launch(measure, args=(args.steps, args.trials, args.width),
                         num_processes=2, timeout=1800)

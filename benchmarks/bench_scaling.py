@@ -67,8 +67,10 @@ def process_worker(backend: str, launched_at: float, steps: int,
     else:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
         os.environ["JAX_PLATFORMS"] = "cpu"
+    from _common import EpochTimer
+    from _common import make_model
+
     import keras_distribute as kd
-    from _common import EpochTimer, make_model
 
     strategy = (kd.MirroredStrategy() if backend == "torch" else
                 kd.MultiWorkerMirroredStrategy())
@@ -109,9 +111,10 @@ def measure_devices(args) -> dict:
         f"--xla_force_host_platform_device_count={args.devices}")
     started = time.time()
     import numpy as np
+    from _common import EpochTimer
+    from _common import make_model
 
     import keras_distribute as kd
-    from _common import EpochTimer, make_model
 
     strategy = kd.MirroredStrategy()
     with strategy.scope():

@@ -20,9 +20,9 @@ DTYPE = sys.argv[1] if len(sys.argv) > 1 else "float32"
 if DTYPE == "float64":
     os.environ["JAX_ENABLE_X64"] = "1"
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import keras  # noqa: E402
 import keras_distribute as kd  # noqa: E402
 
 STEPS = 64

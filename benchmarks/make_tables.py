@@ -95,6 +95,8 @@ def fit_table():
            else "") + ".")
     if "kd_over_keras_single" in torch:
         rows.append("")
+        kd_adds = (torch['kd_over_keras_single']
+                   / torch['ddp_over_torch_single'])
         rows.append(
             "What distribution adds, same run: kd's 2-process step over "
             "single-process Keras `fit` on one per-rank batch "
@@ -102,7 +104,7 @@ def fit_table():
             f"plain loop alone {torch['ddp_over_torch_single']:.3f}× (on one "
             "2-core machine both pay the all-reduce and two processes "
             "sharing the cores); kd adds "
-            f"{torch['kd_over_keras_single'] / torch['ddp_over_torch_single']:.3f}"
+            f"{kd_adds:.3f}"
             "× what DDP itself adds. Medians of "
             f"{torch['trials']} interleaved trials; min–max per side (ms): "
             + ", ".join(f"{name} {low:.2f}–{high:.2f}" for name, (low, high)
@@ -145,7 +147,8 @@ def checkpoint_table():
     rows = [f"{r['megabytes']} MB of float32 Keras variables, rows sharded "
             f"over {r['devices']} JAX devices; median (min–max) of "
             f"{r['repeats']} runs; run {_run(entry)} ({entry['machine']}; "
-            f"orbax {entry['versions'].get('orbax.checkpoint', 'not installed')}).",
+            "orbax "
+            f"{entry['versions'].get('orbax.checkpoint', 'not installed')}).",
             "",
             "| method | save | save / numpy | restore | restore / numpy | "
             "extra peak RSS on restore |",
@@ -412,7 +415,8 @@ def memory_jax_table():
 
 
 TABLES = {"fit": fit_table, "memory": memory_table,
-          "memory_jax": memory_jax_table, "scaling": scaling_table, "soak": soak_table, "checkpoint": checkpoint_table,
+          "memory_jax": memory_jax_table, "scaling": scaling_table,
+          "soak": soak_table, "checkpoint": checkpoint_table,
           "checkpoint_torch": checkpoint_torch_table,
           "checkpoint_tf": checkpoint_tf_table,
           "checkpoint_many": checkpoint_many_table,

@@ -1,4 +1,5 @@
-"""Interrupt a distributed `fit`, resume it exactly, and inspect the checkpoints.
+"""Interrupt a distributed `fit`, resume it exactly, and inspect the
+checkpoints.
 
 Trains a small classifier on scikit-learn's digits under kd.MirroredStrategy
 with two callbacks: `kd.callbacks.BackupAndRestore` (a backup every few
@@ -122,7 +123,8 @@ def main():
     exported = kd.checkpoint.export_weights(
         best, make_model(strategy), f"{directory}/best.weights.h5")
     plain = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128),
-                              keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+                              keras.layers.Dropout(0.2),
+                              keras.layers.Dense(10)])
     plain.load_weights(exported)  # plain Keras, no strategy, no kd
     print(f"exported to {exported}")
 

@@ -107,8 +107,8 @@ def train_tensorflow(strategy, epochs):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     for epoch in range(epochs):
         total = 0.0
-        for (xb, yb), inputs in zip(data, strategy.experimental_distribute_dataset(
-                dataset)):
+        distributed = strategy.experimental_distribute_dataset(dataset)
+        for (xb, yb), inputs in zip(data, distributed):
             total += float(distributed_step(inputs, tf.constant(len(xb))))
         print(f"epoch {epoch + 1}: mean loss {total / len(data):.4f}")
     return model
@@ -138,8 +138,8 @@ def train_torch_process(epochs):
     data = batches()
     for epoch in range(epochs):
         total = 0.0
-        for (xb, _), (x, y) in zip(data, strategy.experimental_distribute_dataset(
-                data)):
+        distributed = strategy.experimental_distribute_dataset(data)
+        for (xb, _), (x, y) in zip(data, distributed):
             total += float(strategy.reduce(
                 "sum", strategy.run(step, args=(x, y, len(xb))), axis=None))
         if os.environ.get("RANK", "0") == "0":

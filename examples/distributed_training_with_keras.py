@@ -5,7 +5,9 @@ a MirroredStrategy, a global batch of 64 per replica, a small CNN built and
 compiled in the scope, ModelCheckpoint / LearningRateScheduler / a callback
 printing the learning rate, then restoring the last checkpoint and evaluating.
 Runs on any Keras backend (`KERAS_BACKEND`); on torch, start it with
-`python -m keras_distribute.launch --nproc 2 examples/distributed_training_with_keras.py`.
+
+    python -m keras_distribute.launch --nproc 2 \
+        examples/distributed_training_with_keras.py
 
 Usage:
     python examples/distributed_training_with_keras.py [--epochs 12]

@@ -21,7 +21,8 @@ if BACKEND == "jax":
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-from keras.distribution import DeviceMesh, LayoutMap  # noqa: E402
+from keras.distribution import DeviceMesh  # noqa: E402
+from keras.distribution import LayoutMap  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
@@ -62,8 +63,9 @@ def train(epochs):
         model = make_model()
     if int(os.environ.get("RANK", "0")) == 0:
         strategy.describe_layout(model)
+    chief = int(os.environ.get("RANK", "0")) == 0
     history = model.fit(x, y, batch_size=128, epochs=epochs,
-                        verbose=2 if int(os.environ.get("RANK", "0")) == 0 else 0)
+                        verbose=2 if chief else 0)
     return (history.history["accuracy"][-1],
             strategy.num_replicas_in_sync)
 

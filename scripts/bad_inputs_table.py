@@ -54,9 +54,12 @@ def render(cases) -> str:
     lines = [
         "# Bad input and the errors it gets",
         "",
-        "Every bad input the test suite tries, with the exception and message it gets (the",
-        "first message line, temporary paths shortened). Generated from the suite's own runs by",
-        "`scripts/bad_inputs_table.py`; CI fails when this page and the suite disagree.",
+        "Every bad input the test suite tries, with the exception and "
+        "message it gets (the",
+        "first message line, temporary paths shortened). Generated from "
+        "the suite's own runs by",
+        "`scripts/bad_inputs_table.py`; CI fails when this page and the "
+        "suite disagree.",
         f"{len(cases)} cases.",
         "",
         "| test | backends | exception | message (first seen) |",

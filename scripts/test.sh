@@ -28,6 +28,10 @@ if [ "$workers" != "0" ]; then
   parallel="-n $workers --dist loadfile --no-loadscope-reorder"
 fi
 rm -f .venv/bad-inputs-*.json*
+# The lint (config in pyproject.toml): sorted single-line imports, line
+# length, blank lines, pyflakes.
+stage "lint: ruff check"
+.venv/bin/ruff check . || fail
 # The type check (config in pyproject.toml): the whole package, strictly on
 # the engine contract (backend/interface.py), the lowest layer (common/) and
 # the checkpoint's save and restore protocol (checkpointer, restoring).

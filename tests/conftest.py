@@ -35,8 +35,9 @@ STRATEGY_BACKENDS = ("jax", "tensorflow")
 NUM_DEVICES = {"jax": 8, "tensorflow": 4}.get(BACKEND, 1)
 
 if BACKEND == "tensorflow":
-    import keras_distribute as _kd
     from worker_common import tf_data_iterators_without_autotune
+
+    import keras_distribute as _kd
 
     _kd.simulate_cpu_devices(NUM_DEVICES)
     tf_data_iterators_without_autotune()  # why: its docstring
@@ -49,12 +50,12 @@ requires_strategy = pytest.mark.skipif(
 )
 
 
-# The files that take longest, roughly longest first (seconds of CI stages
-# on 2 cores, summed over the backends a file runs on; a one-backend file
-# goes early, as it is the longest of its stage): scripts/test.sh hands whole files to two
-# pytest-xdist workers in collection order (--no-loadscope-reorder; xdist's
-# own order, most tests first, put these last, and one worker then ran the
-# last long file alone). The rest keep their order.
+# The files that take longest, roughly longest first (seconds of CI stages on 2
+# cores, summed over the backends a file runs on; a one-backend file goes early,
+# as it is the longest of its stage): scripts/test.sh hands whole files to two
+# pytest-xdist workers in collection order (--no-loadscope-reorder; xdist's own
+# order, most tests first, put these last, and one worker then ran the last long
+# file alone). The rest keep their order.
 LONGEST_FIRST = (
     "test_docs_blocks.py",         # ~300 s
     "test_examples.py",            # ~250

@@ -13,9 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from worker_common import initial_weights  # noqa: E402
+from worker_common import make_data  # noqa: E402
+from worker_common import make_model  # noqa: E402
 
 import keras_distribute as kd  # noqa: E402
-from worker_common import initial_weights, make_data, make_model  # noqa: E402
 
 strategy = kd.MultiWorkerMirroredStrategy()
 rank = strategy.cluster_resolver.process_id

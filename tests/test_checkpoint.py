@@ -8,12 +8,12 @@ import sys
 import textwrap
 import time
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
+
+import keras_distribute as kd
 
 ckpt = kd.checkpoint
 
@@ -197,7 +197,8 @@ def test_bfloat16_round_trip(tmp_path):
 @pytest.mark.skipif(BACKEND != "jax", reason="sharded layouts: JAX")
 def test_resharding_between_meshes_is_bit_exact(tmp_path):
     import jax
-    from keras.distribution import DeviceMesh, LayoutMap
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
 
     layout_map = LayoutMap(DeviceMesh((4, 2), ["batch", "model"],
                                       jax.devices()))

@@ -8,16 +8,16 @@ import sys
 import textwrap
 import time
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
-from keras_distribute.checkpoint.lease import LEASE
 from worker_common import Interrupt
-from worker_common import listing
 from worker_common import interrupt_at as InterruptAt
+from worker_common import listing
+
+import keras_distribute as kd
+from keras_distribute.checkpoint.lease import LEASE
 
 ckpt = kd.checkpoint
 
@@ -178,7 +178,8 @@ def test_sharded_checkpoint_callback_keeps_latest_and_best(tmp_path):
     ckpt.export_weights(ckpt.latest_checkpoint(directory), make_model(),
                         weights_file)
     plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16),
-                              keras.layers.Dropout(0.25), keras.layers.Dense(2)])
+                              keras.layers.Dropout(0.25),
+                              keras.layers.Dense(2)])
     plain.load_weights(weights_file)
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(a, b)

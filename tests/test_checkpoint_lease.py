@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = f"""
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location(
-    "lease", {os.path.join(ROOT, "keras_distribute", "checkpoint", "lease.py")!r})
+    "lease",
+    {os.path.join(ROOT, "keras_distribute", "checkpoint", "lease.py")!r})
 lease = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lease)
 path = lease.take(sys.argv[1])
@@ -161,7 +162,7 @@ def test_writers_of_one_job_share_the_lease_until_the_last_lets_go(
         time.sleep(0.1)
 
 
-def test_a_second_jobs_checkpoint_callback_is_refused_and_the_first_keeps_its_saves(
+def test_a_second_jobs_checkpoint_callback_is_refused_first_keeps_its_saves(
         tmp_path):
     # The case of the report: two jobs' kd.callbacks.ShardedCheckpoint in
     # one directory. The first job (here a process holding the lease, as

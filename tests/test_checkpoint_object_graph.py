@@ -6,10 +6,10 @@ objects attached after a restore, and lists and dicts that grow (#30)."""
 import json
 import os
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 import keras_distribute as kd
 
 ShardedCheckpoint = kd.checkpoint.ShardedCheckpoint

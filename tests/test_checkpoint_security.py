@@ -13,10 +13,10 @@ import sys
 import tracemalloc
 
 import h5py
+import keras
 import numpy as np
 import pytest
 
-import keras
 import keras_distribute as kd
 from keras_distribute.checkpoint import format as fmt
 from keras_distribute.checkpoint import writing as ckpt_writing

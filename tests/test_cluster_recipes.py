@@ -9,10 +9,12 @@ import os
 import sys
 
 import pytest
-
 from conftest import BACKEND
-from test_docs_blocks import ROOT, page_blocks
-from test_docs_recipes import _env, _free_port, _run_together
+from test_docs_blocks import ROOT
+from test_docs_blocks import page_blocks
+from test_docs_recipes import _env
+from test_docs_recipes import _free_port
+from test_docs_recipes import _run_together
 
 PAGE = ROOT / "docs" / "clusters.md"
 
@@ -46,7 +48,8 @@ def _both_done(outputs):
 def test_torchrun_on_two_nodes(train_script):
     text = PAGE.read_text()
     assert ("torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\\n"
-            "  --rdzv-endpoint node0:29400 --rdzv-id keras-job train.py") in text
+            "  --rdzv-endpoint node0:29400 --rdzv-id keras-job train.py"
+            ) in text
     # Two torchrun agents (two "nodes") meeting at one c10d rendezvous.
     endpoint = f"127.0.0.1:{_free_port()}"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
@@ -100,7 +103,6 @@ def test_torchrun_max_restarts_resumes_from_the_backup(tmp_path):
     # resumes from BackupAndRestore's backup and ends at the weights of one
     # process that was never interrupted.
     import numpy as np
-
     import worker_common
 
     assert "`--max-restarts 1`" in PAGE.read_text()

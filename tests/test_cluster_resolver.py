@@ -74,7 +74,8 @@ def test_torchrun_environment():
 def test_slurm_environment_and_node_lists():
     assert cr.expand_slurm_nodelist("node[01-03,07],login") == [
         "node01", "node02", "node03", "node07", "login"]
-    assert cr.expand_slurm_nodelist("a[8-10]-ib") == ["a8-ib", "a9-ib", "a10-ib"]
+    assert cr.expand_slurm_nodelist("a[8-10]-ib") == [
+        "a8-ib", "a9-ib", "a10-ib"]
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2",
            "SLURM_JOB_NODELIST": "gpu[3-4]", "KERAS_DISTRIBUTE_PORT": "4000"}
     resolver = cr.resolve(env)
@@ -103,7 +104,8 @@ def test_precedence_and_local_fallback():
                 MASTER_ADDR="x", MASTER_PORT="1", RANK="0", WORLD_SIZE="2")
     assert isinstance(cr.resolve(both), cr.TFConfigClusterResolver)
     local = cr.resolve({})
-    assert (local.num_processes, local.process_id, local.is_chief) == (1, 0, True)
+    assert (local.num_processes, local.process_id,
+            local.is_chief) == (1, 0, True)
 
 
 def test_simple_resolver_validation():

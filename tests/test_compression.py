@@ -7,9 +7,9 @@ import re
 
 import numpy as np
 import pytest
+from conftest import BACKEND
 
 import keras_distribute as kd
-from conftest import BACKEND
 
 
 def test_compression_names_are_checked():
@@ -53,8 +53,8 @@ def test_jax_compressed_step_compiles_to_a_16_bit_all_reduce():
     import jax
     import jax.numpy as jnp
     import keras
-
     from conftest import make_mlp
+
     from keras_distribute.backend.jax import compression as jax_compression
 
     def all_reduces(compression, compiled):
@@ -226,7 +226,6 @@ def test_tf_compression_with_gradient_accumulation():
     # The accumulation path reduces in cross-replica context: the 16-bit
     # cast happens in the replica, before it.
     import keras
-
     from conftest import make_mlp
 
     rng = np.random.default_rng(0)

@@ -82,7 +82,8 @@ def test_input_context_per_replica_batch_size():
 
 def test_input_options_validation():
     assert kd.InputOptions().fetch_to_device
-    assert not kd.InputOptions(experimental_fetch_to_device=False).fetch_to_device
+    assert not kd.InputOptions(
+        experimental_fetch_to_device=False).fetch_to_device
     with pytest.raises(ValueError, match="PER_REPLICA"):
         kd.InputOptions(experimental_place_dataset_on_device=True)
     with pytest.raises(ValueError, match="positive int"):
@@ -172,8 +173,9 @@ def test_batch_size_must_be_a_positive_integer(method, batch_size):
     x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
     args = (x,) if method == "predict" else (x, y)
     before = model.get_weights()
+    received = re.escape(repr(batch_size))
     with pytest.raises(ValueError, match="positive integer: the global "
-                       f"batch.*Received: batch_size={re.escape(repr(batch_size))}"):
+                       f"batch.*Received: batch_size={received}"):
         getattr(model, method)(*args, batch_size=batch_size, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)  # nothing trained

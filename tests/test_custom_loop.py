@@ -1,13 +1,13 @@
 """A complete custom training loop (stateless Keras + jax.grad under `run`)
 reaches the same weights as `fit`."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
 from conftest import make_mlp as make_model
+
+import keras_distribute as kd
 
 pytestmark = [
     pytest.mark.needs_strategy,

@@ -1,13 +1,13 @@
 """TensorFlow custom training loops under `strategy.run` (the tf.distribute
 tutorial pattern) and sparse (embedding) gradients across replicas."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
 from conftest import make_mlp as make_model
+
+import keras_distribute as kd
 
 pytestmark = [
     pytest.mark.needs_strategy,

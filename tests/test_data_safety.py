@@ -9,20 +9,20 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
+from conftest import BACKEND
 from hypothesis import HealthCheck
 from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
-
-import keras
-import keras_distribute as kd
-from conftest import BACKEND
 from worker_common import Interrupt
 from worker_common import interrupt_at
 from worker_common import listing
+
+import keras_distribute as kd
 
 ckpt = kd.checkpoint
 
@@ -141,7 +141,8 @@ def test_manager_never_replaces_an_earlier_runs_checkpoints(tmp_path):
                                      "step")) for n in (1, 2, 3, 4)] == [
         1.0, 2.0, 3.0, 10.0]
     assert ckpt.latest_checkpoint(directory) == path  # a restart resumes it
-    with pytest.raises(ValueError, match="checkpoint_number must grow.*next free number is 5"):
+    with pytest.raises(ValueError, match="checkpoint_number must grow.*"
+                       "next free number is 5"):
         second.save(checkpoint_number=2)
     # ShardedCheckpoint.save numbers after what is there too.
     fresh = ckpt.ShardedCheckpoint(step=counter)

@@ -4,10 +4,10 @@ and (a kd addition, JAX and torch) saving its position in a checkpoint."""
 
 import numpy as np
 import pytest
-
-import keras_distribute as kd
 from conftest import BACKEND
 from conftest import cpu_names
+
+import keras_distribute as kd
 
 tf = pytest.importorskip("tensorflow")
 NATIVE_TF = BACKEND == "tensorflow"  # TF's own distributed iterators

@@ -22,7 +22,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import BACKEND
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

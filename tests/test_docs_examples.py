@@ -3,9 +3,9 @@ with the values the documentation prints."""
 
 import numpy as np
 import pytest
+from conftest import cpu_names
 
 import keras_distribute as kd
-from conftest import cpu_names
 
 pytestmark = pytest.mark.needs_strategy
 
@@ -119,8 +119,9 @@ def test_all_reduce_scalar_and_list():
 def test_all_reduce_nested_sum_and_mean():
     strategy = kd.MirroredStrategy(cpu_names(2))
     per_replica = strategy.experimental_distribute_values_from_function(
-        lambda ctx: [{"a": 1.0, "b": [40.0, 1.0]},
-                     {"a": 3.0, "b": [2.0, 98.0]}][ctx.replica_id_in_sync_group])
+        lambda ctx: [
+            {"a": 1.0, "b": [40.0, 1.0]},
+            {"a": 3.0, "b": [2.0, 98.0]}][ctx.replica_id_in_sync_group])
 
     def fn(op):
         return lambda v: kd.get_replica_context().all_reduce(op, v)
@@ -170,7 +171,8 @@ def test_reduce_axis_semantics():
     # Global batch 8 on 2 replicas: [0..3] and [4..7].
     strategy = kd.MirroredStrategy(cpu_names(2))
     values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: np.arange(4, dtype="float32") + 4 * ctx.replica_id_in_sync_group)
+        lambda ctx: (np.arange(4, dtype="float32")
+                     + 4 * ctx.replica_id_in_sync_group))
     assert np.asarray(strategy.reduce("sum", values, axis=None)).tolist() == [
         4.0, 6.0, 8.0, 10.0]
     assert float(strategy.reduce("sum", values, axis=0)) == 28.0

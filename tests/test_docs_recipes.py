@@ -15,9 +15,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import BACKEND
-from test_docs_blocks import ROOT, page_blocks
+from test_docs_blocks import ROOT
+from test_docs_blocks import page_blocks
 
 PAGE = ROOT / "docs" / "multi_worker.md"
 TIMEOUT_S = 300

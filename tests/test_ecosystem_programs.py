@@ -1,14 +1,15 @@
 """Programs other people wrote, ported by the import change (issue #30):
-keras-io's "Distributed training with Keras 3" guide (guides/distribution.py)."""
+keras-io's "Distributed training with Keras 3" guide
+(guides/distribution.py)."""
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
+
+import keras_distribute as kd
 
 # The guide's model, its fake dataset and its calls, as written there
 # (keras.distribution.set_distribution(...) -> kd.MirroredStrategy(...)).

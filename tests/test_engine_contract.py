@@ -4,12 +4,13 @@ engines follow the protocols they declare (`contract`), with signatures
 that take the protocol's arguments (#31)."""
 
 import ast
+import dataclasses
 import inspect
 import pathlib
 
 import pytest
-
 from conftest import BACKEND
+
 from keras_distribute.backend import interface
 
 PACKAGE = pathlib.Path(interface.__file__).parent.parent
@@ -131,13 +132,39 @@ def test_every_engine_class_follows_what_it_declares(index):
 
 
 def test_the_strategy_engine_of_this_backend_follows_its_contract():
+    from keras_distribute import integration
     from keras_distribute.backend import get_backend
 
     backend = get_backend()
-    engine = backend.make_engine(backend.default_devices())
+    engine = backend.make_engine(backend.default_devices(),
+                                 services=integration.services())
     for protocol in (interface.ReplicaEngine,) + engine.contract:
         assert isinstance(engine, protocol), protocol
         _check_follows(type(engine), protocol, engine)
+
+
+def test_the_keras_services_are_handed_to_every_engine_when_made():
+    # #44: the layers below the integration fetched its services from a
+    # process-wide locator (`keras_services.get()`); now every strategy
+    # hands them to the engine it makes, the default one included.
+    import keras_distribute as kd
+    from keras_distribute import integration
+    from keras_distribute.common import keras_services
+
+    assert not hasattr(keras_services, "get")
+    assert not hasattr(keras_services, "provide")
+    for strategy in (kd.get_strategy(), kd.MirroredStrategy()):
+        assert strategy.engine.keras_services is integration.services()
+    services = keras_services.KerasServices(
+        *[lambda *a, **k: None] * len(dataclasses.fields(
+            keras_services.KerasServices)))
+    from keras_distribute.backend import get_backend
+
+    backend = get_backend()
+    engine = backend.make_engine(backend.default_devices(),
+                                 services=services)
+    assert engine.keras_services is services
+
 
 def test_the_default_strategy_is_made_as_every_strategy_is():
     # #44: its engine lacked four required members and it skipped
@@ -173,11 +200,15 @@ def test_this_backend_module_has_every_declared_function():
         implementation = getattr(backend, name, None)
         assert callable(implementation), (
             f"the {backend.name} backend module has no {name}()")
-        wanted = [p for p in inspect.signature(function).parameters.values()
-                  if p.name != "self"]
+        parameters = [p for p in inspect.signature(
+            function).parameters.values() if p.name != "self"]
+        wanted = [p for p in parameters if p.kind != p.KEYWORD_ONLY]
+        by_name = {p.name: object() for p in parameters
+                   if p.kind == p.KEYWORD_ONLY}
         inspect.signature(implementation).bind(*[object()] * sum(
-            p.default is inspect.Parameter.empty for p in wanted))
-        inspect.signature(implementation).bind(*[object()] * len(wanted))
+            p.default is inspect.Parameter.empty for p in wanted), **by_name)
+        inspect.signature(implementation).bind(*[object()] * len(wanted),
+                                               **by_name)
 
 
 def _is_a_backend_module(target) -> bool:
@@ -224,9 +255,11 @@ def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():
 
     from keras_distribute.input import process_data
 
+    from keras_distribute import integration
+
     engine = types.SimpleNamespace(fit_per_process=False, process_count=1,
-                                   num_replicas=1,
-                                   process_id=0)
+                                   num_replicas=1, process_id=0,
+                                   keras_services=integration.services())
     wrapped = process_data.with_process_rules(engine, keras.Model.evaluate)
     assert wrapped.__name__ == "evaluate"
     assert inspect.signature(wrapped) == inspect.signature(

@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 from conftest import BACKEND
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -3,12 +3,14 @@ device, global batch, short last batch, model remembers its strategy."""
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
+from conftest import BACKEND
+from conftest import NUM_DEVICES
+from conftest import cpu_names
 
-import keras
 import keras_distribute as kd
-from conftest import BACKEND, NUM_DEVICES, cpu_names
 
 pytestmark = pytest.mark.needs_strategy
 BATCH = 32
@@ -348,9 +350,8 @@ def test_train_on_batch_with_a_tf_data_batch_equals_numpy(strategy):
     # Regression (#19.4, JAX): tf.Tensors from a tf.data iterator, as the TF
     # checkpoint guide's loop feeds them, raised "Cannot interpret
     # 'tf.float32' as a data type".
-    import tensorflow as tf
-
     import conftest
+    import tensorflow as tf
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 16)).astype("float32")

@@ -7,14 +7,14 @@ model-axis map, and TensorFlow's refusal. The torch processes' fits are in
 test_torch_multiprocess.py (`test_fully_sharded_variables_...`).
 """
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
 from keras.distribution import DeviceMesh
 from keras.distribution import LayoutMap
+
+import keras_distribute as kd
 
 
 def mesh(shape, names):

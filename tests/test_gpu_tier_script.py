@@ -8,7 +8,6 @@ import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
-
 from conftest import BACKEND
 from test_docs_blocks import ROOT
 
@@ -47,6 +46,7 @@ def test_the_extras_name_the_builds_users_install():
     # #33: the `tensorflow` extra pulled `tensorflow-cpu`, which pip put next
     # to a user's CUDA `tensorflow` (both write the `tensorflow` module).
     import re
+
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

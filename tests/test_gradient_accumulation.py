@@ -6,13 +6,13 @@ TensorFlow Keras' conditional update used to fail inside the replica
 ('merge_call called while defining a new graph'). Across processes (all
 three backends): test_*_multi*.py through worker_training.py."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
 from conftest import make_mlp
+
+import keras_distribute as kd
 
 pytestmark = pytest.mark.needs_strategy
 

@@ -4,12 +4,12 @@ was expected, and `kd.callbacks.LearningRateWarmup` checks what it needs.
 Across 2 processes on every backend: test_*_multi*.py through
 worker_training.py."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import make_mlp
+
+import keras_distribute as kd
 
 
 def test_one_process_collectives_return_the_value():

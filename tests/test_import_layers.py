@@ -144,6 +144,8 @@ PACKAGE_ORDER = ("common", "job", "cluster_resolver", "backend", "training",
                  "callbacks", "launch", "root")
 ROOT_MODULES = {"keras_distribute", "keras_distribute.experimental",
                 "keras_distribute.layouts"}
+
+
 def _package(module: str) -> str:
     return "root" if module in ROOT_MODULES else module.split(".")[1]
 

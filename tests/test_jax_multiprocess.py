@@ -4,13 +4,13 @@ import os
 
 import numpy as np
 import pytest
-
-import keras_distribute as kd
 import workers_jax as workers
 from conftest import BACKEND
 from worker_common import assert_hung_peer_is_named
 from worker_common import assert_survivor_fails_within
 from worker_common import assert_taken_port_is_named
+
+import keras_distribute as kd
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax", reason="jax.distributed tests: JAX backend")
@@ -82,7 +82,8 @@ def test_a_worker_that_never_joins_fails_within_the_timeout():
     # the launcher says what it was doing (#17: not a bare SIGABRT).
     start = time.monotonic()
     with pytest.raises(kd.LaunchError, match=r"Process 0 of 1 died with exit "
-                       r"code -6 before returning \(killed by SIGABRT\) while joining "
+                       r"code -6 before returning \(killed by SIGABRT\) "
+                       r"while joining "
                        r"jax.distributed at 127.0.0.1:\d+ as process 0 of 2: "
                        r"JAX aborts a process \(SIGABRT\) when not every "
                        r"process joined within \d+ s"):
@@ -187,16 +188,18 @@ def test_torchrun_launches_a_jax_job(tmp_path):
     assert all(r == {"replicas": 2, "sum": 3.0} for r in results), results
 
 
-
 def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
-    # #20.6 regression, JAX: "passed to device_put is not the same on each process" (the chief's save built Keras' reference Optimizer under the distribution).
+    # #20.6 regression, JAX: "passed to device_put is not the same on each
+    # process" (the chief's save built Keras' reference Optimizer under the
+    # distribution).
     from worker_common import launch_keras_callbacks_resume
 
     launch_keras_callbacks_resume(workers, str(tmp_path), TIMEOUT)
 
 
 def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
-    # #20.10 regression: JAX failed: "device_put ... not the same on each process".
+    # #20.10 regression: JAX failed: "device_put ... not the same on each
+    # process".
     from worker_common import launch_diverged_random_states
 
     launch_diverged_random_states(workers, TIMEOUT)

@@ -2,12 +2,12 @@
 checked before anything is patched; a Keras without one fails with one
 clear error, never half-installed (no strategy needed: runs everywhere)."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
+
+import keras_distribute as kd
 from keras_distribute.integration import hooks
 from keras_distribute.integration import registry
 

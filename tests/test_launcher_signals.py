@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BACKEND
 
 ROOT = Path(__file__).resolve().parent.parent

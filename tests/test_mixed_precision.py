@@ -4,10 +4,10 @@ float32 and round-trip through a sharded checkpoint, and a non-finite
 gradient on one replica skips the step on every replica. Torch (one replica
 per process): test_torch_multiprocess.py."""
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 import keras_distribute as kd
 
 pytestmark = pytest.mark.needs_strategy

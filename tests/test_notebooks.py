@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import BACKEND
 
 HERE = Path(__file__).resolve().parent.parent / "notebooks"

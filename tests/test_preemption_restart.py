@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import BACKEND
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,9 +152,9 @@ def test_one_process_signal_stops_saves_and_resumes(tmp_path):
     import signal
 
     import keras
+    from conftest import make_mlp
 
     import keras_distribute as kd
-    from conftest import make_mlp
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 16)).astype("float32")

@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import workers_ray
-from conftest import BACKEND
-
 # The optional extra keras_distribute[ray]; scripts/setup_env.sh installs it.
 import ray  # noqa: E402
+import workers_ray
+from conftest import BACKEND
 
 TRAINERS = {"torch": ("ray.train.torch", "TorchTrainer"),
             "tensorflow": ("ray.train.tensorflow", "TensorflowTrainer"),
@@ -37,13 +36,16 @@ def local_ray():
         # One device per worker: the job's 2 replicas are the 2 workers.
         "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
         "KERAS_DISTRIBUTE_TIMEOUT": "60",
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "TF_CPP_MIN_LOG_LEVEL": "2"}})
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        "TF_CPP_MIN_LOG_LEVEL": "2"}})
     yield
     ray.shutdown()
 
 
 def _trainer(config, name, storage, **kwargs):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig
+    from ray.train import RunConfig
+    from ray.train import ScalingConfig
 
     module, cls = TRAINERS[BACKEND]
     trainer = getattr(importlib.import_module(module), cls)

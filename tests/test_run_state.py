@@ -3,10 +3,10 @@ its current weights, metrics updated inside `run` read global values, and a
 short per-replica batch runs a model call (the tf.distribute custom-training
 tutorial's loop shape). Torch: test_torch_multiprocess.py (custom loop)."""
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 import keras_distribute as kd
 
 pytestmark = pytest.mark.needs_strategy

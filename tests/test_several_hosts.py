@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import BACKEND
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

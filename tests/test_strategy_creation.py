@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+from conftest import BACKEND
+from conftest import NUM_DEVICES
 
 import keras_distribute as kd
-from conftest import BACKEND, NUM_DEVICES
 
 pytestmark = pytest.mark.needs_strategy
 
@@ -95,7 +96,8 @@ def test_one_communication_timeout_setting(monkeypatch):
 @pytest.mark.skipif(BACKEND != "jax", reason="ModelParallel: JAX only here")
 def test_layout_map_shards_variables_and_checks_rank():
     import keras
-    from keras.distribution import DeviceMesh, LayoutMap
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
 
     mesh = DeviceMesh((4, 2), ["batch", "model"],
                       [f"cpu:{i}" for i in range(8)])
@@ -145,7 +147,8 @@ def test_simulate_cpu_devices_after_initialisation():
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TF layout_map limits")
 def test_tf_sharded_layout_map_is_refused_replicated_is_fine():
-    from keras.distribution import DeviceMesh, LayoutMap
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
 
     mesh = DeviceMesh((2, 2), ["batch", "model"],
                       [f"cpu:{i}" for i in range(4)])

@@ -2,14 +2,14 @@
 
 import numpy as np
 import pytest
-
-import keras_distribute as kd
 import workers_tf as workers
 from conftest import BACKEND
 from worker_common import assert_hung_peer_is_named
 from worker_common import assert_start_refused
 from worker_common import assert_survivor_fails_within
 from worker_common import assert_taken_port_is_named
+
+import keras_distribute as kd
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "tensorflow", reason="tf.distribute multi-worker: TF backend")
@@ -57,9 +57,10 @@ def test_checkpoint_callbacks_across_processes(tmp_path):
     assert_checkpoints_hold(results, directory)
 
 
-
 def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
-    # #20.6 regression, TF: "Collective instance ... expected type 0 ... got type 1" (the chief's save built Keras' reference Optimizer under the strategy).
+    # #20.6 regression, TF: "Collective instance ... expected type 0 ... got
+    # type 1" (the chief's save built Keras' reference Optimizer under the
+    # strategy).
     from worker_common import launch_keras_callbacks_resume
 
     launch_keras_callbacks_resume(workers, str(tmp_path), TIMEOUT)

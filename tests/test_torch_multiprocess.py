@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 import pytest
-
-import keras_distribute as kd
 import workers_torch as workers
 from conftest import BACKEND
 from worker_common import assert_hung_peer_is_named
 from worker_common import assert_start_refused
 from worker_common import assert_survivor_fails_within
+
+import keras_distribute as kd
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "torch", reason="process-per-replica tests: torch backend")
@@ -186,10 +186,11 @@ def test_a_hung_rank_that_still_runs_is_named_by_the_survivor():
 
 def test_launches_fork_from_a_server_that_imported_keras_once(
         monkeypatch, capfd):
-    # Every launch but the first starts in well under a second (no import
-    # of Keras; docs/benchmarks.md has the figures): its processes are forks of one server (their parent) that imported Keras
-    # once; each still gets the launcher's environment and output of the
-    # moment, its own NumPy random state and Python's SIGINT handler.
+    # Every launch but the first starts in well under a second (no import of
+    # Keras; docs/benchmarks.md has the figures): its processes are forks of one
+    # server (their parent) that imported Keras once; each still gets the
+    # launcher's environment and output of the moment, its own NumPy random
+    # state and Python's SIGINT handler.
     from keras_distribute.launch import starting
 
     first = kd.launch(workers.how_it_started, num_processes=2, args=("a",),
@@ -202,7 +203,8 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
     server = {p["parent"] for p in first + second}
     assert len(server) == 1 and os.getpid() not in server
     assert all(p["keras_preloaded"] and p["sigint"] for p in first + second)
-    assert [p["tag"] for p in second] == ["changed after the server started"] * 2
+    assert [p["tag"] for p in second] == [
+        "changed after the server started"] * 2
     assert second[0]["random"] != second[1]["random"]
     out = capfd.readouterr().out
     assert "launched process 0 says b" in out and "says a" not in out
@@ -269,7 +271,8 @@ def test_launch_module_runs_a_script(tmp_path):
                        "'1' else 0)\n")
     done = subprocess.run(
         [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
-         str(failing)], env=env, timeout=TIMEOUT, capture_output=True, text=True)
+         str(failing)], env=env, timeout=TIMEOUT, capture_output=True,
+        text=True)
     assert done.returncode == 7
     assert "process 1 of 2 exited with code 7" in done.stderr
 
@@ -297,10 +300,12 @@ def test_notebook_launcher_runs_a_function_defined_in_main():
             import os
             import keras_distribute as kd
             strategy = kd.MirroredStrategy()
-            return int(os.environ["RANK"]) + offset, strategy.num_replicas_in_sync
+            return (int(os.environ["RANK"]) + offset,
+                    strategy.num_replicas_in_sync)
     """), namespace)
-    assert kd.notebook_launcher(namespace["notebook_cell_fn"], num_processes=2,
-                                args=(10,), timeout=TIMEOUT) == [(10, 2), (11, 2)]
+    assert kd.notebook_launcher(
+        namespace["notebook_cell_fn"], num_processes=2, args=(10,),
+        timeout=TIMEOUT) == [(10, 2), (11, 2)]
 
 
 def test_multi_worker_strategy_from_tf_config_matches_one_process():
@@ -527,7 +532,8 @@ def test_sharded_checkpoint_restores_onto_sharded_and_one_process(
 
 def test_sharded_layout_errors_in_one_process():
     import keras
-    from keras.distribution import DeviceMesh, LayoutMap
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
 
     two = LayoutMap(DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"]))
     two[".*kernel"] = (None, "model")
@@ -717,7 +723,6 @@ def test_sharded_transformer_block_matches_one_process():
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-
 def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
     # #20.6 regression, torch: the same programs as on TF and JAX.
     from worker_common import launch_keras_callbacks_resume
@@ -739,7 +744,6 @@ def test_counting_metrics_are_global_with_one_ddp_and_one_reduction():
     # metric variable itself: the engine uses that DDP and its one flat
     # reduction replaces Keras' (not two of each).
     import keras
-
     from worker_common import counting_metrics_fit
 
     results = kd.launch(workers.counting_metrics_and_one_ddp,

@@ -1,14 +1,15 @@
-"""TPUStrategy on 8 simulated CPU devices, model parallelism, logical devices."""
-
-import numpy as np
-import pytest
+"""TPUStrategy on 8 simulated CPU devices, model parallelism, logical
+devices."""
 
 import keras
-import keras_distribute as kd
+import numpy as np
+import pytest
 from conftest import BACKEND
 from worker_common import TRANSFORMER_LAYOUTS
 from worker_common import transformer_block
 from worker_common import transformer_data
+
+import keras_distribute as kd
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="TPUStrategy: JAX")
 
@@ -59,7 +60,8 @@ def test_device_assignment_errors(args, match):
 
 
 def test_transformer_block_sharded_over_model_axis_matches_one_device():
-    from keras.distribution import DeviceMesh, LayoutMap
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
 
     x, y = transformer_data()
     reference = transformer_block()
@@ -91,7 +93,6 @@ def test_keras_hub_gemma_with_its_own_layout_map_matches_one_device():
         pytest.skip(f"keras-hub does not import with Keras "
                     f"{keras.__version__}: {error}")
     import jax
-
     from worker_common import gemma_causal_lm
     from worker_common import gemma_data
 
@@ -123,12 +124,14 @@ def test_split_image_batch_over_eight_logical_devices():
     strategy = kd.TPUStrategy(device_assignment=assignment(1, 8))
     images = np.arange(2 * 4 * 8 * 3, dtype="float32").reshape(2, 4, 8, 3)
     with strategy.scope():
-        split = jax.jit(lambda t: strategy.experimental_split_to_logical_devices(
-            t, [1, 2, 4, 1]))(images)
+        split = jax.jit(
+            lambda t: strategy.experimental_split_to_logical_devices(
+                t, [1, 2, 4, 1]))(images)
         replicated = jax.jit(
             strategy.experimental_replicate_to_logical_devices)(images)
-        assigned = jax.jit(lambda t: strategy.experimental_assign_to_logical_device(
-            t, 3))(images)
+        assigned = jax.jit(
+            lambda t: strategy.experimental_assign_to_logical_device(
+                t, 3))(images)
     assert {s.data.shape for s in split.addressable_shards} == {(2, 2, 2, 3)}
     assert len(split.sharding.device_set) == 8
     np.testing.assert_array_equal(np.asarray(split), images)
@@ -195,8 +198,10 @@ def test_logical_device_errors():
         strategy.experimental_split_to_logical_devices(np.ones((4, 5)), [1, 2])
     with pytest.raises(ValueError, match=r"logical_device_id.*\[0, 2\)"):
         strategy.experimental_assign_to_logical_device(tensor, 2)
-    from keras.distribution import DeviceMesh, LayoutMap
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
 
-    wrong = LayoutMap(DeviceMesh((8,), ["batch"], [f"cpu:{i}" for i in range(8)]))
+    wrong = LayoutMap(DeviceMesh((8,), ["batch"],
+                                 [f"cpu:{i}" for i in range(8)]))
     with pytest.raises(ValueError, match="mesh has shape"):
         kd.TPUStrategy(device_assignment=assignment(), layout_map=wrong)

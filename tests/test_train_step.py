@@ -1,12 +1,12 @@
 """`kd.train_step`: one custom-loop step for every backend (the tutorials'
 GradientTape step, rewritten once) reaches the weights `fit` reaches."""
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import make_mlp as make_model
+
+import keras_distribute as kd
 
 GLOBAL_BATCH = 32
 

@@ -5,13 +5,13 @@ and the guard that says when replicas diverge, on every backend."""
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 import workers_user_steps as workers
 from conftest import BACKEND
+
+import keras_distribute as kd
 
 torch_only = pytest.mark.skipif(
     BACKEND != "torch", reason="process-per-replica steps: torch backend "

@@ -6,9 +6,11 @@ process.
 """
 
 import numpy as np
-
 import worker_checkpoint
-from worker_common import initial_weights, listing, make_data, make_model
+from worker_common import initial_weights
+from worker_common import listing
+from worker_common import make_data
+from worker_common import make_model
 
 # Accumulate 3 batches per update, keep an EMA and write it into the
 # weights every 4 updates: the 2 conditional updates Keras wraps in
@@ -86,8 +88,10 @@ def compressed_all_reduce():
     """torch, each rank: the digits fit uncompressed, fp16 and bf16, and
     the bytes of gradient all-reduce gloo performed in one profiled epoch
     (the profiler's `gloo:all_reduce` events of the gradients' size)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
+
     import keras_distribute as kd
-    from torch.profiler import ProfilerActivity, profile
 
     itemsize = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2}
     results = {}
@@ -387,8 +391,8 @@ def check_preemption_handler(results):
 
 def training_features(strategy, directory):
     """Each process: the #16 and #17 `fit` features (and #43's directory
-    lease) one after another on one strategy (one launch per backend: starting the processes is most of
-    what these tests cost)."""
+    lease) one after another on one strategy (one launch per backend:
+    starting the processes is most of what these tests cost)."""
     import os
 
     return {

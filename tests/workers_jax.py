@@ -7,10 +7,11 @@ first, then starts `jax.distributed` through the strategy.
 import os
 
 import numpy as np
-
 from worker_common import fit_while_rank_one_hangs
+from worker_common import initial_weights  # noqa: F401
+from worker_common import make_data  # noqa: F401
+from worker_common import make_model  # noqa: F401
 from worker_common import train_unless_rank_one
-from worker_common import initial_weights, make_data, make_model  # noqa: F401
 
 BATCH = 32
 
@@ -75,9 +76,9 @@ def multi_worker_train_step():
     """docs/custom_training_loops.md's loop on 2 processes x 2 devices."""
     _jax_process()
     import tensorflow as tf
+    from worker_common import train_step_loop
 
     import keras_distribute as kd
-    from worker_common import train_step_loop
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -127,8 +128,9 @@ def peer_never_joins():
 def sharded_checkpoints(directory):
     """Checkpoint callbacks in a 2-process job."""
     _jax_process()
-    import keras_distribute as kd
     from worker_common import fit_with_sharded_checkpoints
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -138,8 +140,9 @@ def sharded_checkpoints(directory):
 def keras_callbacks_resume(directory):
     """Keras' own file callbacks, interrupted and resumed (2 processes)."""
     _jax_process()
-    import keras_distribute as kd
     from worker_common import keras_callbacks_resume as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -149,8 +152,9 @@ def keras_callbacks_resume(directory):
 def diverged_random_states():
     """Each process seeds differently, then builds the model."""
     _jax_process()
-    import keras_distribute as kd
     from worker_common import diverged_random_states as body
+
+    import keras_distribute as kd
 
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)))
@@ -186,8 +190,9 @@ def training_features(directory):
     """Gradient accumulation, Horovod helpers and PreemptionCheckpoint on
     one strategy (worker_training.py)."""
     _jax_process()
-    import keras_distribute as kd
     from worker_training import training_features as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -197,8 +202,9 @@ def training_features(directory):
 def preemption_handler(directory):
     """kd.experimental.PreemptionCheckpointHandler's loop (2 processes)."""
     _jax_process()
-    import keras_distribute as kd
     from worker_training import preemption_handler as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))

@@ -9,8 +9,9 @@ import os
 import time
 
 import numpy as np
-
-from worker_common import initial_weights, make_data, make_model
+from worker_common import initial_weights
+from worker_common import make_data
+from worker_common import make_model
 
 BATCH = 32
 

@@ -2,11 +2,11 @@
 
 import os
 
-
 from worker_common import fit_while_rank_one_hangs
-from worker_common import train_unless_rank_one
-from worker_common import initial_weights, make_model
+from worker_common import initial_weights
 from worker_common import make_data as common_make_data
+from worker_common import make_model
+from worker_common import train_unless_rank_one
 
 
 def make_data(n=101, seed=0):
@@ -30,7 +30,8 @@ def multi_worker_fit(directory):
         model = make_model(initial_weights())
     history = model.fit(
         x, y, batch_size=20, epochs=2, shuffle=False, verbose=0,
-        callbacks=[keras.callbacks.CSVLogger(os.path.join(directory, "log.csv"))])
+        callbacks=[keras.callbacks.CSVLogger(
+            os.path.join(directory, "log.csv"))])
     ids = strategy.run(
         lambda: kd.get_replica_context().replica_id_in_sync_group)
     return {
@@ -63,8 +64,9 @@ def peer_leaves_early():
 
 def sharded_checkpoints(directory):
     """Checkpoint callbacks in a 2-worker job."""
-    import keras_distribute as kd
     from worker_common import fit_with_sharded_checkpoints
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -73,8 +75,9 @@ def sharded_checkpoints(directory):
 
 def keras_callbacks_resume(directory):
     """Keras' own file callbacks, interrupted and resumed (2 workers)."""
-    import keras_distribute as kd
     from worker_common import keras_callbacks_resume as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -83,8 +86,9 @@ def keras_callbacks_resume(directory):
 
 def diverged_random_states():
     """Each worker seeds differently, then builds the model (2 workers)."""
-    import keras_distribute as kd
     from worker_common import diverged_random_states as body
+
+    import keras_distribute as kd
 
     return body(kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60)))
@@ -93,8 +97,9 @@ def diverged_random_states():
 def training_features(directory):
     """Gradient accumulation, Horovod helpers and PreemptionCheckpoint on
     one strategy (worker_training.py)."""
-    import keras_distribute as kd
     from worker_training import training_features as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -103,8 +108,9 @@ def training_features(directory):
 
 def preemption_handler(directory):
     """kd.experimental.PreemptionCheckpointHandler's loop (2 processes)."""
-    import keras_distribute as kd
     from worker_training import preemption_handler as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -148,8 +154,9 @@ def fit_thread_count(steps):
 
 def batchnorm_one_state(directory):
     """#30: BatchNorm statistics and every other variable, 2 workers."""
-    import keras_distribute as kd
     from worker_common import batchnorm_fit_every_variable
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))
@@ -158,8 +165,9 @@ def batchnorm_one_state(directory):
 
 def different_training():
     """#30: workers that would train different models (2 workers)."""
-    import keras_distribute as kd
     from worker_common import different_training as body
+
+    import keras_distribute as kd
 
     strategy = kd.MultiWorkerMirroredStrategy(
         communication_options=kd.CommunicationOptions(timeout_seconds=60))

@@ -6,11 +6,13 @@ Module-level so that `kd.launch` can send them to the worker processes.
 import os
 
 import numpy as np
-
-from worker_common import Interrupt, interrupt_at
+from worker_common import Interrupt
 from worker_common import fit_while_rank_one_hangs
+from worker_common import initial_weights  # noqa: F401
+from worker_common import interrupt_at
+from worker_common import make_data  # noqa: F401
+from worker_common import make_model  # noqa: F401
 from worker_common import train_unless_rank_one
-from worker_common import initial_weights, make_data, make_model  # noqa: F401
 
 BATCH = 32
 
@@ -85,10 +87,13 @@ def docs_examples():
     out = {}
     local = lambda v: [np.asarray(t).tolist()  # noqa: E731
                        for t in strategy.experimental_local_results(v)]
-    dataset = [np.arange(2 * i, 2 * i + 2) for i in range(2)]  # range(4).batch(2)
-    out["doubled"] = [local(strategy.run(lambda x: x * 2, args=(x,)))
-                      for x in strategy.experimental_distribute_dataset(dataset)]
-    ids = strategy.run(lambda: kd.get_replica_context().replica_id_in_sync_group)
+    # range(4).batch(2):
+    dataset = [np.arange(2 * i, 2 * i + 2) for i in range(2)]
+    out["doubled"] = [
+        local(strategy.run(lambda x: x * 2, args=(x,)))
+        for x in strategy.experimental_distribute_dataset(dataset)]
+    ids = strategy.run(
+        lambda: kd.get_replica_context().replica_id_in_sync_group)
     out["ids"] = local(ids)
     out["sum_ids"] = float(strategy.reduce("SUM", ids, axis=None))
     array_value = np.array([3.0, 2.0, 1.0])
@@ -104,8 +109,10 @@ def docs_examples():
         lambda _: np.array([[1], [2]]))
     out["gather_shape"] = tuple(strategy.gather(pair, axis=0).shape)
     halves = strategy.experimental_distribute_values_from_function(
-        lambda ctx: np.arange(4, dtype="float32") + 4 * ctx.replica_id_in_sync_group)
-    out["reduce_none"] = np.asarray(strategy.reduce("sum", halves, axis=None)).tolist()
+        lambda ctx: (np.arange(4, dtype="float32")
+                     + 4 * ctx.replica_id_in_sync_group))
+    out["reduce_none"] = np.asarray(
+        strategy.reduce("sum", halves, axis=None)).tolist()
     out["reduce_axis0"] = float(strategy.reduce("mean", halves, axis=0))
     # A short batch of 6 over 2 replicas: the mean divides by 6.
     short = list(strategy.experimental_distribute_dataset(
@@ -181,8 +188,9 @@ def custom_loop():
 def train_step_loop():
     """The same loop with `kd.train_step` (the backend-neutral step)."""
     _setup()
-    import keras_distribute as kd
     from worker_common import train_step_loop as loop
+
+    import keras_distribute as kd
 
     x, y = make_data(n=128)
     batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 128, 32)]
@@ -460,8 +468,9 @@ def auto_shard_policies(directory):
 def sharded_checkpoints(directory):
     """Checkpoint callbacks in a 2-process group."""
     _setup()
-    import keras_distribute as kd
     from worker_common import fit_with_sharded_checkpoints
+
+    import keras_distribute as kd
 
     return fit_with_sharded_checkpoints(kd.MultiWorkerMirroredStrategy(),
                                         directory)
@@ -636,6 +645,7 @@ def mesh_report(strategy, model, layout_map):
         keras_mesh = mesh if len(mesh.shape) > 1 else engine.keras_mesh
         report["is_keras_backend_mesh"] = (
             engine.torch_mesh is keras_mesh.backend_mesh)
+
         def keras_placements(variable):
             layout = layout_map[variable.path]  # None: replicated
             axes = layout.axes if layout else [None] * len(variable.shape)
@@ -731,11 +741,11 @@ def sharded_transformer_block():
     sharded over 2 processes (DTensor); returns the trained weights."""
     _setup()
     import keras
-
-    import keras_distribute as kd
     from worker_common import TRANSFORMER_LAYOUTS
     from worker_common import transformer_block
     from worker_common import transformer_data
+
+    import keras_distribute as kd
 
     # A 1-D mesh: all model axis, one replica over both processes.
     mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
@@ -757,8 +767,9 @@ def sharded_transformer_block():
 def keras_callbacks_resume(directory):
     """Keras' own file callbacks, interrupted and resumed (2 ranks)."""
     _setup()
-    import keras_distribute as kd
     from worker_common import keras_callbacks_resume as body
+
+    import keras_distribute as kd
 
     return body(kd.MirroredStrategy(), directory)
 
@@ -766,8 +777,9 @@ def keras_callbacks_resume(directory):
 def diverged_random_states():
     """Each rank seeds differently, then builds the model."""
     _setup()
-    import keras_distribute as kd
     from worker_common import diverged_random_states as body
+
+    import keras_distribute as kd
 
     return body(kd.MirroredStrategy())
 
@@ -788,9 +800,8 @@ def counting_metrics_and_one_ddp():
         original_init(self, *args, **kwargs)
 
     torch.nn.parallel.DistributedDataParallel.__init__ = counting_init
-    from worker_common import counting_metrics_fit
-
     import keras
+    from worker_common import counting_metrics_fit
 
     strategy = kd.MirroredStrategy()
     current = []
@@ -875,8 +886,9 @@ def training_features(directory):
     """Gradient accumulation, Horovod helpers and PreemptionCheckpoint on
     one strategy (worker_training.py)."""
     _setup()
-    import keras_distribute as kd
     from worker_training import training_features as body
+
+    import keras_distribute as kd
 
     return body(kd.MirroredStrategy(), directory)
 
@@ -884,8 +896,9 @@ def training_features(directory):
 def preemption_handler(directory):
     """kd.experimental.PreemptionCheckpointHandler's loop (2 processes)."""
     _setup()
-    import keras_distribute as kd
     from worker_training import preemption_handler as body
+
+    import keras_distribute as kd
 
     strategy = kd.MirroredStrategy()
     return body(strategy, directory)
@@ -981,24 +994,27 @@ def run_returns_plain_values():
 
 def batchnorm_one_state(directory):
     """#30: BatchNorm statistics and every other variable, 2 processes."""
-    import keras_distribute as kd
     from worker_common import batchnorm_fit_every_variable
+
+    import keras_distribute as kd
 
     _setup()
     return batchnorm_fit_every_variable(kd.MirroredStrategy(), directory)
 
 
 def different_training():
-    import keras_distribute as kd
     from worker_common import different_training as body
+
+    import keras_distribute as kd
 
     _setup()
     return body(kd.MirroredStrategy(), int(os.environ["RANK"]))
 
 
 def keras_tuner_search(directory):
-    import keras_distribute as kd
     from worker_common import keras_tuner_search as body
+
+    import keras_distribute as kd
 
     _setup()
     # Each process keeps its own oracle files (keras-tuner writes them).
@@ -1185,10 +1201,10 @@ def gemma_with_its_layout_map(shape):
     _setup()
     import keras
     import keras_hub
-
-    import keras_distribute as kd
     from worker_common import gemma_causal_lm
     from worker_common import gemma_data
+
+    import keras_distribute as kd
 
     size = int(np.prod(shape))
     mesh = keras.distribution.DeviceMesh(

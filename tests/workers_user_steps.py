@@ -337,7 +337,6 @@ def diverging_step(mode):
     """A step that bypasses the optimizer: the check's error (or warning)."""
     import warnings
 
-    import keras
     import torch
 
     import keras_distribute as kd

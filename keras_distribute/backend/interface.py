@@ -14,11 +14,17 @@ declares and that the neutral layer reads nothing from an engine that no
 protocol declares.
 """
 
-from typing import (Any, Callable, ContextManager, Optional, Protocol,
-                    Sequence, runtime_checkable)
+from typing import Any
+from typing import Callable
+from typing import ContextManager
+from typing import Optional
+from typing import Protocol
+from typing import Sequence
+from typing import runtime_checkable
 
 from keras_distribute.common.devices import DeviceSpec
 from keras_distribute.common.devices import parse_device_name
+from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.reduce_op import ReduceOp
 
 
@@ -42,6 +48,9 @@ class ReplicaEngine(Protocol):
     # batch (`input/process_data.py`): torch in a group, JAX over several
     # processes. Otherwise the framework's own distribution feeds it.
     fit_per_process: bool
+    # What the engine (and the input pipeline and checkpoint that run on
+    # it) need from the Keras integration: handed in by `make_*engine`.
+    keras_services: KerasServices
 
     def scope(self) -> ContextManager[None]:
         """Makes variables created inside follow the strategy's layout."""
@@ -98,7 +107,8 @@ class ReplicaEngine(Protocol):
         """Returns once every process of the job called it (no-op alone)."""
 
     def broadcast_text(self, text: str) -> str:
-        """Process 0's `text`, in every process (a collective; alone: `text`)."""
+        """Process 0's `text`, in every process (a collective; alone:
+        `text`)."""
 
     def process_all_gather(self, array: Any) -> Any:
         """Every process's `array` (same shape in each), stacked along a new
@@ -163,7 +173,8 @@ class ProcessDataEngine(ReplicaEngine, Protocol):
 
 @runtime_checkable
 class TorchDdpEngine(ProcessDataEngine, Protocol):
-    """An engine Keras' torch trainer steps through (`integration/torch_hooks.py`)."""
+    """An engine Keras' torch trainer steps through
+    (`integration/torch_hooks.py`)."""
 
     uses_keras_ddp: bool  # the model's step goes through Keras' own DDP
     in_group: bool  # a torch.distributed process group is running
@@ -256,13 +267,15 @@ class BackendModule(Protocol):
     def device_name(self, device: Any) -> str:
         """The Keras-style name (`"cpu:0"`) of a device."""
 
-    def make_engine(self, devices: Sequence[Any],
-                    layout_map: Any = None) -> ReplicaEngine:
-        """Builds the engine for a strategy over `devices`."""
+    def make_engine(self, devices: Sequence[Any], layout_map: Any = None, *,
+                    services: KerasServices) -> ReplicaEngine:
+        """Builds the engine for a strategy over `devices`; the engine keeps
+        `services` (the Keras integration's) as `keras_services`."""
 
     def make_multi_worker_engine(self, resolver: Any,
                                  timeout_s: Optional[float],
-                                 layout_map: Any = None) -> ReplicaEngine:
+                                 layout_map: Any = None, *,
+                                 services: KerasServices) -> ReplicaEngine:
         """Builds the engine of a `kd.MultiWorkerMirroredStrategy` over the
         job `resolver` describes (joining it; one worker: this process)."""
 
@@ -272,7 +285,8 @@ class BackendModule(Protocol):
         nothing."""
 
     def make_tpu_engine(self, tpu_cluster_resolver: Any, assignment: Any,
-                        layout_map: Any = None) -> ReplicaEngine:
+                        layout_map: Any = None, *,
+                        services: KerasServices) -> ReplicaEngine:
         """Builds the engine of a `kd.TPUStrategy`."""
 
     def refuse_unsupported_layouts(self, layout_map: Any) -> None:
@@ -324,7 +338,6 @@ def broadcast_text_by(broadcast_array: Callable[[Any], Any],
     received: bytes = np.asarray(broadcast_array(payload)).astype(
         np.uint8).tobytes()
     return received.decode()
-
 
 
 # The checkpoint's view of a variable, which engines implement

@@ -3,7 +3,9 @@
 implementation JAX's and torch's engines inherit."""
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any
+from typing import Iterator
+from typing import Optional
 
 _UNCHANGED: Any = ...
 

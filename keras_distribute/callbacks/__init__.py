@@ -18,11 +18,13 @@ This package imports Keras (and so the backend framework): it is loaded on
 first use of `kd.callbacks`. May import every package but `launch`.
 """
 
+from keras_distribute.callbacks.backup_and_restore import BackupAndRestore  # noqa: F401
 from keras_distribute.callbacks.horovod import BroadcastGlobalVariables  # noqa: F401
 from keras_distribute.callbacks.horovod import LearningRateWarmup  # noqa: F401
 from keras_distribute.callbacks.horovod import MetricAverage  # noqa: F401
-from keras_distribute.job.processes import PREEMPTION_EXIT_CODE  # noqa: F401
-from keras_distribute.callbacks.preemption_checkpoint import PreemptionCheckpoint  # noqa: F401
-from keras_distribute.callbacks.backup_and_restore import BackupAndRestore  # noqa: F401
-from keras_distribute.callbacks.sharded_checkpoint import ShardedCheckpoint  # noqa: F401
+from keras_distribute.callbacks.preemption_checkpoint import (
+    PreemptionCheckpoint,  # noqa: F401
+)
 from keras_distribute.callbacks.ray_report import RayReport  # noqa: F401
+from keras_distribute.callbacks.sharded_checkpoint import ShardedCheckpoint  # noqa: F401
+from keras_distribute.job.processes import PREEMPTION_EXIT_CODE  # noqa: F401

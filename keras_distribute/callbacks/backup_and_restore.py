@@ -5,23 +5,30 @@ resumed run ends with the same weights as an uninterrupted one.
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Optional
-
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import Optional
 
 from keras_distribute.backend import interface
-from keras_distribute.checkpoint import writing as ckpt_writing
+from keras_distribute.callbacks.training_state import restore_rng
+from keras_distribute.callbacks.training_state_callback import (
+    TrainingStateCallback,
+)
+from keras_distribute.callbacks.training_state_callback import (
+    made_at_train_begin,
+)
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import reading
+from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import CheckpointMismatchError
-from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
+from keras_distribute.checkpoint.sharded_checkpoint import (
+    ShardedCheckpoint as _Checkpoint,
+)
 from keras_distribute.integration import training as integration_training
-from keras_distribute.callbacks.training_state_callback import TrainingStateCallback
-from keras_distribute.callbacks.training_state_callback import made_at_train_begin
-from keras_distribute.callbacks.training_state import restore_rng
-
 
 # The writer named in every backup's index (see `checkpoint.ownership`):
 # the clean-up deletes only checkpoints that name it.
@@ -106,12 +113,12 @@ class BackupAndRestore(TrainingStateCallback):
             checkpoint_name=BACKUP_STEM, owner=BACKUP_OWNER)
         self._resume = None
         latest = self._restore_newest_readable()
-        if latest is None:
+        resume = self._resume
+        if latest is None or resume is None:
             return
-        self._state.save_counter = int(self._resume["save_counter"])
+        self._state.save_counter = int(resume["save_counter"])
         self._resume_path = latest
-        integration_training.set_initial_epoch(self.model,
-                                               self._resume["epoch"])
+        integration_training.set_initial_epoch(self.model, resume["epoch"])
 
     def _restore_newest_readable(self) -> Optional[str]:
         """Restores the newest backup that reads back whole, falling back to
@@ -167,7 +174,8 @@ class BackupAndRestore(TrainingStateCallback):
 
     def on_epoch_begin(self, epoch, logs=None):
         resume, self._resume = self._resume, None
-        if resume is not None:
+        resume_path = self._resume_path
+        if resume is not None and resume_path is not None:
             # Keras 3.16 seeds each epoch's shuffle by a counter of the data
             # adapter: set it to where the interrupted run had it.
             offset = resume.get("data_epoch_offset")
@@ -177,7 +185,7 @@ class BackupAndRestore(TrainingStateCallback):
             restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
             self._restore_callback_states(resume.get("callbacks", {}))
             _Checkpoint(callback_arrays=self._state._objects[
-                "callback_arrays"]).read(self._resume_path).expect_partial()
+                "callback_arrays"]).read(resume_path).expect_partial()
             if skip:
                 # The order of the epoch's batches comes from the RNG at its
                 # start; dropout & co. then go on from the state at the save.

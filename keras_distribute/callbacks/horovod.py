@@ -12,8 +12,8 @@ from typing import Optional
 
 import keras
 
-from keras_distribute.training import collectives
 from keras_distribute.common.context import model_strategy
+from keras_distribute.training import collectives
 
 
 class BroadcastGlobalVariables(keras.callbacks.Callback):

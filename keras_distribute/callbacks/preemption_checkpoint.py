@@ -13,11 +13,13 @@ the same weights as one never interrupted.
 
 import signal
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any
+from typing import Optional
+from typing import Sequence
 
 from keras_distribute.callbacks.backup_and_restore import BackupAndRestore
-from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
 from keras_distribute.callbacks.preemption_handler import PreemptionSignals
+from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
 
 
 class PreemptionCheckpoint(BackupAndRestore):

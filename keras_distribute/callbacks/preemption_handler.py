@@ -11,14 +11,18 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import Optional
+from typing import Sequence
 
 import numpy as np
 
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
-from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.committed import read_metadata
+from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
 

@@ -4,17 +4,22 @@ jobs (every process writes its shards; the chief commits and deletes).
 """
 
 import os
-from typing import Any, List, Optional
+from typing import Any
+from typing import List
+from typing import Optional
 
-
+from keras_distribute.callbacks.training_state import link_checkpoint
+from keras_distribute.callbacks.training_state_callback import (
+    TrainingStateCallback,
+)
+from keras_distribute.callbacks.training_state_callback import (
+    made_at_train_begin,
+)
 from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.callbacks.training_state_callback import TrainingStateCallback
-from keras_distribute.callbacks.training_state_callback import made_at_train_begin
-from keras_distribute.callbacks.training_state import link_checkpoint
 
 
 class ShardedCheckpoint(TrainingStateCallback):
@@ -63,7 +68,8 @@ class ShardedCheckpoint(TrainingStateCallback):
                 "(e.g. monitor='val_loss').")
         if mode not in ("auto", "min", "max"):
             raise ValueError(
-                f"mode must be 'auto', 'min' or 'max'. Received: mode={mode!r}.")
+                "mode must be 'auto', 'min' or 'max'. "
+                f"Received: mode={mode!r}.")
         if max_to_keep is not None and (not isinstance(max_to_keep, int)
                                         or max_to_keep < 1):
             raise ValueError(

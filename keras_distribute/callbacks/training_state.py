@@ -8,12 +8,13 @@ checkpoint elsewhere (what reaches into a running Keras `fit` lives in
 import os
 import random
 import shutil
-from typing import Any, Dict, List
+from typing import Any
+from typing import Dict
+from typing import List
 
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
-
 from keras_distribute.checkpoint import writing as ckpt_writing
 
 
@@ -111,8 +112,6 @@ def restore_rng(state: Dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "backend" in state:
         get_backend().set_host_rng_state(state["backend"])
-
-
 
 
 def link_checkpoint(source: str, target: str) -> None:

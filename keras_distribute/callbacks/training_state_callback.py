@@ -16,21 +16,27 @@ first use of `kd.callbacks`.
 import contextlib
 import os
 import warnings
-from typing import Any, Dict, List, Optional, TypeVar
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import TypeVar
 
 import keras
 
 from keras_distribute.backend import interface
-from keras_distribute.checkpoint.options import CheckpointOptions
-from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint as _Checkpoint
-from keras_distribute.checkpoint.checkpointer import finish_background_saves
-from keras_distribute.integration import training as integration_training
+from keras_distribute.callbacks.training_state import NOT_SCALAR
 from keras_distribute.callbacks.training_state import CallbackArrays
 from keras_distribute.callbacks.training_state import MetricVariables
-from keras_distribute.callbacks.training_state import NOT_SCALAR
 from keras_distribute.callbacks.training_state import capture_rng
 from keras_distribute.callbacks.training_state import json_scalar
 from keras_distribute.callbacks.training_state import keyed_callbacks
+from keras_distribute.checkpoint.checkpointer import finish_background_saves
+from keras_distribute.checkpoint.options import CheckpointOptions
+from keras_distribute.checkpoint.sharded_checkpoint import (
+    ShardedCheckpoint as _Checkpoint,
+)
+from keras_distribute.integration import training as integration_training
 
 
 def _check_save_freq(save_freq: Any) -> None:
@@ -69,7 +75,8 @@ class TrainingStateCallback(keras.callbacks.Callback):
     @property
     def _state(self) -> _Checkpoint:
         """The checkpoint of `fit`'s state, made by `on_train_begin`."""
-        return made_at_train_begin(self._checkpoint, "checkpoint of fit's state", self)
+        return made_at_train_begin(self._checkpoint,
+                                   "checkpoint of fit's state", self)
 
     def _make_checkpoint(self) -> _Checkpoint:
         model = self.model

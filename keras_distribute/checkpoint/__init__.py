@@ -29,17 +29,18 @@ from keras_distribute.checkpoint.committed import list_variables
 from keras_distribute.checkpoint.committed import load_checkpoint
 from keras_distribute.checkpoint.committed import load_variable
 from keras_distribute.checkpoint.committed import read_metadata
+from keras_distribute.checkpoint.export import export_weights
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.lease import DirectoryInUseError
-from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
+from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
-from keras_distribute.checkpoint.export import export_weights
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError", "CheckpointOptions",
-           "CheckpointReader", "DirectoryInUseError", "InitializationOnlyStatus", "LoadStatus",
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError",
+           "CheckpointOptions", "CheckpointReader", "DirectoryInUseError",
+           "InitializationOnlyStatus", "LoadStatus",
            "ShardedCheckpoint", "checkpoints_in", "export_weights",
            "latest_checkpoint", "list_variables", "load_checkpoint",
            "load_variable", "read_metadata"]

@@ -7,7 +7,9 @@ checkpoints nested in an object, with the key prefix each is saved under.
 """
 
 import operator
-from typing import Any, Iterable, SupportsIndex
+from typing import Any
+from typing import Iterable
+from typing import SupportsIndex
 
 from keras_distribute.checkpoint import saved_objects
 

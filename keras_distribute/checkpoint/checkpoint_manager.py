@@ -1,15 +1,18 @@
 """`CheckpointManager`: numbered saves in a directory, the last N kept."""
 
 import os
-from typing import Any, Callable, Dict, List, Optional
-
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
 
 from keras_distribute.checkpoint import lease
-from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint import ownership
+from keras_distribute.checkpoint import writing as ckpt_writing
+from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
-from keras_distribute.checkpoint.committed import checkpoints_in
 
 
 class CheckpointManager:

@@ -13,7 +13,12 @@ import concurrent.futures
 import os
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.checkpoint import format as ckpt_format

@@ -3,12 +3,14 @@ variables (no Keras objects needed)."""
 
 import os
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
 
 import numpy as np
 
 from keras_distribute.checkpoint import format as ckpt_format
-
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import numpy_dtype
 
@@ -88,7 +90,8 @@ def read_metadata(path: str) -> Dict[str, Any]:
     index = reading.read_index(_resolve(path))
     return dict(index.get("metadata", {}),
                 save_counter=index.get("save_counter", 0),
-                backend=index.get("backend"), mesh_shape=index.get("mesh_shape"))
+                backend=index.get("backend"),
+                mesh_shape=index.get("mesh_shape"))
 
 
 def list_variables(path: str) -> List[tuple]:

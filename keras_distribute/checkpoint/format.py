@@ -23,10 +23,10 @@ temporary directory a save marked as its own. Loading never executes code.
 import hashlib
 import json
 import os
-from typing import Any, Tuple
+from typing import Any
+from typing import Tuple
 
 import numpy as np
-
 
 FORMAT = "keras_distribute.checkpoint"
 # 2: each piece carries an "xxh3_128" checksum; 1 (still read): "sha256".
@@ -57,6 +57,7 @@ def parsing_cost(raw: bytes) -> int:
     object or list, 64 per value separator, plus the text itself."""
     return (120 * (raw.count(b"{") + raw.count(b"["))
             + 64 * (raw.count(b",") + raw.count(b":")) + len(raw))
+
 
 Slice = Tuple[Tuple[int, int], ...]
 

@@ -10,7 +10,8 @@ serialised by tf.data itself (`SerializeIterator`, the op
 each process reads its own input — under `<name>/process-<id>`.
 """
 
-from typing import Any, Dict
+from typing import Any
+from typing import Dict
 
 import numpy as np
 
@@ -24,6 +25,7 @@ _PROCESS_KEY = "{name}/process-{process_id:05d}"
 # Each state's signature (`signing`): kd restores only states it can prove
 # it wrote, since tf.data's deserializer does not withstand crafted bytes.
 _SIGNATURE_KEY = "{name}/signature-{process_id:05d}"
+
 
 def is_data_iterator(obj: Any) -> bool:
     """Whether `obj` is an input iterator a checkpoint can hold: a `tf.data`
@@ -111,7 +113,8 @@ def _verified_state(path: str, saved: Dict[str, Any], name: str,
     if not signing.verify(np.asarray(state, np.uint8).tobytes(), signature):
         raise CheckpointError(
             f"Not restoring the input iterator {name!r} from {path!r}: its "
-            f"state is {'unsigned' if signature is None else 'not signed with this key'}. "
+            f"state is {'unsigned' if signature is None else 'not signed'}"
+            f"{'' if signature is None else ' with this key'}. "
             "tf.data's deserializer does not withstand crafted bytes (they "
             "can crash the process), so keras_distribute restores an "
             "iterator's state only from checkpoints it wrote with this "

@@ -30,7 +30,10 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
 
 LEASE = ".keras_distribute-lease"
 HEARTBEAT_S = 2.0

@@ -1,7 +1,9 @@
 """What a checkpoint restore reports: `LoadStatus` and, for a restore of
 `None`, `InitializationOnlyStatus` (the counterparts of tf.train's)."""
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING
+from typing import List
+from typing import Optional
 
 if TYPE_CHECKING:
     from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint

@@ -17,7 +17,11 @@ object (Keras' `Dense._kernel` is `kernel`), else not at all.
 This module imports no framework at module level.
 """
 
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any
+from typing import Dict
+from typing import Iterator
+from typing import List
+from typing import Tuple
 
 # How deep a path may go, and how many one object may contribute: an
 # attribute graph is the user's, and a cycle or a huge list must not stall

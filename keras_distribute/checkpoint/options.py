@@ -1,7 +1,8 @@
 """`CheckpointOptions`: how a save runs."""
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional
+from typing import Union
 
 from keras_distribute.checkpoint import progress
 

@@ -18,11 +18,11 @@ whoever wrote it (`next_number`).
 
 import os
 import re
-from typing import List, Optional
+from typing import List
+from typing import Optional
 
 from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import lease
-
 from keras_distribute.checkpoint import writing as ckpt_writing
 
 # Written into a directory kd created for checkpoints; names its owner.

@@ -12,7 +12,9 @@ forked child has no threads and would hang it.
 
 import concurrent.futures
 import os
-from typing import Callable, List, Tuple
+from typing import Callable
+from typing import List
+from typing import Tuple
 
 import numpy as np
 

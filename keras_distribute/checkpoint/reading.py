@@ -12,13 +12,20 @@ that range lies inside its file, else only after its HDF5 links, layout,
 storage and dtype were checked; and only once every piece a read needs was
 checked against the bytes its file really holds, its checksum verified
 before it is used — so no read touches a file outside the directory, runs
-code, or allocates more than the files justify. Every refusal is a `CheckpointError`.
+code, or allocates more than the files justify. Every refusal is a
+`CheckpointError`.
 """
 
 import math
 import os
 import stat
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any
+from typing import Dict
+from typing import Iterable
+from typing import List
+from typing import NamedTuple
+from typing import Optional
+from typing import Tuple
 
 import numpy as np
 
@@ -296,9 +303,9 @@ def _checked_dataset(shards: OpenShards, piece: dict,
     them.
 
     A piece the writer recorded the byte `offset` of (kd writes it for
-    every piece that is neither a scalar nor empty) is checked against the file's size
-    only: its bytes are read from there and verified by their checksum,
-    without parsing the file's HDF5 metadata (which cost ~0.2 ms per
+    every piece that is neither a scalar nor empty) is checked against the
+    file's size only: its bytes are read from there and verified by their
+    checksum, without parsing the file's HDF5 metadata (which cost ~0.2 ms per
     piece: most of the time of restoring thousands of small variables).
     Others (checkpoints written before, scalars) are looked up in the HDF5
     file: hard links only; contiguous storage in the file, no external
@@ -331,7 +338,10 @@ def _checked_dataset(shards: OpenShards, piece: dict,
             "earlier checkpoint.")
 
     try:
-        from h5py import h5d, h5i, h5l, h5o
+        from h5py import h5d
+        from h5py import h5i
+        from h5py import h5l
+        from h5py import h5o
 
         node = shards.roots.get(name)
         if node is None:
@@ -344,13 +354,14 @@ def _checked_dataset(shards: OpenShards, piece: dict,
                 raise refuse(f"{part!r} is missing")
             kind = node.links.get_info(raw).type
             if kind != h5l.TYPE_HARD:
-                raise refuse(f"{part!r} is a {_LINK_KINDS.get(kind, 'UserLink')} "
+                link_kind = _LINK_KINDS.get(kind, "UserLink")
+                raise refuse(f"{part!r} is a {link_kind} "
                              "(only hard links are followed)")
             node = h5o.open(node, raw)
             wanted = h5i.DATASET if number == len(parts) - 1 else h5i.GROUP
             if h5i.get_type(node) != wanted:
-                raise refuse(f"{part!r} is not a "
-                             f"{'dataset' if wanted == h5i.DATASET else 'group'}")
+                wanted_kind = "dataset" if wanted == h5i.DATASET else "group"
+                raise refuse(f"{part!r} is not a {wanted_kind}")
         plist = node.get_create_plist()
         if plist.get_layout() != h5d.CONTIGUOUS:
             raise refuse("its storage is virtual, chunked or compact")

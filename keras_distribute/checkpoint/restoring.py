@@ -8,12 +8,16 @@ the hooks the integration layer installs.
 """
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
 
 from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import CheckpointMismatchError
-from keras_distribute.common import keras_services
+from keras_distribute.common.keras_services import KerasServices
 
 
 def assign_all_or_nothing(
@@ -110,11 +114,12 @@ def ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:
 waiting: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def defer(checkpoint: Any) -> None:
+def defer(checkpoint: Any, services: KerasServices) -> None:
     """Marks `checkpoint` as waiting for variables to be created; the hooks
-    that apply its restores then are installed (once)."""
+    that apply its restores then are installed (once) through `services`
+    (its engine's `keras_services`)."""
     waiting.add(checkpoint)
-    keras_services.get().install_deferred_restores()
+    services.install_deferred_restores()
 
 
 def apply_deferred_restores() -> None:

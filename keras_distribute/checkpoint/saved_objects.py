@@ -7,7 +7,10 @@ A host-array holder has `_host_arrays() -> {key: numpy array}` (the same
 values in every process) and `_restore_host_arrays({key: array})`.
 """
 
-from typing import Any, Dict, List, Set
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Set
 
 import numpy as np
 

@@ -3,17 +3,21 @@
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
 
 from keras_distribute.checkpoint import attached_containers
 from keras_distribute.checkpoint import checkpointer
 from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint import reading
-from keras_distribute.checkpoint import restoring
 from keras_distribute.checkpoint import iterator_state
 from keras_distribute.checkpoint import object_paths
 from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import progress
+from keras_distribute.checkpoint import reading
+from keras_distribute.checkpoint import restoring
 from keras_distribute.checkpoint import saved_objects
 from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
@@ -427,7 +431,7 @@ class ShardedCheckpoint:
             self._deferred[name] = (path, saved, paths, "")
         self._remember_restored(path, saved, paths, "")
         if deferred:
-            restoring.defer(self)
+            restoring.defer(self, self.resolve_engine().keras_services)
         deferred_keys = {key for name in self._deferred
                          for key in saved_objects.saved_keys_of(saved, name)}
         progress.report(options.verbose, "restored",
@@ -503,7 +507,7 @@ class ShardedCheckpoint:
                     saved, paths, variables, {leaf: leaves[leaf]}))
             else:
                 self._deferred[leaf] = (path, saved, paths, prefix)
-                restoring.defer(self)
+                restoring.defer(self, self.resolve_engine().keras_services)
 
     def restore(self, save_path: str,
                 options: Optional[CheckpointOptions] = None) -> LoadStatus:

@@ -12,8 +12,8 @@ index file and the entry.
 import re
 from typing import Any
 
-from keras_distribute.checkpoint.format import FORMAT
 from keras_distribute.checkpoint.format import CHECKSUM_FIELDS
+from keras_distribute.checkpoint.format import FORMAT
 from keras_distribute.checkpoint.format import FORMAT_VERSION
 from keras_distribute.checkpoint.format import CheckpointError
 from keras_distribute.checkpoint.format import numpy_dtype

@@ -11,7 +11,9 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Dict, List
+from typing import Any
+from typing import Dict
+from typing import List
 
 from keras_distribute.checkpoint import parallel_io
 from keras_distribute.checkpoint.format import FORMAT

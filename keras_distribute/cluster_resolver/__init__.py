@@ -12,15 +12,21 @@ May import: `common`, `job`. Imports no framework.
 
 from keras_distribute.cluster_resolver.base import ClusterResolver  # noqa: F401
 from keras_distribute.cluster_resolver.cluster_spec import ClusterSpec  # noqa: F401
-from keras_distribute.cluster_resolver.resolvers import KerasDistributionClusterResolver  # noqa: F401
+from keras_distribute.cluster_resolver.resolvers import (
+           KerasDistributionClusterResolver,  # noqa: F401
+)
 from keras_distribute.cluster_resolver.resolvers import SimpleClusterResolver  # noqa: F401
 from keras_distribute.cluster_resolver.resolvers import TFConfigClusterResolver  # noqa: F401
 from keras_distribute.cluster_resolver.resolvers import resolve  # noqa: F401
 from keras_distribute.cluster_resolver.schedulers import JaxEnvClusterResolver  # noqa: F401
 from keras_distribute.cluster_resolver.schedulers import RayTrainClusterResolver  # noqa: F401
 from keras_distribute.cluster_resolver.schedulers import SlurmClusterResolver  # noqa: F401
-from keras_distribute.cluster_resolver.schedulers import SubmititLocalClusterResolver  # noqa: F401
-from keras_distribute.cluster_resolver.schedulers import TorchElasticClusterResolver  # noqa: F401
+from keras_distribute.cluster_resolver.schedulers import (
+           SubmititLocalClusterResolver,  # noqa: F401
+)
+from keras_distribute.cluster_resolver.schedulers import (
+           TorchElasticClusterResolver,  # noqa: F401
+)
 from keras_distribute.cluster_resolver.schedulers import expand_slurm_nodelist  # noqa: F401
 from keras_distribute.cluster_resolver.schedulers import iter_slurm_nodelist  # noqa: F401
 from keras_distribute.cluster_resolver.tpu import TPUClusterResolver  # noqa: F401

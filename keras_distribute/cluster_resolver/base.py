@@ -3,7 +3,9 @@
 `kd.cluster_resolver` documents the resolvers and the order they are tried.
 """
 
-from typing import List, Mapping, Optional
+from typing import List
+from typing import Mapping
+from typing import Optional
 
 from keras_distribute.cluster_resolver.cluster_spec import ClusterSpec
 
@@ -49,9 +51,6 @@ def int_env(environ: Mapping[str, str], name: str, minimum: int = 0) -> int:
             f"it as the launcher does, e.g. {name}={max(minimum, 0)}, or "
             "unset the job variables for a one-process run.") from None
     return number
-
-
-
 
 
 class ClusterResolver:

@@ -1,6 +1,7 @@
 """`ClusterSpec`: the jobs of a cluster, as `tf.train.ClusterSpec`."""
 
-from typing import Dict, List
+from typing import Dict
+from typing import List
 
 
 class ClusterSpec(dict):

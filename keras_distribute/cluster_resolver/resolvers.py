@@ -2,17 +2,21 @@
 
 Small classes with `detect()`, in the order `resolve()` tries them:
 
-| precedence | resolver | reads |
-|---|---|---|
-| 1 | `SimpleClusterResolver` | explicit arguments |
-| 2 | `KerasDistributionClusterResolver` | `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`, `KERAS_DISTRIBUTION_PROCESS_ID` |
-| 3 | `TFConfigClusterResolver` | `TF_CONFIG` (Kubernetes, Ray, Kubeflow) |
-| 4 | `TorchElasticClusterResolver` | `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` (torchrun, Kubeflow PyTorchJob, Ray's TorchTrainer) |
-| 5 | `JaxEnvClusterResolver` | `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` or `JOB_COMPLETION_INDEX` (JAX on Kubernetes) |
-| 6 | `RayTrainClusterResolver` | Ray Train's worker context (Ray's JaxTrainer and generic trainers, which set no variables) |
-| 7 | `SlurmClusterResolver` | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` (srun, submitit on SLURM) |
-| 8 | `SubmititLocalClusterResolver` | `SUBMITIT_LOCAL_NTASKS`, `SUBMITIT_LOCAL_GLOBALID` (submitit's LocalExecutor) |
-| 9 | local fallback | one process on this host |
+1. `SimpleClusterResolver`: explicit arguments.
+2. `KerasDistributionClusterResolver`: `KERAS_DISTRIBUTION_JOB_ADDRESSES`,
+   `KERAS_DISTRIBUTION_NUM_PROCESSES`, `KERAS_DISTRIBUTION_PROCESS_ID`.
+3. `TFConfigClusterResolver`: `TF_CONFIG` (Kubernetes, Ray, Kubeflow).
+4. `TorchElasticClusterResolver`: `MASTER_ADDR`, `MASTER_PORT`, `RANK`,
+   `WORLD_SIZE` (torchrun, Kubeflow PyTorchJob, Ray's TorchTrainer).
+5. `JaxEnvClusterResolver`: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+   `JAX_PROCESS_ID` or `JOB_COMPLETION_INDEX` (JAX on Kubernetes).
+6. `RayTrainClusterResolver`: Ray Train's worker context (Ray's JaxTrainer
+   and generic trainers, which set no variables).
+7. `SlurmClusterResolver`: `SLURM_PROCID`, `SLURM_NTASKS`,
+   `SLURM_JOB_NODELIST` (srun, submitit on SLURM).
+8. `SubmititLocalClusterResolver`: `SUBMITIT_LOCAL_NTASKS`,
+   `SUBMITIT_LOCAL_GLOBALID` (submitit's LocalExecutor).
+9. The local fallback: one process on this host.
 
 Every resolver gives the same answers: `num_processes`, `process_id`,
 `coordinator_address` (`host:port` of process 0), `task_type`, `task_id`,
@@ -21,7 +25,9 @@ Every resolver gives the same answers: `num_processes`, `process_id`,
 
 import json
 import os
-from typing import List, Mapping, Optional
+from typing import List
+from typing import Mapping
+from typing import Optional
 
 from keras_distribute.cluster_resolver.base import DEFAULT_PORT
 from keras_distribute.cluster_resolver.base import ClusterResolver
@@ -31,8 +37,12 @@ from keras_distribute.cluster_resolver.cluster_spec import ClusterSpec
 from keras_distribute.cluster_resolver.schedulers import JaxEnvClusterResolver
 from keras_distribute.cluster_resolver.schedulers import RayTrainClusterResolver
 from keras_distribute.cluster_resolver.schedulers import SlurmClusterResolver
-from keras_distribute.cluster_resolver.schedulers import SubmititLocalClusterResolver
-from keras_distribute.cluster_resolver.schedulers import TorchElasticClusterResolver
+from keras_distribute.cluster_resolver.schedulers import (
+    SubmititLocalClusterResolver,
+)
+from keras_distribute.cluster_resolver.schedulers import (
+    TorchElasticClusterResolver,
+)
 from keras_distribute.cluster_resolver.schedulers import expand_slurm_nodelist
 from keras_distribute.cluster_resolver.schedulers import iter_slurm_nodelist
 
@@ -129,9 +139,11 @@ class TFConfigClusterResolver(ClusterResolver):
         if not isinstance(config, dict) or not isinstance(
                 config.get("cluster"), dict) or not isinstance(
                 config.get("task"), dict):
+            received = (sorted(config) if isinstance(config, dict)
+                        else type(config).__name__)
             raise ValueError(
                 "TF_CONFIG needs a 'cluster' object and a 'task' object. "
-                f"Received keys: {sorted(config) if isinstance(config, dict) else type(config).__name__}.")
+                f"Received keys: {received}.")
         cluster, task = config["cluster"], config["task"]
         if len(cluster.get("chief", [])) > 1:
             raise ValueError(
@@ -155,7 +167,8 @@ class TFConfigClusterResolver(ClusterResolver):
             check_address(a, f"TF_CONFIG cluster '{job}'")
             for job in self._TRAINING_JOBS for a in cluster.get(job, [])]
         if task_type in self._TRAINING_JOBS:
-            offset = 0 if task_type == "chief" else len(cluster.get("chief", []))
+            offset = (0 if task_type == "chief"
+                      else len(cluster.get("chief", [])))
             process_id = offset + index
         else:
             process_id = 0  # evaluators and ps tasks read the chief's data

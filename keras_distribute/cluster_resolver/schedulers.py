@@ -10,7 +10,11 @@ import os
 import re
 import socket
 import sys
-from typing import Any, Iterator, List, Mapping, Optional
+from typing import Any
+from typing import Iterator
+from typing import List
+from typing import Mapping
+from typing import Optional
 
 from keras_distribute.cluster_resolver.base import DEFAULT_PORT
 from keras_distribute.cluster_resolver.base import PORT_VARIABLE
@@ -74,8 +78,9 @@ class TorchElasticClusterResolver(ClusterResolver):
         # MASTER_ADDR) is detected too, so that it fails with what is
         # missing instead of running as a one-process job that acts as chief.
         env = os.environ if environ is None else environ
-        return "MASTER_ADDR" in env or env.get("WORLD_SIZE", "1").strip() not in (
-            "1", "") or env.get("RANK", "0").strip() not in ("0", "")
+        return ("MASTER_ADDR" in env
+                or env.get("WORLD_SIZE", "1").strip() not in ("1", "")
+                or env.get("RANK", "0").strip() not in ("0", ""))
 
     @property
     def local_rank(self) -> int:
@@ -213,7 +218,8 @@ class SubmititLocalClusterResolver(ClusterResolver):
     @classmethod
     def detect(cls, environ=None) -> bool:
         env = os.environ if environ is None else environ
-        return "SUBMITIT_LOCAL_NTASKS" in env and "SUBMITIT_LOCAL_GLOBALID" in env
+        return ("SUBMITIT_LOCAL_NTASKS" in env
+                and "SUBMITIT_LOCAL_GLOBALID" in env)
 
     @property
     def local_rank(self) -> int:

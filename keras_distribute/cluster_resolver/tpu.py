@@ -18,7 +18,10 @@ A TPU VM pod's hosts come from `TPU_WORKER_HOSTNAMES` and `TPU_WORKER_ID`
 
 import glob
 import os
-from typing import Any, List, Mapping, Optional
+from typing import Any
+from typing import List
+from typing import Mapping
+from typing import Optional
 
 from keras_distribute.cluster_resolver.base import ClusterResolver
 

@@ -10,7 +10,12 @@ thread-local, like Keras' own global state.
 import contextlib
 import threading
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any
+from typing import Callable
+from typing import Iterator
+from typing import List
+from typing import Optional
+from typing import Tuple
 
 from keras_distribute.common.reduce_op import ReduceOp
 

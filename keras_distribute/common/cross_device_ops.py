@@ -13,7 +13,8 @@ timeout and the gradient compression.
 import dataclasses
 import enum
 import os
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 # The one communication timeout: joining a job and each collective, on
 # every backend and strategy. `KERAS_DISTRIBUTE_TIMEOUT` (seconds) changes

@@ -8,7 +8,11 @@ backend module.
 
 import dataclasses
 import re
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 _KNOWN_TYPES = ("cpu", "gpu", "tpu", "cuda", "mps")
 _FIELD = re.compile(r"^(job|replica|task|device):(.*)$", re.IGNORECASE)

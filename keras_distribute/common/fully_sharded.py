@@ -13,7 +13,10 @@ Imports Keras' public `keras.distribution` only.
 """
 
 import numbers
-from typing import Any, List, Optional, Sequence
+from typing import Any
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from keras.distribution import DeviceMesh
 from keras.distribution import LayoutMap

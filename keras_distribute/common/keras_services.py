@@ -4,16 +4,19 @@ The neutral layer, the backends and the checkpoint never import
 `keras_distribute.integration` (it sits above them). The few things they
 need from it — a context where only the chief writes Keras' files, Keras'
 own torch distribution objects, hooks installed on request — are the fields
-of one `KerasServices`, which the integration layer hands down with
-`provide()` when it is imported (`import keras_distribute` does). A lower
-layer calls `keras_services.get().<field>(...)`: named and typed, no
-string-keyed lookups.
+of one `KerasServices`, which the integration layer makes
+(`keras_distribute.integration.services()`) and the strategies hand to the
+engine they make (`make_engine(..., services=...)`). A lower layer calls
+`engine.keras_services.<field>(...)`: named, typed and handed in, no global
+lookup and no string-keyed one.
 
 This module imports nothing from keras_distribute or any framework.
 """
 
 import dataclasses
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any
+from typing import Callable
+from typing import ContextManager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,48 +49,3 @@ class KerasServices:
     install_torch_sharding: Callable[[], None]
     seed_every_process: Callable[[], None]
     install_chief_values: Callable[[], None]
-
-
-_provided: Optional[KerasServices] = None
-
-
-def provide(services: KerasServices) -> None:
-    """Hands the integration layer's services down (its import does it).
-
-    Args:
-        services: The `KerasServices` instance.
-
-    Raises:
-        TypeError: if `services` is not a `KerasServices`.
-    """
-    global _provided
-    if not isinstance(services, KerasServices):
-        raise TypeError(
-            "Expected a keras_services.KerasServices. Received: "
-            f"{type(services).__name__}.")
-    _provided = services
-
-
-def get() -> KerasServices:
-    """The integration layer's services.
-
-    Returns:
-        The `KerasServices` the integration layer provided.
-
-    Raises:
-        RuntimeError: if the integration layer was never imported (a lower
-            module used on its own, without `import keras_distribute`).
-
-    Example:
-
-    ```python
-    with keras_services.get().chief_only_writes(callbacks, is_chief):
-        ...
-    ```
-    """
-    if _provided is None:
-        raise RuntimeError(
-            "keras_distribute's Keras integration is not loaded: a lower "
-            "module was used without `import keras_distribute`. Import "
-            "keras_distribute first.")
-    return _provided

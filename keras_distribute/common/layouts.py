@@ -8,7 +8,9 @@ framework.
 
 import re
 import warnings
-from typing import Any, List, Tuple
+from typing import Any
+from typing import List
+from typing import Tuple
 
 
 def axis_names(axis: Any) -> Tuple[str, ...]:

@@ -1,15 +1,17 @@
 """Values that live on several replicas at once."""
 
 import abc
-from typing import Any, Sequence
+from typing import Any
+from typing import Sequence
 
 
 class DistributedValues(metaclass=abc.ABCMeta):
     """Base class for values that have one component per replica.
 
     A backend may register its framework's own per-replica type as a
-    virtual subclass (TensorFlow does). Use `strategy.experimental_local_results(value)` to get the components
-    as a tuple, in replica order.
+    virtual subclass (TensorFlow does). Use
+    `strategy.experimental_local_results(value)` to get the components as a
+    tuple, in replica order.
     """
 
     def __init__(self, values: Sequence[Any]):

@@ -2,7 +2,11 @@
 (`tf.data`, `PyDataset`, an iterable, a `DataLoader`) as numpy elements,
 and splitting a global batch across replicas."""
 
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any
+from typing import Iterable
+from typing import Iterator
+from typing import Optional
+from typing import Tuple
 
 import numpy as np
 

@@ -10,7 +10,11 @@ splits it.
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import Iterator
+from typing import Optional
 
 from keras_distribute.common.input_context import InputContext
 from keras_distribute.input.data_sources import batch_size_of
@@ -111,7 +115,8 @@ class InputOptions:
 
 
 def shard_policy(dataset: Any) -> AutoShardPolicy:
-    """The `AutoShardPolicy` a `tf.data` dataset's options ask for (else AUTO)."""
+    """The `AutoShardPolicy` a `tf.data` dataset's options ask for (else
+    AUTO)."""
     if hasattr(dataset, "options") and hasattr(dataset, "element_spec"):
         policy = dataset.options().experimental_distribute.auto_shard_policy
         return AutoShardPolicy(int(policy))
@@ -187,11 +192,12 @@ class DistributedDataset:
         elements, data_iterator = open_source(dataset)
         # The per-replica batch size a short last batch is split with: kept
         # in a dict a checkpoint of the iterator saves and restores.
-        split = {"per_replica": None}
+        split: Dict[str, Optional[int]] = {"per_replica": None}
 
         def steps():
             for element in elements:
-                batch, per_replica = batch_size_of(element), split["per_replica"]
+                batch = batch_size_of(element)
+                per_replica = split["per_replica"]
                 if per_replica is None or batch > per_replica * num_replicas:
                     per_replica = split["per_replica"] = math.ceil(
                         batch / num_replicas)

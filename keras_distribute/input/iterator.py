@@ -8,7 +8,11 @@ dataset is a `tf.data` pipeline — a position that
 """
 
 import json
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import Iterator
+from typing import Optional
 
 import numpy as np
 

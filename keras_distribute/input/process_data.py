@@ -7,27 +7,30 @@ how a batch is split (`engine.rows_to_feed(batch)` gives this process's
 `(start, stop)` of the batch it feeds next, or the whole batch when it is
 given whole to every process; `engine.split_rows` answers the same for any
 pipeline and changes nothing), holds the settings of the call in progress
-(`engine.trainer_call(...)`), shares the shuffling seed (`engine.shared_seed()`) and gathers rows
-(`engine.gather_rows(array)`). No framework is imported here.
+(`engine.trainer_call(...)`), shares the shuffling seed
+(`engine.shared_seed()`) and gathers rows (`engine.gather_rows(array)`). No
+framework is imported here.
 """
 
 import functools
 import inspect
 import math
-from typing import Any, Callable, Iterator, List, Optional
-
-import numpy as np
+from typing import Any
+from typing import Callable
+from typing import Iterator
+from typing import List
+from typing import Optional
 
 import keras
+import numpy as np
 
 from keras_distribute.backend import interface
 from keras_distribute.backend.interface import ReplicaEngine
-from keras_distribute.common import keras_services
-from keras_distribute.training import divergence
-from keras_distribute.training import model_state
+from keras_distribute.input.data_sources import iterate_source
 from keras_distribute.job import peer_board
 from keras_distribute.training import config as training_config
-from keras_distribute.input.data_sources import iterate_source
+from keras_distribute.training import divergence
+from keras_distribute.training import model_state
 
 
 def _is_arrays(x: Any) -> bool:
@@ -252,7 +255,7 @@ def _call_in_every_process(engine: ReplicaEngine, method: Callable,
                 engine, peer_board.counting_epochs(callbacks))))
     if name in ("evaluate", "predict"):
         model_state.take_chief_values(engine, model)
-    with keras_services.get().chief_only_writes(
+    with engine.keras_services.chief_only_writes(
             callbacks if name == "fit" else None, engine.process_id == 0):
         result = method(model, *args, **kwargs)
     if name == "fit":
@@ -311,7 +314,7 @@ def _fit(engine, method, model, params: dict) -> Any:
             even_batches=isinstance(data, ArrayShards)
             and data.splits_evenly(),
             step_inputs=data, sync_metrics_each_step=sync_metrics_each_step):
-        with keras_services.get().chief_only_writes(
+        with engine.keras_services.chief_only_writes(
                 params.get("callbacks"), engine.rank == 0,
                 isinstance(engine, interface.ShardedForwardEngine)
                 and engine.collective_reads):

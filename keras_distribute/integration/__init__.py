@@ -1,12 +1,12 @@
 """The Keras integration layer: every touch of a Keras-private name.
 
 It sits above the neutral layer, the backends and the checkpoint (none of
-them imports it): the strategies install it (`install()`), and it hands the
-lower layers what they need from it as one typed `KerasServices`
-(`keras_distribute.common.keras_services`, provided when this package is imported). `registry` lists every private
-name with why it is used and on which Keras versions; `hooks` patches Keras
-only after `registry.check()` verified them. This module imports Keras only
-when something is installed.
+them imports it): the strategies install it (`install()`) and hand the
+engine they make what the lower layers need from it, as one typed
+`KerasServices` (`services()`; `keras_distribute.common.keras_services`).
+`registry` lists every private name with why it is used and on which Keras
+versions; `hooks` patches Keras only after `registry.check()`
+verified them. This module imports Keras only when something is installed.
 """
 
 from keras_distribute.common import keras_services
@@ -102,7 +102,7 @@ def _keras_torch_mesh(device_mesh):
     return device_mesh.backend_mesh if _keras_distributes_torch() else None
 
 
-keras_services.provide(keras_services.KerasServices(
+_SERVICES = keras_services.KerasServices(
     chief_only_writes=_chief_only_writes,
     keras_torch_data_parallel=_keras_torch_data_parallel,
     keras_torch_mesh=_keras_torch_mesh,
@@ -110,6 +110,27 @@ keras_services.provide(keras_services.KerasServices(
     install_torch_sharding=_torch_sharding,
     seed_every_process=_seed_every_process,
     install_chief_values=_chief_values,
-))
+)
 
-__all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "uninstall"]
+
+def services() -> keras_services.KerasServices:
+    """What the layers below need from the Keras integration, typed.
+
+    A strategy hands it to the engine it makes (`make_engine(...,
+    services=integration.services())`); the engine, the input pipeline and
+    the checkpoint call its fields through `engine.keras_services`.
+
+    Returns:
+        The integration layer's `KerasServices` (one object, immutable).
+
+    Example:
+
+    >>> from keras_distribute import integration
+    >>> engine = backend.make_engine(devices,
+    ...                              services=integration.services())
+    """
+    return _SERVICES
+
+
+__all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "services",
+           "uninstall"]

@@ -35,15 +35,15 @@ import threading
 
 import keras
 
-from keras_distribute.input import process_data
 from keras_distribute.common import context
-from keras_distribute.job import peer_board
-from keras_distribute.integration import registry
+from keras_distribute.common.context import model_strategy
+from keras_distribute.input import process_data
 from keras_distribute.integration import patching
+from keras_distribute.integration import registry
 from keras_distribute.integration import saving
 from keras_distribute.integration import tf_hooks
 from keras_distribute.integration import torch_hooks
-from keras_distribute.common.context import model_strategy
+from keras_distribute.job import peer_board
 
 _TRAINER_METHODS = (
     "compile", "fit", "evaluate", "predict",

@@ -12,7 +12,8 @@ made one equality check, so the collective count is unchanged.
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 from keras_distribute.integration import patching
 

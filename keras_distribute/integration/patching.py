@@ -5,7 +5,10 @@ puts everything back in reverse order. `hooks` and `tf_hooks` patch only
 through here, so `hooks.uninstall()` leaves Keras exactly as it was.
 """
 
-from typing import Any, Callable, List, Tuple
+from typing import Any
+from typing import Callable
+from typing import List
+from typing import Tuple
 
 # (owner, attribute name, original, whether it was in owner.__dict__)
 originals: List[Tuple[Any, str, Any, bool]] = []

@@ -19,13 +19,19 @@ import dataclasses
 import importlib
 import inspect
 import random
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import numpy as np
 
 # What CI tests (pyproject.toml declares the same range): the release stack
 # in constraints.txt and the pinned next Keras in constraints-next.txt.
-SUPPORTED_KERAS = ">=3.15.1,<3.17 (tested: 3.15.1 and keras-nightly 3.16.0.dev2026102704)"
+SUPPORTED_KERAS = (">=3.15.1,<3.17 (tested: 3.15.1 and keras-nightly "
+                   "3.16.0.dev2026102704)")
 
 
 class KerasVersionError(RuntimeError):
@@ -348,6 +354,8 @@ def _probe(kind: str) -> Any:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
     return _probes[kind]
+
+
 _resolved: Dict[str, Any] = {}
 
 

@@ -23,7 +23,9 @@ under `chief_only_writes` do), or when every process saves to one path:
 import functools
 import os
 import threading
-from typing import Any, Callable, Dict
+from typing import Any
+from typing import Callable
+from typing import Dict
 
 from keras_distribute.common.context import model_strategy
 from keras_distribute.integration import patching

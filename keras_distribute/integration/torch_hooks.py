@@ -1,7 +1,8 @@
 """The PyTorch backend's hooks into Keras (installed by `hooks.install`).
 
 4. In a process group: new variables are recorded for the rank-0
-   broadcast (made when a layer built in the user's scope is built); `TorchTrainer.train_step` forwards through a held
+   broadcast (made when a layer built in the user's scope is built);
+   `TorchTrainer.train_step` forwards through a held
    `DistributedDataParallel` (a `DDP(model)` that Keras bypasses would sync
    nothing); `Trainer.get_metrics_result` reads all-process metric states
    with one flat all-reduce. On Keras 3.16, whose torch Trainer makes its

@@ -21,7 +21,9 @@ nothing to do there.
 
 import sys
 import types
-from typing import Any, Callable, Optional
+from typing import Any
+from typing import Callable
+from typing import Optional
 
 import keras
 

@@ -11,7 +11,10 @@ the callbacks are restored when `fit` returns.
 import contextlib
 import os
 import tempfile
-from typing import Any, Iterator, List, Sequence
+from typing import Any
+from typing import Iterator
+from typing import List
+from typing import Sequence
 
 
 def _no_write(*args, **kwargs) -> None:

@@ -6,7 +6,8 @@ interface that holds it.
 """
 
 import socket
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 
 def host_of(resolver: Any) -> Optional[str]:

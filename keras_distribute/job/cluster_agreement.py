@@ -13,7 +13,10 @@ Each backend hands in its store as an `AgreementStore`.
 """
 
 import json
-from typing import Any, Callable, Optional, Protocol
+from typing import Any
+from typing import Callable
+from typing import Optional
+from typing import Protocol
 
 _PREFIX = "keras_distribute/cluster/"
 

@@ -30,7 +30,9 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any
+from typing import Callable
+from typing import Optional
 
 _ENDED = "ended"
 _PREFIX = "keras_distribute/beat/"
@@ -300,7 +302,8 @@ class PeerBoard:
                 self.verdict = "silent"
                 return rank, (
                     f"process {rank} of {count}{self._on(rank)} stopped "
-                    f"answering: its heartbeat did not change in the {watch_s:.1f} s this "
+                    "answering: its heartbeat did not change in the "
+                    f"{watch_s:.1f} s this "
                     "process watched it (it is frozen — stopped by SIGSTOP "
                     "or a debugger —, was killed, or its machine is "
                     "unreachable: down, or the network between them cut)")

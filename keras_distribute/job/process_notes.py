@@ -15,7 +15,9 @@ Framework-free: the launcher imports it.
 """
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any
+from typing import Dict
+from typing import Optional
 
 NOTES_VARIABLE = "KERAS_DISTRIBUTE_NOTES_DIR"
 

@@ -9,7 +9,13 @@ import math
 import os
 import signal
 import socket
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Set
 
 from keras_distribute.job import process_notes
 

@@ -18,7 +18,12 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 from keras_distribute.job import process_notes
 from keras_distribute.job.processes import DEFAULT_SIGNAL_GRACE_S
@@ -28,13 +33,13 @@ from keras_distribute.job.processes import SignalForwarder
 from keras_distribute.job.processes import attach_notes
 from keras_distribute.job.processes import blamed_peer
 from keras_distribute.job.processes import check_num_processes
-from keras_distribute.job.processes import notes_of
 from keras_distribute.job.processes import check_timeout
 from keras_distribute.job.processes import first_frozen
 from keras_distribute.job.processes import free_port
 from keras_distribute.job.processes import free_ports
 from keras_distribute.job.processes import frozen_message
 from keras_distribute.job.processes import last_note
+from keras_distribute.job.processes import notes_of
 from keras_distribute.job.processes import process_env
 from keras_distribute.job.processes import signal_name
 from keras_distribute.job.processes import stop_process
@@ -201,6 +206,7 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
     ]
     for process in processes:
         attach_notes(process, notes_dir)
+
     def send(signum):
         for process in processes:
             if process.is_alive():
@@ -276,7 +282,8 @@ def _failure(processes, values, rank: int, trace: str) -> LaunchError:
     dead: List[Any] = []
     while time.monotonic() < deadline and not dead:
         dead = [r for r, p in enumerate(processes)
-                if r != rank and r not in values and p.exitcode not in (None, 0)]
+                if r != rank and r not in values
+                and p.exitcode not in (None, 0)]
         time.sleep(0.05)
     if dead:
         cause = dead[0]

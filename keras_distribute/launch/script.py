@@ -15,26 +15,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Optional
+from typing import Sequence
 
 from keras_distribute.job.processes import DEFAULT_SIGNAL_GRACE_S
 from keras_distribute.job.processes import DEFAULT_TIMEOUT_S
-from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
-from keras_distribute.job.processes import attach_notes
 from keras_distribute.job.processes import GRACE_S
+from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
 from keras_distribute.job.processes import SignalForwarder
-from keras_distribute.job.processes import first_frozen
+from keras_distribute.job.processes import attach_notes
 from keras_distribute.job.processes import blamed_peer
 from keras_distribute.job.processes import check_num_processes
 from keras_distribute.job.processes import check_timeout
+from keras_distribute.job.processes import first_frozen
 from keras_distribute.job.processes import free_port
 from keras_distribute.job.processes import free_ports
 from keras_distribute.job.processes import frozen_message
 from keras_distribute.job.processes import last_note
+from keras_distribute.job.processes import process_env
 from keras_distribute.job.processes import signal_exit_code
 from keras_distribute.job.processes import signal_name
 from keras_distribute.job.processes import stop_process
-from keras_distribute.job.processes import process_env
 
 
 def run_script(script: str, script_args: Sequence[str], num_processes: int,
@@ -92,6 +93,7 @@ def _run_script_once(script, script_args, num_processes, deadline, timeout,
         processes.append(subprocess.Popen(
             [sys.executable, script, *script_args], env=env))
         attach_notes(processes[-1], notes_dir)
+
     def send(signum):
         for process in processes:
             if process.poll() is None:

@@ -1,4 +1,5 @@
-"""How `kd.launch` starts its processes: from a fork server that imported Keras once.
+"""How `kd.launch` starts its processes: from a fork server that imported
+Keras once.
 
 A fresh Python process spends seconds importing Keras and its backend (about
 6 s of CPU for Keras on torch on a CI core), and `kd.launch` used to pay that
@@ -43,7 +44,10 @@ import os
 import signal
 import sys
 from multiprocessing import reduction
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Tuple
 
 START_METHOD_VARIABLE = "KERAS_DISTRIBUTE_START_METHOD"
 START_METHODS = ("forkserver", "spawn")
@@ -75,8 +79,8 @@ def start_method() -> str:
     Returns:
         "spawn" when `KERAS_DISTRIBUTE_START_METHOD=spawn`, when the platform
         has no fork server, on the torch backend with a CUDA GPU (see
-        `torch_backend_sees_cuda`), or when a variable imports read changed since
-        this process's fork server started; else "forkserver".
+        `torch_backend_sees_cuda`), or when a variable imports read changed
+        since this process's fork server started; else "forkserver".
 
     Raises:
         ValueError: if `KERAS_DISTRIBUTE_START_METHOD` is set to something

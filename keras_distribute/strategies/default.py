@@ -5,15 +5,19 @@ for a strategy also runs without one, as with `tf.distribute`.
 """
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from typing import Callable
+from typing import Optional
+from typing import Sequence
 
 import numpy as np
 
 from keras_distribute.common import context
+from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.reduce_op import check_reduce_axis
-from keras_distribute.strategies.strategy import Strategy
 from keras_distribute.common.values import PerReplica
+from keras_distribute.strategies.strategy import Strategy
 
 
 class _IdentityCollectives:
@@ -38,7 +42,8 @@ class InPlaceEngine:
     distribution = None
     fit_per_process = False  # one process: nothing to split
 
-    def __init__(self) -> None:
+    def __init__(self, services: KerasServices) -> None:
+        self.keras_services = services
         self.gradient_compression = None
 
     def scope(self):
@@ -117,7 +122,9 @@ class DefaultStrategy(Strategy):
     _installs_keras_hooks = False
 
     def __init__(self):
-        super().__init__(InPlaceEngine())
+        from keras_distribute import integration
+
+        super().__init__(InPlaceEngine(integration.services()))
         self._replica_context = context.ReplicaContext(
             self, 0, _IdentityCollectives()
         )

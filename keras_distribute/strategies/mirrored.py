@@ -1,11 +1,14 @@
 """`MirroredStrategy`: synchronous data parallelism over one host's devices."""
 
 import warnings
-from typing import Any, Dict, Optional, Sequence
+from typing import Any
+from typing import Dict
+from typing import Optional
+from typing import Sequence
 
 from keras_distribute.backend import get_backend
-from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.cross_device_ops import CrossDeviceOps
+from keras_distribute.common.devices import parse_device_name
 from keras_distribute.strategies.strategy import Strategy
 
 
@@ -126,7 +129,11 @@ class MirroredStrategy(Strategy):
                 "kd.NcclAllReduce(), kd.HierarchicalCopyAllReduce(), "
                 "kd.ReductionToOneDevice(). Received: "
                 f"cross_device_ops={cross_device_ops!r}.")
-        super().__init__(backend.make_engine(resolved, layout_map=layout_map))
+        from keras_distribute import integration
+
+        super().__init__(backend.make_engine(
+            resolved, layout_map=layout_map,
+            services=integration.services()))
         self._set_communication_options(communication_options)
         if self._engine.process_count == 1:
             _warn_if_in_a_job()

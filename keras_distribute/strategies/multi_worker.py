@@ -1,13 +1,17 @@
 """`MultiWorkerMirroredStrategy`: synchronous training over many processes."""
 
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
-from keras_distribute.cluster_resolver import resolvers as cluster_resolver_lib
 from keras_distribute.backend import get_backend
+from keras_distribute.cluster_resolver import resolvers as cluster_resolver_lib
 from keras_distribute.common.cross_device_ops import CommunicationOptions
-from keras_distribute.common.cross_device_ops import checked_communication_options
+from keras_distribute.common.cross_device_ops import (
+    checked_communication_options,
+)
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.strategies.strategy import Strategy
+
 
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over the processes of several hosts.
@@ -58,8 +62,13 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "`kd.cluster_resolver.ClusterResolver`. Received: "
                 f"{type(resolver).__name__}.")
         self._cluster_resolver = resolver
-        super().__init__(backend.make_multi_worker_engine(resolver, communication_timeout_s(
-            communication_options.timeout_seconds), layout_map))
+        timeout_s = communication_timeout_s(
+            communication_options.timeout_seconds)
+        from keras_distribute import integration
+
+        super().__init__(backend.make_multi_worker_engine(
+            resolver, timeout_s, layout_map,
+            services=integration.services()))
         self._set_communication_options(communication_options)
 
     @property

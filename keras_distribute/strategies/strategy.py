@@ -1,16 +1,19 @@
 """`Strategy`: the backend-neutral half of every distribution strategy."""
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
+from typing import Callable
+from typing import Iterator
+from typing import Optional
 
-from keras_distribute.common.input_context import InputContext
-from keras_distribute.common import context
-from keras_distribute.input import datasets
 from keras_distribute.backend.interface import ReplicaEngine
+from keras_distribute.common import context
+from keras_distribute.common.input_context import InputContext
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.reduce_op import check_reduce_axis
-from keras_distribute.strategies.extended import StrategyExtended
 from keras_distribute.common.values import PerReplica
+from keras_distribute.input import datasets
+from keras_distribute.strategies.extended import StrategyExtended
 
 
 def _tree():
@@ -69,7 +72,8 @@ class Strategy:
         """Checks `options` (a `kd.CommunicationOptions` or None) and hands
         the engine what it honours (the gradient compression)."""
         from keras_distribute.common.cross_device_ops import (
-            checked_communication_options)
+            checked_communication_options,
+        )
 
         options = checked_communication_options(options)
         if options.compression is not None:

@@ -6,11 +6,14 @@ parallelism) and the logical-device operations become sharding constraints.
 """
 
 import math
-from typing import Any, Optional, Sequence, cast
+from typing import Any
+from typing import Optional
+from typing import Sequence
+from typing import cast
 
-from keras_distribute.common import context
 from keras_distribute.backend import get_backend
 from keras_distribute.backend import interface
+from keras_distribute.common import context
 from keras_distribute.strategies.strategy import Strategy
 
 
@@ -126,8 +129,11 @@ class TPUStrategy(Strategy):
                 "Expected `device_assignment` to be a kd.DeviceAssignment. "
                 f"Received: {type(device_assignment).__name__}.")
         self._assignment = device_assignment
+        from keras_distribute import integration
+
         super().__init__(backend.make_tpu_engine(
-            tpu_cluster_resolver, device_assignment, layout_map))
+            tpu_cluster_resolver, device_assignment, layout_map,
+            services=integration.services()))
 
     @property
     def _tpu_engine(self) -> interface.TpuEngine:

@@ -19,7 +19,9 @@ imported here.
 """
 
 import json
-from typing import Any, List, Optional
+from typing import Any
+from typing import List
+from typing import Optional
 
 import numpy as np
 

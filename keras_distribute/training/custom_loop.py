@@ -7,7 +7,10 @@ call and torch `loss.backward()`. `train_step` is that step for all three,
 so a ported loop needs one rewrite, not three.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from typing import Callable
+from typing import Optional
+from typing import Sequence
 
 from keras_distribute.training.losses import compute_average_loss
 from keras_distribute.training.losses import scale_regularization_loss
@@ -74,7 +77,7 @@ def train_step(model: Any, optimizer: Any, loss_fn: Callable, x: Any,
         if model_losses:
             loss = loss + scale_regularization_loss(
                 keras.ops.sum(keras.ops.stack(
-                    [keras.ops.sum(l) for l in model_losses])))
+                    [keras.ops.sum(term) for term in model_losses])))
         return loss
 
     backend = get_backend()

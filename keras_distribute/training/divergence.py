@@ -19,7 +19,11 @@ is imported here. Collective: every process calls it at the same points.
 
 import os
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import numpy as np
 
@@ -154,7 +158,8 @@ def _small_values(engine: ReplicaEngine, variable: Any) -> str:
     return f" (this process's copies hold {values})"
 
 
-def find_divergence(engine: ReplicaEngine, model: Any) -> Optional[Tuple[str, str]]:
+def find_divergence(engine: ReplicaEngine,
+                    model: Any) -> Optional[Tuple[str, str]]:
     """`(variable name, where)` of the first variable whose copies differ
     (the same answer in every process), or `None` (a collective).
 

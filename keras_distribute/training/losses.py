@@ -1,6 +1,7 @@
 """Loss scaling for custom training loops under a strategy."""
 
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 from keras_distribute.common import context
 

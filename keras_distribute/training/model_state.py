@@ -19,7 +19,8 @@ multi-worker strategy, PyTorch). Collective: every process calls it at the
 same points. No framework is imported here.
 """
 
-from typing import Any, List
+from typing import Any
+from typing import List
 
 import numpy as np
 
@@ -44,7 +45,6 @@ def take_chief_values(engine: ReplicaEngine, model: Any) -> None:
     """
     if not _needs_agreement(engine) or not getattr(model, "built", False):
         return
-    import keras
 
     from keras_distribute.backend import get_backend
 

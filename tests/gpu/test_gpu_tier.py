@@ -14,13 +14,13 @@ import sys
 import textwrap
 import time
 
+import keras
 import numpy as np
 import pytest
-
-import keras
-import keras_distribute as kd
 from conftest import BACKEND
 from conftest import make_mlp
+
+import keras_distribute as kd
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -357,8 +357,8 @@ def _torch_fully_sharded_on_nccl():
 
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's FSDP over NCCL")
 @pytest.mark.skipif(ON_GPU and GPUS < 2, reason="FSDP over an NCCL group "
-                    "needs two GPUs (NCCL refuses two ranks on one device); this "
-                    f"machine has {GPUS}")
+                    "needs two GPUs (NCCL refuses two ranks on one device); "
+                    f"this machine has {GPUS}")
 def test_torch_fully_sharded_on_nccl_matches_plain_fit():
     import torch
 

@@ -5,7 +5,8 @@ of each), and restored by reading, for every local device, only the global
 slice that device holds under the variable's current layout.
 """
 
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import numpy as np

@@ -1,4 +1,5 @@
-"""Collectives of the JAX engine, and the fallback that runs replicas in threads.
+"""Collectives of the JAX engine, and the fallback that runs replicas in
+threads.
 
 Inside `shard_map` (equal per-replica shapes) collectives are XLA's
 all-reduce / all-gather over the replica axis. When per-replica inputs differ
@@ -8,12 +9,13 @@ replica then runs in its own thread and collectives meet at a barrier.
 
 import threading
 from typing import Any
+from typing import List
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import keras
+import numpy as np
 
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
@@ -91,11 +93,11 @@ class ThreadCollectives:
         everyone = self._rendezvous.exchange(self._replica, value)
 
         def combine(*parts):
-            parts = self._local(list(parts))
-            total = parts[0]
-            for part in parts[1:]:
+            local = self._local(list(parts))
+            total = local[0]
+            for part in local[1:]:
                 total = total + part
-            return total / len(parts) if op is ReduceOp.MEAN else total
+            return total / len(local) if op is ReduceOp.MEAN else total
 
         return keras.tree.map_structure(combine, *everyone)
 
@@ -117,8 +119,9 @@ def run_in_threads(engine, strategy, fn, leaves, kinds, treedef):
 
     n = engine.num_replicas
     rendezvous = _Rendezvous(n)
-    results, errors = [None] * n, [None] * n
-    scopes = [None] * n
+    results: list = [None] * n
+    errors: List[Optional[BaseException]] = [None] * n
+    scopes: list = [None] * n
 
     def replica_main(replica):
         device = engine.replica_devices[replica]

@@ -24,13 +24,13 @@ is not a mean over the batch, trains uncompressed, with a warning.
 import contextlib
 import functools
 import warnings
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
-
 import keras
+from jax.sharding import PartitionSpec
 
 # `CommunicationOptions(compression=...)` names -> the dtype on the wire.
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -124,7 +124,8 @@ def _compressed_step(model, original, engine, dtype, trainable_variables,
         return original(*arguments, training=training,
                         optimizer_variables=optimizer_variables)
     axis = engine.batch_axis
-    batch_statistics = []  # paths of state updated from each replica's data
+    # The paths of the state updated from each replica's data.
+    batch_statistics: list = []
     per_replica = functools.partial(_per_replica_step, model, original, axis,
                                     dtype, batch_statistics)
     split = PartitionSpec(axis)

@@ -1,6 +1,7 @@
 """This process's JAX devices, by kd's device names."""
 
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 

@@ -1,4 +1,5 @@
-"""The JAX engine (the backend module is `backend/jax/__init__.py`): `keras.distribution` layouts, XLA SPMD and `shard_map`.
+"""The JAX engine (the backend module is `backend/jax/__init__.py`):
+`keras.distribution` layouts, XLA SPMD and `shard_map`.
 
 Variables follow a `keras.distribution.DataParallel` (or `ModelParallel`)
 that the strategy's scope makes current; Keras' JAX trainer then compiles
@@ -13,15 +14,20 @@ barrier.
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
-
-import keras
 from keras.distribution import DeviceMesh
 
 from keras_distribute.backend import interface
@@ -31,17 +37,19 @@ from keras_distribute.backend.jax.collectives import as_array
 from keras_distribute.backend.jax.devices import device_name
 from keras_distribute.backend.jax.layouts import StrategyDataParallel
 from keras_distribute.backend.jax.layouts import StrategyModelParallel
-from keras_distribute.common.layouts import check_layout_map
-from keras_distribute.common.layouts import warn_unmatched_keys
 from keras_distribute.backend.jax.predict import process_local_predictions
 from keras_distribute.backend.jax.spmd_run import SpmdRun
+from keras_distribute.common.keras_services import KerasServices
+from keras_distribute.common.layouts import check_layout_map
+from keras_distribute.common.layouts import warn_unmatched_keys
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 
 
-def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "JaxEngine":
+def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
+                services: KerasServices) -> "JaxEngine":
     """Builds the engine of a strategy over `devices`."""
-    return JaxEngine(devices, layout_map)
+    return JaxEngine(devices, layout_map, services=services)
 
 
 class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
@@ -49,10 +57,13 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
 
     # Its `fit` runs per process in a multi-process job; `constrain` lays
     # tensors out over the model axes (a TPU engine adds `TpuEngine`).
-    contract: Tuple[type, ...] = (interface.ProcessDataEngine, interface.LayoutEngine)
+    contract: Tuple[type, ...] = (interface.ProcessDataEngine,
+                                  interface.LayoutEngine)
     num_logical_devices = 1  # per replica; a TPU engine's may be more
 
-    def __init__(self, devices: Sequence[Any], layout_map: Any = None):
+    def __init__(self, devices: Sequence[Any], layout_map: Any = None, *,
+                 services: KerasServices):
+        self.keras_services = services
         self.devices = tuple(devices)
         if layout_map is None:
             self.device_mesh = DeviceMesh(
@@ -80,8 +91,9 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
             self.distribution.auto_shard_dataset = False
         self.mesh = self.device_mesh.backend_mesh
         self._device_set = frozenset(self.mesh.devices.flat)
-        self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose keys matched
-        self._eager_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models warned about
+        # The models whose keys matched, and those warned about.
+        self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._eager_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._replica_of_device = {}
         batch_index = self.device_mesh.axis_names.index(self.batch_axis)
@@ -476,6 +488,6 @@ class JaxTpuEngine(JaxEngine):
     contract: Tuple[type, ...] = JaxEngine.contract + (interface.TpuEngine,)
 
     def __init__(self, devices: Sequence[Any], layout_map: Any,
-                 num_logical_devices: int):
-        super().__init__(devices, layout_map)
+                 num_logical_devices: int, *, services: KerasServices):
+        super().__init__(devices, layout_map, services=services)
         self.num_logical_devices = num_logical_devices

@@ -3,29 +3,32 @@
 Also makes Keras' JAX `predict` work when arrays span several processes.
 """
 
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import jax
 import numpy as np
 from keras.distribution import DeviceMesh
 
-from keras_distribute.common import keras_services
-from keras_distribute.backend import interface
 from keras_distribute.backend.jax import engine as jax_engine
 from keras_distribute.backend.jax.devices import resolve_device
-from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.cross_device_ops import communication_timeout_s
+from keras_distribute.common.devices import parse_device_name
+from keras_distribute.common.keras_services import KerasServices
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None) -> "jax_engine.JaxEngine":
+                             layout_map: Any = None, *,
+                             services: KerasServices
+                             ) -> "jax_engine.JaxEngine":
     """Joins the `jax.distributed` job `resolver` describes; all devices."""
     timeout_s = int(communication_timeout_s(timeout_s))
     if resolver.num_processes == 1 and not jax.distributed.is_initialized():
         # One process: no job to join, so no jax.distributed (which must
         # start before JAX runs anything): this process's devices, at any
         # time, as TensorFlow's one-worker strategy.
-        return jax_engine.make_engine(list(jax.devices()), layout_map)
+        return jax_engine.make_engine(list(jax.devices()), layout_map,
+                                      services=services)
     if not jax.distributed.is_initialized():
         # SIGTERM must still end a process (JAX's preemption service would
         # swallow it); a dead peer is then noticed within the timeout.
@@ -97,15 +100,16 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                      store_address=coordinator)
         # As keras.distribution.initialize does: one global seed, so that
         # every process initialises variables to the same values.
-        keras_services.get().seed_every_process()
+        services.seed_every_process()
     elif jax.process_count() != resolver.num_processes:
         raise ValueError(
             f"jax.distributed runs {jax.process_count()} processes but the "
             f"cluster resolver describes {resolver.num_processes}. "
             f"Received: {resolver!r}.")
     if jax.process_count() > 1:
-        keras_services.get().install_chief_values()
-    return jax_engine.make_engine(list(jax.devices()), layout_map)
+        services.install_chief_values()
+    return jax_engine.make_engine(list(jax.devices()), layout_map,
+                                  services=services)
 
 
 def _cpu_collectives_over_own_address(resolver: Any) -> None:
@@ -152,7 +156,8 @@ def _own_address(address: str) -> Optional[str]:
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None) -> "jax_engine.JaxTpuEngine":
+                    layout_map: Any = None, *,
+                    services: KerasServices) -> "jax_engine.JaxTpuEngine":
     """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
     from keras.distribution import LayoutMap
 
@@ -186,7 +191,8 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
             f" but the device assignment is {num_replicas} replicas x "
             f"{logical} logical devices. Build the LayoutMap on a "
             f"DeviceMesh of shape ({num_replicas}, {logical}).")
-    return jax_engine.JaxTpuEngine(devices, layout_map, logical)
+    return jax_engine.JaxTpuEngine(devices, layout_map, logical,
+                                   services=services)
 
 
 def _check_same_cluster(resolver: Any, timeout_s: float) -> None:

@@ -6,15 +6,25 @@ classes and checks make them errors, and lay out a short last batch
 replicated so that it never fails to divide over the replicas.
 """
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Dict
+
 from keras.distribution import DataParallel
 from keras.distribution import ModelParallel
 from keras.distribution import TensorLayout
 
 from keras_distribute.common.layouts import check_layout_fits
 
+if TYPE_CHECKING:
+    # To the type check, the `keras.distribution.Distribution` it is mixed
+    # into (not a public name of Keras).
+    _MixedIntoDistribution = Any
+else:
+    _MixedIntoDistribution = object
 
-class StrategyLayouts:
+
+class StrategyLayouts(_MixedIntoDistribution):
     """What a strategy's `keras.distribution` adds to Keras' own.
 
     A batch that does not divide by the replica count (a short last batch)
@@ -24,6 +34,8 @@ class StrategyLayouts:
     """
 
     _kd_strategy_distribution = True
+    # A rule-based map (kd.layouts.fully_sharded), when the strategy has one.
+    _kd_layout_map: Any = None
 
     def _init_layout_cache(self, batch_shards: int):
         self._batch_shards = batch_shards
@@ -46,7 +58,7 @@ class StrategyLayouts:
         return self._data_layouts[key]
 
     def get_variable_layout(self, variable):
-        layout_map = getattr(self, "_kd_layout_map", None)
+        layout_map = self._kd_layout_map
         if (getattr(layout_map, "layout_for", None) is not None
                 and getattr(variable, "_layout", None) is None):
             # A rule-based map (kd.layouts.fully_sharded) reads the shape.

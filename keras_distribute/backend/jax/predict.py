@@ -1,7 +1,10 @@
 """JAX `predict` in a job of several processes: process-local rows."""
 
 import contextlib
-from typing import Any, Dict
+import weakref
+from typing import Any
+from typing import Callable
+from typing import Dict
 
 import jax
 import numpy as np
@@ -21,6 +24,10 @@ def process_rows(array: Any) -> Any:
                           axis=0)
 
 
+# The predict functions `process_local_predictions` made (not wrapped again).
+_PROCESS_ROWS_FUNCTIONS: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+
+
 @contextlib.contextmanager
 def process_local_predictions(model):
     """Makes Keras' predict function return process-local rows.
@@ -34,12 +41,12 @@ def process_local_predictions(model):
     def make_predict_function(force=False):
         original(force)
         inner = model.predict_function
-        if not getattr(inner, "_kd_process_rows", False):
+        if inner not in _PROCESS_ROWS_FUNCTIONS:
             def predict_function(state, iterator):
                 outputs, state = inner(state, iterator)
                 return jax.tree_util.tree_map(process_rows, outputs), state
 
-            predict_function._kd_process_rows = True
+            _PROCESS_ROWS_FUNCTIONS.add(predict_function)
             model.predict_function = predict_function
         return model.predict_function
 

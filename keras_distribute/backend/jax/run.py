@@ -18,11 +18,14 @@ supplying each replica's thread with its device's copy of a replicated
 variable.
 """
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-
 import keras
 
 # How a variable's per-replica new values are combined after `run`.

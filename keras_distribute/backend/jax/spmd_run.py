@@ -4,14 +4,15 @@ it touches); per-replica inputs of unequal shape (a short last batch) run
 one thread per replica instead (`jax_collectives.run_in_threads`).
 """
 
-from typing import Any, Callable, Sequence
+from typing import Any
+from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.sharding import PartitionSpec
-
-import keras
 
 from keras_distribute.backend.jax import collectives as jax_collectives
 from keras_distribute.backend.jax import run as jax_run
@@ -27,8 +28,14 @@ class SpmdRun:
     `local_replica_ids`, `multi_process`, `_run_cache`, `_stack`,
     `_replicate` and `_per_replica_shards`)."""
 
+    mesh: Any
+    batch_axis: str
     local_replica_ids: Sequence[int]
     multi_process: bool
+    _run_cache: dict
+    _stack: Callable[[list], Any]
+    _replicate: Callable[[Any], Any]
+    _per_replica_shards: Callable[[Any], Sequence[Any]]
 
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
         if not self.multi_process:
@@ -102,7 +109,7 @@ class SpmdRun:
             return cached[0]
         variables: list = []
         for _ in range(8):
-            found = {}
+            found: dict = {}
             program = self._run_program(strategy, fn, treedef, kinds,
                                         statics, variables, [], found)
             jax.eval_shape(program, [v.value for v in variables], *dynamic)
@@ -131,10 +138,10 @@ class SpmdRun:
         collectives = jax_collectives.SpmdCollectives(axis)
 
         def per_replica(values, *dynamic):
-            dynamic = iter(dynamic)
+            inputs = iter(dynamic)
             full = [
                 static if kind == "static" else (
-                    next(dynamic)[0] if kind == "split" else next(dynamic))
+                    next(inputs)[0] if kind == "split" else next(inputs))
                 for kind, static in zip(kinds, statics)
             ]
             call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)

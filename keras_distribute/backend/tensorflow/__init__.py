@@ -10,7 +10,9 @@ the logical devices.
 """
 
 import errno
-from typing import Any, Optional, Sequence
+from typing import Any
+from typing import Optional
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -20,7 +22,9 @@ from keras_distribute.backend.tensorflow import fit as tf_fit
 from keras_distribute.backend.tensorflow.checkpoint import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.tensorflow.checkpoint import checkpoint_snapshot  # noqa: F401
 from keras_distribute.backend.tensorflow.checkpoint import checkpoint_value  # noqa: F401
-from keras_distribute.backend.tensorflow.cluster import bounded_multi_worker_strategy
+from keras_distribute.backend.tensorflow.cluster import (
+    bounded_multi_worker_strategy,
+)
 from keras_distribute.backend.tensorflow.devices import default_devices  # noqa: F401
 from keras_distribute.backend.tensorflow.devices import device_name  # noqa: F401
 from keras_distribute.backend.tensorflow.devices import resolve_device
@@ -30,6 +34,7 @@ from keras_distribute.backend.tensorflow.fit import apply_gradients  # noqa: F40
 from keras_distribute.backend.tensorflow.fit import value_and_gradients  # noqa: F401
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.common.devices import parse_device_name
+from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import layout_axes
 
 name = "tensorflow"
@@ -42,7 +47,8 @@ def is_multi_worker(strategy: Any) -> bool:
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None) -> "TfEngine":
+                             layout_map: Any = None, *,
+                             services: KerasServices) -> "TfEngine":
     """A `tf.distribute.MultiWorkerMirroredStrategy` over `resolver`'s job."""
     _refuse_sharded(layout_map)
     timeout_s = communication_timeout_s(timeout_s)
@@ -63,7 +69,8 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
         local = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=tf.distribute.cluster_resolver
             .SimpleClusterResolver(tf.train.ClusterSpec({})))
-        return TfEngine(None, tf_strategy=local, resolver=resolver)
+        return TfEngine(None, tf_strategy=local, resolver=resolver,
+                        services=services)
     from keras_distribute.job import addresses as job_addresses
 
     tasks = spec.get(resolver.task_type, [])
@@ -105,11 +112,13 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
     tf_cluster.watch_peers(resolver.process_id, resolver.num_processes,
                            timeout_s, host=job_addresses.host_of(resolver),
                            store_address=resolver.coordinator_address)
-    return TfEngine(None, tf_strategy=strategy, resolver=resolver)
+    return TfEngine(None, tf_strategy=strategy, resolver=resolver,
+                    services=services)
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None) -> "TfTpuEngine":
+                    layout_map: Any = None, *,
+                    services: KerasServices) -> "TfTpuEngine":
     """`tf.distribute.TPUStrategy` when this host has TPUs.
 
     Connects to the TPU cluster and initialises its TPU system (the steps of
@@ -118,7 +127,8 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     logical-device operations then delegate to TensorFlow's own.
     """
     _refuse_sharded(layout_map)
-    if not tf.config.list_logical_devices("TPU") and tpu_cluster_resolver is None:
+    if (not tf.config.list_logical_devices("TPU")
+            and tpu_cluster_resolver is None):
         raise RuntimeError(
             "kd.TPUStrategy on the 'tensorflow' backend needs TPUs (none "
             "found). On a TPU VM pass tpu_cluster_resolver="
@@ -145,7 +155,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
     strategy = tf.distribute.TPUStrategy(
         resolver, experimental_device_assignment=tf_assignment)
     return TfTpuEngine(strategy, assignment.num_logical_devices
-                       if assignment is not None else 1)
+                       if assignment is not None else 1, services=services)
 
 
 def refuse_unsupported_layouts(layout_map: Any) -> None:
@@ -174,13 +184,14 @@ def _refuse_sharded(layout_map: Any) -> None:
             "parallelism, or a layout_map whose axes are all None.")
 
 
-def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TfEngine":
+def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
+                services: KerasServices) -> "TfEngine":
     """Builds the engine of a strategy over `devices`."""
     _refuse_sharded(layout_map)
     if layout_map is not None:
         devices = [resolve_device(parse_device_name(str(d)))
                    for d in layout_map.device_mesh.devices.flatten()]
-    return TfEngine(devices)
+    return TfEngine(devices, services=services)
 
 
 def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:

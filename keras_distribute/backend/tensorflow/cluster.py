@@ -7,7 +7,9 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any
+from typing import Iterator
+from typing import Optional
 
 import tensorflow as tf
 
@@ -95,9 +97,10 @@ def bounded_multi_worker_strategy(tf_resolver: Any, timeout_s: float) -> Any:
     ends this process after `timeout_s`, saying why (stderr and the note
     its launcher reports), since no exception can reach the waiting call.
     """
-    from tensorflow.python.distribute.collective_all_reduce_strategy import (
-        coordination_config_pb2)
     from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        coordination_config_pb2,
+    )
     from tensorflow.python.eager import context as tf_context
 
     spec = tf_resolver.cluster_spec()

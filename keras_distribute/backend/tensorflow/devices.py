@@ -5,8 +5,8 @@ from typing import Any
 import tensorflow as tf
 
 from keras_distribute.common.devices import DeviceSpec
-from keras_distribute.common.devices import not_a_device
 from keras_distribute.common.devices import choose_local
+from keras_distribute.common.devices import not_a_device
 from keras_distribute.common.devices import parse_device_name
 
 _TF_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "tpu": "TPU"}

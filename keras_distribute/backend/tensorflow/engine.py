@@ -2,10 +2,16 @@
 
 `TfEngine` drives a `tf.distribute.MirroredStrategy` (or the multi-worker or
 TPU strategy the backend module made) for `run`, `reduce`, `gather`, the
-scope and the input pipeline; the backend module (`backend/tensorflow/__init__.py`) builds it.
+scope and the input pipeline; the backend module
+(`backend/tensorflow/__init__.py`) builds it.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
 import keras
 import numpy as np
@@ -14,14 +20,15 @@ from keras.distribution import DeviceMesh
 from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute.backend import interface
-from keras_distribute.job import peer_board
 from keras_distribute.backend.tensorflow import cluster as tf_cluster
 from keras_distribute.backend.tensorflow import fit as tf_fit
 from keras_distribute.backend.tensorflow.devices import device_name
 from keras_distribute.common.devices import parse_device_name
-from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.input_context import InputContext
+from keras_distribute.common.keras_services import KerasServices
+from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
+from keras_distribute.job import peer_board
 
 # `isinstance(value, kd.PerReplica)` holds for tf.distribute's own values.
 PerReplica.register(tf_values.PerReplica)
@@ -43,6 +50,7 @@ def _raise_if_foreign_variable(error: IndexError, strategy: Any) -> None:
             "variable of another strategy. Create the model and its "
             "variables inside this strategy's scope, or run the function "
             "under the strategy that created them.") from error
+
 
 def _tf_options(options) -> Optional[tf.distribute.InputOptions]:
     if options is None:
@@ -87,7 +95,9 @@ class TfEngine:
     num_logical_devices = 1  # per replica; a TPU engine's may be more
 
     def __init__(self, devices: Optional[Sequence[Any]], *,
-                 tf_strategy: Any = None, resolver: Any = None):
+                 services: KerasServices, tf_strategy: Any = None,
+                 resolver: Any = None):
+        self.keras_services = services
         if tf_strategy is None:
             if devices is None:
                 raise ValueError(
@@ -413,6 +423,7 @@ class TfTpuEngine(TfEngine):
 
     contract: Tuple[type, ...] = TfEngine.contract + (interface.TpuEngine,)
 
-    def __init__(self, tf_strategy: Any, num_logical_devices: int):
-        super().__init__(None, tf_strategy=tf_strategy)
+    def __init__(self, tf_strategy: Any, num_logical_devices: int, *,
+                 services: KerasServices):
+        super().__init__(None, tf_strategy=tf_strategy, services=services)
         self.num_logical_devices = num_logical_devices

@@ -41,6 +41,7 @@ def current_engine() -> Any:
         return None
     return engine_of(tf.distribute.get_strategy())
 
+
 def steps_log_true_losses() -> bool:
     """Whether a loss computed now keeps its value and carries the
     per-replica scaling in its gradient only: inside a Keras trainer call
@@ -140,7 +141,8 @@ def replica_batch_spec(distributed_dataset: Any) -> Any:
     TensorFlow's `MultiDeviceIterator` can then crash the process (its
     background thread reads through the context of the per-device iterator
     being destroyed: a segmentation fault, about once in a few hundred
-    epochs with validation on a loaded 2-core machine). The symbolic build needs only shapes and dtypes.
+    epochs with validation on a loaded 2-core machine). The symbolic build
+    needs only shapes and dtypes.
 
     Args:
         distributed_dataset: a `tf.distribute.DistributedDataset`.

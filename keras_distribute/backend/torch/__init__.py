@@ -8,7 +8,9 @@ helpers (`training`) and the checkpoint's view of a variable, plain
 tensor or DTensor (`variables`).
 """
 
-from typing import Any, Optional, Sequence
+from typing import Any
+from typing import Optional
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from keras_distribute.backend.torch.training import value_and_gradients  # noqa:
 from keras_distribute.backend.torch.variables import checkpoint_assign  # noqa: F401
 from keras_distribute.backend.torch.variables import checkpoint_pieces  # noqa: F401
 from keras_distribute.backend.torch.variables import checkpoint_snapshot  # noqa: F401
+from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import sharded_axes
 
 name = "torch"
@@ -53,7 +56,8 @@ def apply_gradients(engine: Any, optimizer: Any, grads: Sequence[Any],
         optimizer.apply(grads, variables)
 
 
-def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine":
+def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
+                services: KerasServices) -> "TorchEngine":
     """Builds the engine of a strategy over this process's device.
 
     A `layout_map` that shards variables gives a `ShardedTorchEngine`: one
@@ -68,8 +72,9 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None) -> "TorchEngine"
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         mesh_size = int(np.prod(layout_map.device_mesh.shape))
         if not (world_size == 1 and mesh_size == 1):
-            return ShardedTorchEngine(devices[0], layout_map)
-    return TorchEngine(devices[0])
+            return ShardedTorchEngine(devices[0], layout_map,
+                                      services=services)
+    return TorchEngine(devices[0], services=services)
 
 
 def mesh_devices(layout_map: Any) -> list:
@@ -80,10 +85,11 @@ def mesh_devices(layout_map: Any) -> list:
 
 
 def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None) -> TorchEngine:
+                             layout_map: Any = None, *,
+                             services: KerasServices) -> TorchEngine:
     """Joins (or checks) the group `resolver` describes; one replica each."""
     join_process_group(resolver, timeout_s)
-    return make_engine(default_devices(), layout_map)
+    return make_engine(default_devices(), layout_map, services=services)
 
 
 def checkpoint_value(variable: Any) -> Any:
@@ -104,6 +110,7 @@ def refuse_tpu_strategy() -> None:
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None) -> Any:
+                    layout_map: Any = None, *,
+                    services: KerasServices) -> Any:
     """Raises `NotImplementedError` (see `refuse_tpu_strategy`)."""
     refuse_tpu_strategy()

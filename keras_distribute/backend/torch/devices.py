@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from keras_distribute.backend.torch.groups import ensure_process_group
 from keras_distribute.common.devices import DeviceSpec
 from keras_distribute.common.devices import not_a_device
-from keras_distribute.backend.torch.groups import ensure_process_group
 
 _log = logging.getLogger("keras_distribute")
 

@@ -1,4 +1,5 @@
-"""The PyTorch engine (the backend module is `backend/torch/__init__.py`): one replica per process, `torch.distributed` underneath.
+"""The PyTorch engine (the backend module is `backend/torch/__init__.py`):
+one replica per process, `torch.distributed` underneath.
 
 In a launched group (`kd.launch`, `python -m keras_distribute.launch`,
 `torchrun`) every process is one replica: gloo on CPU, nccl on GPU (device =
@@ -12,28 +13,33 @@ import contextlib
 import hashlib
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
+import keras
 import numpy as np
 import torch
 import torch.distributed as dist
-
-import keras
 from keras.distribution import DeviceMesh
 
-from keras_distribute.common import keras_services
 from keras_distribute.backend import interface
 from keras_distribute.backend import trainer_call
-from keras_distribute.common.batches import balanced_bounds
-from keras_distribute.common import context
-from keras_distribute.common.reduce_op import ReduceOp
-from keras_distribute.common.values import PerReplica
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch import training as torch_training
 from keras_distribute.backend.torch.groups import ensure_process_group
 from keras_distribute.backend.torch.variables import host_view
 from keras_distribute.backend.torch.variables import local_region
 from keras_distribute.backend.torch.variables import whole_value
+from keras_distribute.common import context
+from keras_distribute.common.batches import balanced_bounds
+from keras_distribute.common.keras_services import KerasServices
+from keras_distribute.common.reduce_op import ReduceOp
+from keras_distribute.common.values import PerReplica
+
 
 def _variable_keys(variables: list) -> list:
     """`(path, shape, n)` of each variable: n counts earlier variables of the
@@ -55,7 +61,8 @@ class TorchEngine(trainer_call.TrainerCallState):
     # One process per replica, Keras' torch trainer stepping through it.
     contract: Tuple[type, ...] = (interface.TorchDdpEngine,)
 
-    def __init__(self, device: Any):
+    def __init__(self, device: Any, *, services: KerasServices):
+        self.keras_services = services
         self.in_group = ensure_process_group()
         self.world_size = dist.get_world_size() if self.in_group else 1
         self.rank = dist.get_rank() if self.in_group else 0
@@ -73,14 +80,15 @@ class TorchEngine(trainer_call.TrainerCallState):
         # list, current in the scope, makes the one DDP on the mesh's group
         # (the default group: a 1-D mesh over the job). Keras 3.15 has no
         # torch distribution: the engine wraps DDP itself.
-        self.distribution = keras_services.get().keras_torch_data_parallel(
+        self.distribution = services.keras_torch_data_parallel(
             self.world_size) if self.in_group else None
         self.device_mesh = self.distribution.device_mesh if (
             self.distribution is not None) else DeviceMesh(
                 shape=(self.world_size,), axis_names=["batch"],
                 devices=[f"{device.type}:{r}"
                          for r in range(self.world_size)])
-        self._created: List[Any] = []  # variables created in scope, not yet broadcast
+        # The variables created in scope, not yet broadcast.
+        self._created: List[Any] = []
         self._trainer_calls = 0  # `fit` & co. running (call_trainer)
         # Variables aggregated by "sum" / "mean" (metric states, moving
         # statistics): combined over processes after each `run`.
@@ -163,7 +171,8 @@ class TorchEngine(trainer_call.TrainerCallState):
                 self.record_variable(variable)
 
     def variable_local_results(self, variable: Any) -> Optional[tuple]:
-        if isinstance(variable, keras.Variable) and self.owns_variable(variable):
+        if (isinstance(variable, keras.Variable)
+                and self.owns_variable(variable)):
             return (variable.value,)
         return None
 
@@ -479,8 +488,8 @@ class TorchEngine(trainer_call.TrainerCallState):
             for variable, old in zip(variables, before):
                 part = flat[offset:offset + old.numel()].reshape(old.shape)
                 offset += old.numel()
-                new = old.double() + part if variable.aggregation == "sum" else (
-                    part / self.world_size)
+                new = (old.double() + part if variable.aggregation == "sum"
+                       else part / self.world_size)
                 variable.value.copy_(new.to(old.dtype))
 
     # -------------------------------------------------- cross-replica ops
@@ -528,7 +537,8 @@ class TorchEngine(trainer_call.TrainerCallState):
         sizes = [torch.zeros_like(size) for _ in range(count)]
         dist.all_gather(sizes, size, group=group)
         longest = int(max(s.item() for s in sizes))
-        pad = [0, 0] * (tensor.dim() - axis - 1) + [0, longest - tensor.shape[axis]]
+        pad = ([0, 0] * (tensor.dim() - axis - 1)
+               + [0, longest - tensor.shape[axis]])
         padded = torch.nn.functional.pad(tensor, pad)
         parts = [torch.empty_like(padded) for _ in range(count)]
         dist.all_gather(parts, padded.contiguous(), group=group)

@@ -15,14 +15,16 @@ the step that needs them.
 """
 
 import contextlib
-from typing import Any, List, Optional
+from typing import Any
+from typing import List
+from typing import Optional
 
 import torch
+from keras.distribution import TensorLayout
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from keras.distribution import TensorLayout
 
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import layout_axes

@@ -6,15 +6,16 @@ import datetime
 import errno
 import os
 import socket
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from keras_distribute.backend.torch import peers as torch_peers
-from keras_distribute.job import addresses, cluster_agreement
 from keras_distribute.common.cross_device_ops import communication_timeout_s
-
+from keras_distribute.job import addresses
+from keras_distribute.job import cluster_agreement
 
 # How long a process leaving normally waits at exit for the others.
 _EXIT_BARRIER_S = 10.0

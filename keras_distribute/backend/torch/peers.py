@@ -4,13 +4,14 @@ group's c10d store, and gloo's errors for a lost peer turned into
 
 import contextlib
 import functools
-from typing import Any, Optional
+from typing import Any
+from typing import Optional
 
 import torch
 
+from keras_distribute.common.errors import WorkerLostError
 from keras_distribute.job import peer_board
 from keras_distribute.job import process_notes
-from keras_distribute.common.errors import WorkerLostError
 
 # Text of the errors gloo (and the store) raise when a peer is gone.
 _LOST_PEER_TEXT = ("timed out", "timeout", "connection closed",

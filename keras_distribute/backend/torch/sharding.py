@@ -24,11 +24,18 @@ import contextlib
 import math
 import os
 import weakref
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
 
+import keras
 import numpy as np
 import torch
 import torch.distributed as dist
+from keras.distribution import DeviceMesh
+from keras.distribution import TensorLayout
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
@@ -36,22 +43,18 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-import keras
-from keras.distribution import DeviceMesh
-from keras.distribution import TensorLayout
-
 from keras_distribute.backend import interface
-from keras_distribute.common import keras_services
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch.engine import TorchEngine
 from keras_distribute.backend.torch.fully_sharded import FullyShardedVariables
 from keras_distribute.backend.torch.variables import whole_value
-from keras_distribute.common.layouts import warn_unmatched_keys
+from keras_distribute.common.keras_services import KerasServices
+from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import check_layout_fits
 from keras_distribute.common.layouts import check_layout_map
-from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import layout_axes
 from keras_distribute.common.layouts import variable_layout
+from keras_distribute.common.layouts import warn_unmatched_keys
 
 
 def check_mesh(layout_map: Any, world_size: int) -> None:
@@ -162,11 +165,12 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
     # (`shard_layer`).
     broadcasts_when_built = False
 
-    def __init__(self, device: Any, layout_map: Any):
-        super().__init__(device)
+    def __init__(self, device: Any, layout_map: Any, *,
+                 services: KerasServices):
+        super().__init__(device, services=services)
         check_layout_map(layout_map)
         check_mesh(layout_map, self.world_size)
-        keras_services.get().install_torch_sharding()
+        services.install_torch_sharding()
         mesh = layout_map.device_mesh
         self.layout_map = layout_map
         self.device_mesh = mesh
@@ -194,8 +198,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         # Keras 3.16 makes the torch mesh of a keras.distribution mesh, and
         # the placements of its layouts, itself: the engine uses Keras' own
         # (`placements`). Keras 3.15's torch backend has no distribution.
-        self.torch_mesh = keras_services.get().keras_torch_mesh(
-            self.keras_mesh)
+        self.torch_mesh = services.keras_torch_mesh(self.keras_mesh)
         self.keras_layouts = self.torch_mesh is not None
         if self.torch_mesh is None:
             self.torch_mesh = TorchDeviceMesh(device.type, ranks,

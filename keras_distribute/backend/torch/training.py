@@ -9,7 +9,8 @@ values while Keras reads them.
 
 import contextlib
 import warnings
-from typing import Any, Sequence
+from typing import Any
+from typing import Sequence
 
 import torch
 
@@ -83,8 +84,8 @@ class TrainSteps:
         local = [v.value.detach().clone() for v in variables]
         flat = torch.cat([
             (t.double() if v.aggregation != "only_first_replica" or
-             engine.input_pipeline_id == 0 else torch.zeros_like(t, dtype=torch.float64)
-             ).reshape(-1)
+             engine.input_pipeline_id == 0
+             else torch.zeros_like(t, dtype=torch.float64)).reshape(-1)
             for v, t in zip(variables, local)]).to(engine.device)
         engine.all_reduce_sum(flat)
         offset = 0

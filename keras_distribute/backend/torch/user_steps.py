@@ -30,7 +30,12 @@ optimizer call goes straight through (also when `torch.compile` traces it).
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any
+from typing import Callable
+from typing import Iterator
+from typing import List
+from typing import Optional
+from typing import Sequence
 
 import torch
 

@@ -8,15 +8,19 @@ writes to a checkpoint and the region it restores, and keeping torch's
 nothing of the engine modules at load time.
 """
 
-from typing import Any, Callable, Dict, Sequence
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import Sequence
 
+import keras
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-import keras
+from torch.distributed.tensor._utils import (
+    compute_local_shape_and_global_offset,
+)
 
 from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
@@ -28,8 +32,9 @@ def on_layer_built(layer: Any) -> None:
     turns its variables into DTensors."""
     own = list(getattr(layer, "_trainable_variables", ())) + list(
         getattr(layer, "_non_trainable_variables", ()))
-    engines: Dict[int, Any] = {id(e): e for e in (getattr(v, "_kd_engine", None) for v in own)
-               if hasattr(e, "shard_layer")}
+    engines: Dict[int, Any] = {
+        id(e): e for e in (getattr(v, "_kd_engine", None) for v in own)
+        if hasattr(e, "shard_layer")}
     for engine in engines.values():
         engine.shard_layer(layer)
 
