@@ -3,8 +3,31 @@
 `fully_sharded(mesh_or_layout_map, min_size=...)`: FSDP / ZeRO-3 in one
 line, every large variable sharded over the batch axis (see
 `keras_distribute.common.fully_sharded`).
+
+Its names are loaded on first use: the layout maps subclass Keras'
+`LayoutMap`, and `import keras_distribute` imports no Keras (the script
+launcher, `python -m keras_distribute.launch`, never needs it).
 """
 
-from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE  # noqa: F401
-from keras_distribute.common.fully_sharded import FullyShardedLayoutMap  # noqa: F401
-from keras_distribute.common.fully_sharded import fully_sharded  # noqa: F401
+from typing import TYPE_CHECKING
+from typing import Any
+
+if TYPE_CHECKING:
+    from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
+    from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
+    from keras_distribute.common.fully_sharded import fully_sharded
+
+__all__ = ["DEFAULT_MIN_SIZE", "FullyShardedLayoutMap", "fully_sharded"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from keras_distribute.common import fully_sharded as module
+
+        return getattr(module, name)
+    raise AttributeError(
+        f"module 'keras_distribute.layouts' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(list(globals()) + __all__)

@@ -114,12 +114,13 @@ def torch_backend_sees_cuda() -> bool:
 
     Such a launch cannot fork: the fork server's `import keras` asks torch
     whether CUDA is available, which starts CUDA there, and a process
-    forked after that fails at its first CUDA call. Only modules this
-    process already imported are looked at (`kd.launch` is called after
-    `import keras_distribute`, which imports Keras and its backend).
+    forked after that fails at its first CUDA call. Keras is imported here
+    when the launching program has not yet (`import keras_distribute`
+    imports none; the fork server imports it anyway), as importing it asks
+    torch the same question.
 
     Returns:
-        True when Keras is imported with the torch backend and
+        True when Keras runs on the torch backend and
         `torch.cuda.is_available()`; else False.
 
     Example:
@@ -127,13 +128,14 @@ def torch_backend_sees_cuda() -> bool:
     >>> torch_backend_sees_cuda()  # a CPU machine
     False
     """
-    keras = sys.modules.get("keras")
-    torch = sys.modules.get("torch")
-    if keras is None or torch is None:
-        return False
     try:
-        return (keras.backend.backend() == "torch"
-                and bool(torch.cuda.is_available()))
+        import keras
+
+        if keras.backend.backend() != "torch":
+            return False
+        import torch
+
+        return bool(torch.cuda.is_available())
     except Exception:  # a stand-in module, a broken CUDA install: no GPU
         return False
 
