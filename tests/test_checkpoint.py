@@ -295,7 +295,9 @@ def test_progress_line_per_save_and_restore(tmp_path, capsys, caplog,
 
 
 def test_replicated_variables_are_spread_over_the_writing_processes():
-    from keras_distribute.checkpoint.saved_objects import balanced_writers
+    from keras_distribute.checkpoint.objects.saved_objects import (
+        balanced_writers,
+    )
 
     mib = 1 << 20
     sizes = {"a": 8 * mib, "b": 4 * mib, "c": 4 * mib, "d": 2 * mib,
@@ -317,7 +319,7 @@ def test_replicated_variables_are_spread_over_the_writing_processes():
 def test_tf_restore_without_a_copy_never_shares_memory_it_changes(
         tmp_path, monkeypatch):
     from keras_distribute.backend.tensorflow import checkpoint as tf_backend
-    from keras_distribute.checkpoint import parallel_io
+    from keras_distribute.checkpoint.storage import parallel_io
 
     handed_over = []
     zero_copy = tf_backend._zero_copy_tensor

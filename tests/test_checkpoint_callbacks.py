@@ -17,7 +17,7 @@ from worker_common import interrupt_at as InterruptAt
 from worker_common import listing
 
 import keras_distribute as kd
-from keras_distribute.checkpoint.lease import LEASE
+from keras_distribute.checkpoint.storage.lease import LEASE
 
 ckpt = kd.checkpoint
 
@@ -425,7 +425,7 @@ def test_checkpoint_objects_are_attributes(tmp_path):
 
 def test_async_save_returns_after_the_copy_and_reraises_failures(
         tmp_path, monkeypatch):
-    from keras_distribute.checkpoint import writing as ckpt_writing
+    from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
     model = trained()
     checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
@@ -490,7 +490,7 @@ def test_async_saves_reuse_their_host_buffers(tmp_path):
 
 def test_manager_forgets_a_background_save_that_failed(tmp_path,
                                                       monkeypatch):
-    from keras_distribute.checkpoint import writing as ckpt_writing
+    from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
     model = trained()
     checkpoint = ckpt.ShardedCheckpoint(model=model)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import keras_distribute as kd
-from keras_distribute.checkpoint import format as fmt
-from keras_distribute.checkpoint import writing as ckpt_writing
+from keras_distribute.checkpoint.storage import format as fmt
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
 ckpt = kd.checkpoint
 CheckpointError = ckpt.CheckpointError

@@ -355,7 +355,7 @@ def _rewrite_piece(path, key, change):
     matching checksum: a crafted file whose checksums all hold."""
     import h5py
 
-    from keras_distribute.checkpoint import format as fmt
+    from keras_distribute.checkpoint.storage import format as fmt
 
     index_path = os.path.join(path, "index.json")
     with open(index_path) as f:
@@ -373,7 +373,7 @@ def _rewrite_piece(path, key, change):
 def test_iterator_state_is_restored_only_when_kd_signed_it(tmp_path,
                                                            monkeypatch):
     tf = pytest.importorskip("tensorflow")
-    from keras_distribute.checkpoint import signing
+    from keras_distribute.checkpoint.storage import signing
 
     monkeypatch.delenv(signing.KEY_VARIABLE, raising=False)
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras-home"))

@@ -253,9 +253,8 @@ def test_the_rules_around_a_trainer_call_keep_it_whole_in_one_process():
 
     import keras
 
-    from keras_distribute.input import process_data
-
     from keras_distribute import integration
+    from keras_distribute.input import process_data
 
     engine = types.SimpleNamespace(fit_per_process=False, process_count=1,
                                    num_replicas=1, process_id=0,

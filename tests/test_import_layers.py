@@ -169,3 +169,57 @@ def test_packages_import_only_the_packages_before_them(graph):
                     _package(name)) > PACKAGE_ORDER.index(_package(module)):
                 upward.add((module, name))
     assert upward == set()
+
+
+def test_the_checkpoints_folders_import_only_the_folders_below(graph):
+    # #44 item 4: checkpoint/ shows its layers as folders. `storage/` (the
+    # checkpoint on disk) imports no Keras, no framework and nothing else
+    # of kd but the engine contract's `whole_region`; `objects/` imports
+    # `storage/` and nothing above it in `checkpoint/`.
+    imports, files = graph
+    storage = [m for m in files
+               if m.startswith("keras_distribute.checkpoint.storage.")]
+    objects = [m for m in files
+               if m.startswith("keras_distribute.checkpoint.objects.")]
+    assert len(storage) >= 9 and len(objects) >= 4
+    above = []
+    for module in storage:
+        for name, _ in imports[module]:  # lazy imports count
+            root = name.split(".")[0]
+            if root in ("keras",) + FRAMEWORKS or (
+                    root == "keras_distribute" and not name.startswith(
+                        "keras_distribute.checkpoint.storage")
+                    and name != "keras_distribute.backend.interface"):
+                above.append((module, name))
+    for module in objects:
+        for name, _ in imports[module]:
+            if name.startswith("keras_distribute.checkpoint.") and not (
+                    name.startswith(("keras_distribute.checkpoint.storage",
+                                     "keras_distribute.checkpoint.objects"))):
+                above.append((module, name))
+    assert above == []
+
+
+def test_importing_the_package_and_the_script_launcher_imports_no_keras():
+    # `python -m keras_distribute.launch` imports the package first: a
+    # Keras import there cost every launch ~5 s of CPU in a process that
+    # only starts and watches the workers. Keras (and its backend) load
+    # when a strategy, a callback or a layout map is first used.
+    import os
+    import subprocess
+    import sys
+
+    program = (
+        "import sys\n"
+        "import keras_distribute as kd\n"
+        "import keras_distribute.launch.script\n"
+        "heavy = {'keras', 'jax', 'tensorflow', 'torch'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "kd.layouts.fully_sharded\n"
+        "assert 'keras' in sys.modules\n")
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True,
+        timeout=120, cwd=str(pathlib.Path(__file__).resolve().parent.parent),
+        env=dict(os.environ, PYTHONPATH=str(
+            pathlib.Path(__file__).resolve().parent.parent)))
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -13,7 +13,7 @@ def spread_writes(strategy, directory):
     import keras
 
     import keras_distribute as kd
-    from keras_distribute.checkpoint import saved_objects
+    from keras_distribute.checkpoint.objects import saved_objects
 
     def make(seed):
         keras.utils.set_random_seed(seed)
@@ -69,7 +69,7 @@ def directory_held_by_another_job(strategy, directory):
     import keras
 
     import keras_distribute as kd
-    from keras_distribute.checkpoint import lease
+    from keras_distribute.checkpoint.storage import lease
 
     directory = os.path.join(directory, "leased")
     with strategy.scope():

@@ -737,7 +737,8 @@ def keras_tuner_search(strategy, directory):
 
 def listing(directory):
     """What is in `directory`, sorted, but for the lease of a checkpoint
-    manager still open there (`kd.checkpoint.lease`: held while it is)."""
+    manager still open there (`keras_distribute.checkpoint.storage.lease`:
+    held while it is)."""
     import os
 
     return sorted(name for name in os.listdir(directory)

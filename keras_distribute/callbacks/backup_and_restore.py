@@ -18,19 +18,19 @@ from keras_distribute.callbacks.training_state_callback import (
 from keras_distribute.callbacks.training_state_callback import (
     made_at_train_begin,
 )
-from keras_distribute.checkpoint import ownership
-from keras_distribute.checkpoint import reading
-from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
-from keras_distribute.checkpoint.committed import read_metadata
-from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.sharded_checkpoint import (
     ShardedCheckpoint as _Checkpoint,
 )
+from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
+from keras_distribute.checkpoint.storage.committed import read_metadata
+from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.integration import training as integration_training
 
-# The writer named in every backup's index (see `checkpoint.ownership`):
+# The writer named in every backup's index (see `checkpoint.storage.ownership`):
 # the clean-up deletes only checkpoints that name it.
 BACKUP_OWNER = "keras_distribute.callbacks.BackupAndRestore"
 BACKUP_STEM = "backup"

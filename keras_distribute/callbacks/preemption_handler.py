@@ -21,9 +21,9 @@ import numpy as np
 
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
-from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
+from keras_distribute.checkpoint.storage.committed import read_metadata
 from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
 
 

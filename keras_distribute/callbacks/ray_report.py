@@ -23,10 +23,10 @@ from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.callbacks.backup_and_restore import BACKUP_OWNER
 from keras_distribute.callbacks.backup_and_restore import BACKUP_STEM
 from keras_distribute.callbacks.backup_and_restore import BackupAndRestore
-from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
-from keras_distribute.checkpoint.committed import read_metadata
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
+from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage.committed import read_metadata
 from keras_distribute.cluster_resolver.schedulers import ray_train_context
 
 

@@ -15,11 +15,11 @@ from keras_distribute.callbacks.training_state_callback import (
 from keras_distribute.callbacks.training_state_callback import (
     made_at_train_begin,
 )
-from keras_distribute.checkpoint import writing as ckpt_writing
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
-from keras_distribute.checkpoint.committed import checkpoints_in
-from keras_distribute.checkpoint.committed import read_metadata
-from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
+from keras_distribute.checkpoint.storage.committed import checkpoints_in
+from keras_distribute.checkpoint.storage.committed import read_metadata
+from keras_distribute.checkpoint.storage.format import CheckpointError
 
 
 class ShardedCheckpoint(TrainingStateCallback):

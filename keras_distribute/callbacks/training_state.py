@@ -14,8 +14,8 @@ from typing import List
 
 import numpy as np
 
-from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint import writing as ckpt_writing
+from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
 
 class MetricVariables:

@@ -7,12 +7,12 @@ from typing import Dict
 from typing import List
 from typing import Optional
 
-from keras_distribute.checkpoint import lease
-from keras_distribute.checkpoint import ownership
-from keras_distribute.checkpoint import writing as ckpt_writing
-from keras_distribute.checkpoint.committed import checkpoints_in
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
+from keras_distribute.checkpoint.storage import lease
+from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
+from keras_distribute.checkpoint.storage.committed import checkpoints_in
 
 
 class CheckpointManager:
@@ -33,7 +33,8 @@ class CheckpointManager:
     that did not restore first never replaces an earlier run's checkpoint.
 
     One directory, one job: the manager takes the directory's lease (a file
-    naming the job, its host and process; see `kd.checkpoint.lease`),
+    naming the job, its host and process; see
+    `keras_distribute.checkpoint.storage.lease`),
     shared by every manager and checkpoint callback of the same job and held
     until `close()` (or until the manager is collected or the process
     ends). A manager made on a directory that another live job saves into

@@ -21,12 +21,12 @@ from typing import Optional
 from typing import Tuple
 
 from keras_distribute.backend.interface import ReplicaEngine
-from keras_distribute.checkpoint import format as ckpt_format
 from keras_distribute.checkpoint import progress
-from keras_distribute.checkpoint import saved_objects
-from keras_distribute.checkpoint import writing as ckpt_writing
-from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.objects import saved_objects
 from keras_distribute.checkpoint.options import CheckpointOptions
+from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
+from keras_distribute.checkpoint.storage.format import CheckpointError
 
 # What a save writes: `gather(buffers)` returns this process's entries and
 # the index's metadata (the chief's is written).

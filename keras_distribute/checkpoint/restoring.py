@@ -14,9 +14,9 @@ from typing import Dict
 from typing import List
 from typing import Optional
 
-from keras_distribute.checkpoint import reading
-from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.checkpoint.format import CheckpointMismatchError
+from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.common.keras_services import KerasServices
 
 

@@ -9,20 +9,20 @@ from typing import Dict
 from typing import List
 from typing import Optional
 
-from keras_distribute.checkpoint import attached_containers
 from keras_distribute.checkpoint import checkpointer
-from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint import iterator_state
-from keras_distribute.checkpoint import object_paths
-from keras_distribute.checkpoint import ownership
 from keras_distribute.checkpoint import progress
-from keras_distribute.checkpoint import reading
 from keras_distribute.checkpoint import restoring
-from keras_distribute.checkpoint import saved_objects
-from keras_distribute.checkpoint.format import CheckpointMismatchError
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
+from keras_distribute.checkpoint.objects import attached_containers
+from keras_distribute.checkpoint.objects import iterator_state
+from keras_distribute.checkpoint.objects import object_paths
+from keras_distribute.checkpoint.objects import saved_objects
 from keras_distribute.checkpoint.options import CheckpointOptions
+from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.input.iterator import DistributedIterator
 
 

@@ -118,7 +118,7 @@ def _end_checkpoint_leases() -> None:
     """The job is over: its checkpoint directories' leases go now, before
     the launcher hears of it (it ends a process that is slow to exit, and
     a lease left behind would wait for its heartbeat to stop)."""
-    lease = sys.modules.get("keras_distribute.checkpoint.lease")
+    lease = sys.modules.get("keras_distribute.checkpoint.storage.lease")
     if lease is not None:
         lease.end_all()
 

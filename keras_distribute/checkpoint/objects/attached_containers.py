@@ -11,7 +11,7 @@ from typing import Any
 from typing import Iterable
 from typing import SupportsIndex
 
-from keras_distribute.checkpoint import saved_objects
+from keras_distribute.checkpoint.objects import saved_objects
 
 
 def nested_checkpoints(obj: Any, prefix: str, checkpoint_class: type):

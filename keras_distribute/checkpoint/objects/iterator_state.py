@@ -16,9 +16,9 @@ from typing import Dict
 import numpy as np
 
 from keras_distribute.backend.interface import whole_region
-from keras_distribute.checkpoint import reading
-from keras_distribute.checkpoint import signing
-from keras_distribute.checkpoint.format import CheckpointError
+from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage import signing
+from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.input import tf_data_state
 
 _PROCESS_KEY = "{name}/process-{process_id:05d}"

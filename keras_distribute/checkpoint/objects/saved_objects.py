@@ -15,9 +15,9 @@ from typing import Set
 import numpy as np
 
 from keras_distribute.backend.interface import whole_region
-from keras_distribute.checkpoint import iterator_state
-from keras_distribute.checkpoint import reading
-from keras_distribute.checkpoint.format import numpy_dtype
+from keras_distribute.checkpoint.objects import iterator_state
+from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage.format import numpy_dtype
 
 
 def check_object(name: str, obj: Any, checkpoint_class: type,

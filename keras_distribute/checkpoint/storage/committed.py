@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint import reading
-from keras_distribute.checkpoint.format import numpy_dtype
+from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage.format import numpy_dtype
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:

@@ -129,7 +129,7 @@ def checksum(array: np.ndarray, field: str = WRITTEN_CHECKSUM) -> str:
     C-contiguous)."""
     digest = new_digest(field)
     digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-    return digest.hexdigest()
+    return str(digest.hexdigest())
 
 
 def storable_dtype(dtype: np.dtype) -> np.dtype:
@@ -156,7 +156,7 @@ _ML_DTYPES = frozenset([
     "int2", "int4", "uint2", "uint4"])
 
 
-def numpy_dtype(name: str) -> np.dtype:
+def numpy_dtype(name: object) -> np.dtype:
     """The numpy dtype a checkpoint's dtype name stands for.
 
     Raises:

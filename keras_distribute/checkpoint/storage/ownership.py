@@ -21,9 +21,9 @@ import re
 from typing import List
 from typing import Optional
 
-from keras_distribute.checkpoint import format as ckpt_format
-from keras_distribute.checkpoint import lease
-from keras_distribute.checkpoint import writing as ckpt_writing
+from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import lease
+from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
 # Written into a directory kd created for checkpoints; names its owner.
 DIRECTORY_MARKER = ".keras_distribute-directory"

@@ -12,8 +12,10 @@ forked child has no threads and would hang it.
 
 import concurrent.futures
 import os
+from typing import Any
 from typing import Callable
 from typing import List
+from typing import Sequence
 from typing import Tuple
 
 import numpy as np
@@ -30,7 +32,7 @@ THREADS = 4
 _ALIGNMENT = 64
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array whose data is 64-byte aligned."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

@@ -30,16 +30,16 @@ from typing import Tuple
 import numpy as np
 
 from keras_distribute.backend.interface import whole_region
-from keras_distribute.checkpoint import parallel_io
-from keras_distribute.checkpoint import validation
-from keras_distribute.checkpoint.format import CHECKSUM_FIELDS
-from keras_distribute.checkpoint.format import INDEX
-from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.checkpoint.format import Slice
-from keras_distribute.checkpoint.format import load_index_json
-from keras_distribute.checkpoint.format import new_digest
-from keras_distribute.checkpoint.format import numpy_dtype
-from keras_distribute.checkpoint.format import storable_dtype
+from keras_distribute.checkpoint.storage import parallel_io
+from keras_distribute.checkpoint.storage import validation
+from keras_distribute.checkpoint.storage.format import CHECKSUM_FIELDS
+from keras_distribute.checkpoint.storage.format import INDEX
+from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import Slice
+from keras_distribute.checkpoint.storage.format import load_index_json
+from keras_distribute.checkpoint.storage.format import new_digest
+from keras_distribute.checkpoint.storage.format import numpy_dtype
+from keras_distribute.checkpoint.storage.format import storable_dtype
 
 
 def locate(path: str) -> str:
@@ -86,7 +86,7 @@ def read_index(path: str) -> dict:
             "kd.checkpoint.latest_checkpoint(directory) to find the last "
             "complete one.")
     _check_regular_file(path, INDEX, INDEX)
-    index = load_index_json(index_path)
+    index: dict = load_index_json(index_path)
     validation.validate_index(index, index_path)
     return index
 

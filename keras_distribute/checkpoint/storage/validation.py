@@ -11,12 +11,14 @@ index file and the entry.
 
 import re
 from typing import Any
+from typing import NoReturn
+from typing import Sequence
 
-from keras_distribute.checkpoint.format import CHECKSUM_FIELDS
-from keras_distribute.checkpoint.format import FORMAT
-from keras_distribute.checkpoint.format import FORMAT_VERSION
-from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.checkpoint.format import numpy_dtype
+from keras_distribute.checkpoint.storage.format import CHECKSUM_FIELDS
+from keras_distribute.checkpoint.storage.format import FORMAT
+from keras_distribute.checkpoint.storage.format import FORMAT_VERSION
+from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import numpy_dtype
 
 # The names this format writes (format.write_process_shards): nothing else
 # is ever opened, so an index cannot point outside its directory.
@@ -34,7 +36,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _fail(index_path: str, entry: str, expected: str, received: Any):
+def _fail(index_path: str, entry: str, expected: str,
+          received: Any) -> NoReturn:
     text = repr(received)
     raise CheckpointError(
         f"The index {index_path!r} is malformed at {entry!r}: expected "
@@ -161,7 +164,7 @@ def validate_record(record: Any, index_path: str, entry: str) -> None:
     _check_tiling(slices, shape, index_path, entry)
 
 
-def _volume(region) -> int:
+def _volume(region: Sequence[Sequence[int]]) -> int:
     total = 1
     for lo, hi in region:
         total *= hi - lo
@@ -174,7 +177,8 @@ def _volume(region) -> int:
 _MAX_PAIRWISE = 256
 
 
-def _check_tiling(slices, shape, index_path: str, entry: str) -> None:
+def _check_tiling(slices: Sequence[Any], shape: Sequence[int],
+                  index_path: str, entry: str) -> None:
     """The pieces cover the shape exactly once, in time linear in the
     pieces (n log n for the sort): their volumes add up to the whole, and
     each non-empty piece is one distinct cell of the grid their own

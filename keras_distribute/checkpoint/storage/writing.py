@@ -15,17 +15,17 @@ from typing import Any
 from typing import Dict
 from typing import List
 
-from keras_distribute.checkpoint import parallel_io
-from keras_distribute.checkpoint.format import FORMAT
-from keras_distribute.checkpoint.format import FORMAT_VERSION
-from keras_distribute.checkpoint.format import INDEX
-from keras_distribute.checkpoint.format import TEMPORARY_MARKER
-from keras_distribute.checkpoint.format import WRITTEN_CHECKSUM
-from keras_distribute.checkpoint.format import CheckpointError
-from keras_distribute.checkpoint.format import checksum
-from keras_distribute.checkpoint.format import is_checkpoint
-from keras_distribute.checkpoint.format import numpy_dtype
-from keras_distribute.checkpoint.format import storable_array
+from keras_distribute.checkpoint.storage import parallel_io
+from keras_distribute.checkpoint.storage.format import FORMAT
+from keras_distribute.checkpoint.storage.format import FORMAT_VERSION
+from keras_distribute.checkpoint.storage.format import INDEX
+from keras_distribute.checkpoint.storage.format import TEMPORARY_MARKER
+from keras_distribute.checkpoint.storage.format import WRITTEN_CHECKSUM
+from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import checksum
+from keras_distribute.checkpoint.storage.format import is_checkpoint
+from keras_distribute.checkpoint.storage.format import numpy_dtype
+from keras_distribute.checkpoint.storage.format import storable_array
 
 
 def temporary_path(path: str) -> str:
@@ -231,7 +231,8 @@ def _write_atomically(file_path: str, text: str) -> None:
     os.replace(writing, file_path)
 
 
-def _write_shards(directory: str, entries, process_id: int) -> dict:
+def _write_shards(directory: str, entries: Dict[str, tuple],
+                  process_id: int) -> dict:
     """h5py lays out one contiguous dataset per piece, allocated up front;
     then the bytes go to their offsets in parallel (`parallel_io`), each
     piece hashed on the way, and one fsync."""

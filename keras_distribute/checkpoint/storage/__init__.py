@@ -1,0 +1,19 @@
+"""A checkpoint on disk: its format, read as untrusted input, written
+atomically, owned by the job that wrote it.
+
+In layers, lowest first (each module uses only the ones before it):
+
+- `format`: the on-disk schema, dtypes, checksums, `CheckpointError`;
+  `validation`, `reading`, `parallel_io`: an index and its shards read as
+  untrusted input (a read changes nothing on disk); `signing`: iterator
+  states kd can prove it wrote.
+- `writing`: temporaries, each process's shards, the atomic commit, the
+  explicit recovery of an interrupted commit, removal of what kd wrote only;
+  `lease`: one job per checkpoint directory; `ownership`: who wrote which
+  checkpoint.
+- `committed`: the committed checkpoints of a directory and their values
+  (`CheckpointReader`, `latest_checkpoint`, `load_variable`, ...).
+
+Imports no Keras, no framework and no engine: NumPy, h5py and the standard
+library, and `backend.interface`'s `whole_region` (a tuple of slices).
+"""
