@@ -4,7 +4,7 @@
 loops that save on preemption; `fit` has `kd.callbacks.PreemptionCheckpoint`).
 """
 
-from keras_distribute.callbacks.preemption_handler import (
+from keras_distribute.checkpoint.preemption_handler import (
     PreemptionCheckpointHandler,  # noqa: F401
 )
-from keras_distribute.callbacks.preemption_handler import TerminationConfig  # noqa: F401
+from keras_distribute.checkpoint.preemption_handler import TerminationConfig  # noqa: F401

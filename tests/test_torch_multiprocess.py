@@ -309,7 +309,7 @@ def test_notebook_launcher_runs_a_function_defined_in_main():
 
 
 def test_multi_worker_strategy_from_tf_config_matches_one_process():
-    from keras_distribute.job.processes import free_port as _free_port
+    from keras_distribute.launch.processes import free_port as _free_port
 
     results = kd.launch(workers.multi_worker_from_tf_config, num_processes=2,
                         args=(_free_port(),), timeout=TIMEOUT)
@@ -328,7 +328,7 @@ def test_multi_worker_strategy_from_tf_config_matches_one_process():
 
 
 def test_multi_worker_peer_that_never_joins_times_out_clearly():
-    from keras_distribute.job.processes import free_port as _free_port
+    from keras_distribute.launch.processes import free_port as _free_port
 
     (message, elapsed), = kd.launch(workers.multi_worker_peer_never_joins,
                                     num_processes=1, args=(_free_port(),),

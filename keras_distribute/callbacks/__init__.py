@@ -7,8 +7,9 @@
   `training_state_callback`.
 - `PreemptionCheckpoint` saves that state at one step on every process
   when one receives SIGTERM, then exits with `PREEMPTION_EXIT_CODE`
-  (`preemption_checkpoint`); `preemption_handler` is tf.distribute's
-  `PreemptionCheckpointHandler` for custom loops (`kd.experimental`).
+  (`preemption_checkpoint`); for custom loops, tf.distribute's
+  `PreemptionCheckpointHandler` is `checkpoint.preemption_handler`
+  (`kd.experimental`).
 - `RayReport` reports metrics and checkpoints to Ray Train and resumes
   from Ray's checkpoint (`ray_report`).
 - `BroadcastGlobalVariables`, `MetricAverage`, `LearningRateWarmup`:
@@ -27,4 +28,4 @@ from keras_distribute.callbacks.preemption_checkpoint import (
 )
 from keras_distribute.callbacks.ray_report import RayReport  # noqa: F401
 from keras_distribute.callbacks.sharded_checkpoint import ShardedCheckpoint  # noqa: F401
-from keras_distribute.job.processes import PREEMPTION_EXIT_CODE  # noqa: F401
+from keras_distribute.job.exit_codes import PREEMPTION_EXIT_CODE  # noqa: F401

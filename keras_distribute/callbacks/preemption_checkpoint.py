@@ -18,8 +18,8 @@ from typing import Optional
 from typing import Sequence
 
 from keras_distribute.callbacks.backup_and_restore import BackupAndRestore
-from keras_distribute.callbacks.preemption_handler import PreemptionSignals
-from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
+from keras_distribute.checkpoint.preemption_handler import PreemptionSignals
+from keras_distribute.job.exit_codes import PREEMPTION_EXIT_CODE
 
 
 class PreemptionCheckpoint(BackupAndRestore):

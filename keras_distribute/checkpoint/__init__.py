@@ -13,7 +13,9 @@ In layers, lowest first (each uses only the ones before it), as folders:
   assignment, restores deferred until the variables exist.
 - `sharded_checkpoint`: `ShardedCheckpoint`, the object-graph API (what is
   saved, under which keys; attaching objects after a restore);
-  `checkpoint_manager`, `export`: on top of it.
+  `checkpoint_manager`, `export`: on top of it; `preemption_handler`:
+  tf.distribute's `PreemptionCheckpointHandler` (`kd.experimental`), a
+  manager's save when a preemption signal arrives in a custom loop.
 
 May import: `common`, `job`, `cluster_resolver`, `backend` (its contract),
 `training`, `input`. Never the strategies or the integration layer.

@@ -1,7 +1,7 @@
 """The processes of a job: how they start, watch each other and end.
 
-- `processes`: a launched process' environment, signals, ports, limits, and
-  how a failed or frozen one is found and named.
+- `exit_codes`: the exit codes a process and its launcher agree on
+  (`PREEMPTION_EXIT_CODE`: saved on a preemption signal, restart me).
 - `peer_board`: heartbeats on the job's key-value store; which peer a
   process waited for when a collective fails or hangs.
 - `process_notes`: what a process tells its launcher when it ends.

@@ -6,6 +6,8 @@
   Keras once, with the launcher's environment and output of the moment).
 - `script`: `python -m keras_distribute.launch --nproc N script.py args`
   runs a script in N processes, forwards signals, restarts a preempted job.
+- `processes`: the launched processes' environment, signals, ports,
+  limits, and how a failed or frozen one is found and named.
 
 May import: `common`, `job`, `cluster_resolver` (nothing that imports a
 framework at module level).

@@ -26,24 +26,24 @@ from typing import Optional
 from typing import Sequence
 
 from keras_distribute.job import process_notes
-from keras_distribute.job.processes import DEFAULT_SIGNAL_GRACE_S
-from keras_distribute.job.processes import DEFAULT_TIMEOUT_S
-from keras_distribute.job.processes import GRACE_S
-from keras_distribute.job.processes import SignalForwarder
-from keras_distribute.job.processes import attach_notes
-from keras_distribute.job.processes import blamed_peer
-from keras_distribute.job.processes import check_num_processes
-from keras_distribute.job.processes import check_timeout
-from keras_distribute.job.processes import first_frozen
-from keras_distribute.job.processes import free_port
-from keras_distribute.job.processes import free_ports
-from keras_distribute.job.processes import frozen_message
-from keras_distribute.job.processes import last_note
-from keras_distribute.job.processes import notes_of
-from keras_distribute.job.processes import process_env
-from keras_distribute.job.processes import signal_name
-from keras_distribute.job.processes import stop_process
 from keras_distribute.launch import starting
+from keras_distribute.launch.processes import DEFAULT_SIGNAL_GRACE_S
+from keras_distribute.launch.processes import DEFAULT_TIMEOUT_S
+from keras_distribute.launch.processes import GRACE_S
+from keras_distribute.launch.processes import SignalForwarder
+from keras_distribute.launch.processes import attach_notes
+from keras_distribute.launch.processes import blamed_peer
+from keras_distribute.launch.processes import check_num_processes
+from keras_distribute.launch.processes import check_timeout
+from keras_distribute.launch.processes import first_frozen
+from keras_distribute.launch.processes import free_port
+from keras_distribute.launch.processes import free_ports
+from keras_distribute.launch.processes import frozen_message
+from keras_distribute.launch.processes import last_note
+from keras_distribute.launch.processes import notes_of
+from keras_distribute.launch.processes import process_env
+from keras_distribute.launch.processes import signal_name
+from keras_distribute.launch.processes import stop_process
 
 
 class LaunchError(RuntimeError):

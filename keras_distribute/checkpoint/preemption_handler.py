@@ -24,7 +24,7 @@ from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.storage.committed import read_metadata
-from keras_distribute.job.processes import PREEMPTION_EXIT_CODE
+from keras_distribute.job.exit_codes import PREEMPTION_EXIT_CODE
 
 
 def _checked_signals(signals: Sequence[int]) -> tuple:

@@ -3,6 +3,8 @@ limits, and how a failed or frozen one is found and named.
 
 Shared by `kd.launch` (`launch/launcher.py`) and the `python -m
 keras_distribute.launch` script (`launch/script.py`); imports no framework.
+The exit code a preempted process and the launcher agree on is
+`job.exit_codes.PREEMPTION_EXIT_CODE`.
 """
 
 import math
@@ -26,10 +28,6 @@ GRACE_S = 5.0
 # period is usually 30 s or more).
 DEFAULT_SIGNAL_GRACE_S = 25.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
-# The exit code of a process that saved its state on a preemption signal
-# (`kd.callbacks.PreemptionCheckpoint`): restart me. tf.distribute's
-# PreemptionCheckpointHandler uses the same.
-PREEMPTION_EXIT_CODE = 42
 
 
 class SignalForwarder:
