@@ -134,7 +134,6 @@ class ProcessDataEngine(ReplicaEngine, Protocol):
     """An engine whose `fit` runs in each process on that process's rows
     (`input/process_data.py`): torch, and JAX over several processes."""
 
-    rank: int  # this process's index in the job (as `process_id`)
     # The settings of the trainer call in progress (`trainer_call`), read by
     # the engine's own steps; see `trainer_call.TrainerCallState`.
     even_batches: bool

@@ -315,7 +315,7 @@ def _fit(engine, method, model, params: dict) -> Any:
             and data.splits_evenly(),
             step_inputs=data, sync_metrics_each_step=sync_metrics_each_step):
         with engine.keras_services.chief_only_writes(
-                params.get("callbacks"), engine.rank == 0,
+                params.get("callbacks"), engine.process_id == 0,
                 isinstance(engine, interface.ShardedForwardEngine)
                 and engine.collective_reads):
             history = method(model, **params)
