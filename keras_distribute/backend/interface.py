@@ -14,6 +14,9 @@ declares and that the neutral layer reads nothing from an engine that no
 protocol declares.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import ContextManager
@@ -26,6 +29,15 @@ from keras_distribute.common.devices import DeviceSpec
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from keras import Model
+    from keras import Variable
+    from keras.distribution import LayoutMap
+    from keras.layers import Layer
+    from keras.optimizers import Optimizer
+
+    from keras_distribute.cluster_resolver.base import ClusterResolver
 
 
 @runtime_checkable
@@ -118,7 +130,7 @@ class ReplicaEngine(Protocol):
         """All-reduces the gradients of `fit` (and of `kd.train_step`) in
         `name`'s dtype (`"fp16"` or `"bf16"`), their own dtype again after."""
 
-    def call_trainer(self, method: Callable, model: Any, args: tuple,
+    def call_trainer(self, method: Callable, model: Model, args: tuple,
                      kwargs: dict) -> Any:
         """Calls a Keras `fit`/`evaluate`/... method under the engine.
 
@@ -183,13 +195,13 @@ class TorchDdpEngine(ProcessDataEngine, Protocol):
         """Inside: assigning the metric variables sets the job's totals
         (a resumed backup's metric state), not this process's share."""
 
-    def hold_ddp(self, model: Any, wrapper: Any) -> None:
+    def hold_ddp(self, model: Model, wrapper: Any) -> None:
         """Keeps Keras' DDP wrapper of `model` for its training steps."""
 
-    def train_step(self, model: Any, data: Any) -> Any:
+    def train_step(self, model: Model, data: Any) -> Any:
         """One training step of `model` on this process's `data`."""
 
-    def wrap_step_function(self, model: Any, function: Callable,
+    def wrap_step_function(self, model: Model, function: Callable,
                            is_train: bool) -> Callable:
         """Keras' `train_function` (or `test_function`) of a model whose
         step is the user's, as steps whose optimizer calls get the global
@@ -209,7 +221,7 @@ class ShardedForwardEngine(TorchDdpEngine, Protocol):
 
     collective_reads: bool  # reading a sharded variable whole is collective
 
-    def sharded_forward(self, forward: Callable, layer: Any, args: tuple,
+    def sharded_forward(self, forward: Callable, layer: Layer, args: tuple,
                         kwargs: dict) -> Any:
         """`forward(layer, *args, **kwargs)` on the layer's sharded values."""
 
@@ -244,13 +256,13 @@ class TpuEngine(LayoutEngine, Protocol):
 class BackendModule(Protocol):
     """The free functions of a backend module."""
 
-    def value_and_gradients(self, model: Any, compute_loss: Callable,
+    def value_and_gradients(self, model: Model, compute_loss: Callable,
                             x: Any) -> tuple:
         """`(loss, gradients, y_pred)` on this replica: `compute_loss(y_pred,
         model_losses)` and its gradients over `model.trainable_variables`
         (in `kd.train_step`, inside `run`)."""
 
-    def apply_gradients(self, engine: ReplicaEngine, optimizer: Any,
+    def apply_gradients(self, engine: ReplicaEngine, optimizer: Optimizer,
                         grads: Any, variables: Any) -> None:
         """Combines the replicas' gradients (sum) and applies them once,
         as `engine` (the running strategy's) all-reduces them."""
@@ -266,14 +278,15 @@ class BackendModule(Protocol):
     def device_name(self, device: Any) -> str:
         """The Keras-style name (`"cpu:0"`) of a device."""
 
-    def make_engine(self, devices: Sequence[Any], layout_map: Any = None, *,
+    def make_engine(self, devices: Sequence[Any],
+                    layout_map: LayoutMap | None = None, *,
                     services: KerasServices) -> ReplicaEngine:
         """Builds the engine for a strategy over `devices`; the engine keeps
         `services` (the Keras integration's) as `keras_services`."""
 
-    def make_multi_worker_engine(self, resolver: Any,
+    def make_multi_worker_engine(self, resolver: ClusterResolver,
                                  timeout_s: Optional[float],
-                                 layout_map: Any = None, *,
+                                 layout_map: LayoutMap | None = None, *,
                                  services: KerasServices) -> ReplicaEngine:
         """Builds the engine of a `kd.MultiWorkerMirroredStrategy` over the
         job `resolver` describes (joining it; one worker: this process)."""
@@ -284,34 +297,34 @@ class BackendModule(Protocol):
         nothing."""
 
     def make_tpu_engine(self, tpu_cluster_resolver: Any, assignment: Any,
-                        layout_map: Any = None, *,
+                        layout_map: LayoutMap | None = None, *,
                         services: KerasServices) -> ReplicaEngine:
         """Builds the engine of a `kd.TPUStrategy`."""
 
-    def refuse_unsupported_layouts(self, layout_map: Any) -> None:
+    def refuse_unsupported_layouts(self, layout_map: LayoutMap) -> None:
         """Raises when this backend cannot shard variables as `layout_map`
         says (before its devices are looked up); else does nothing."""
 
-    def mesh_devices(self, layout_map: Any) -> list:
+    def mesh_devices(self, layout_map: LayoutMap) -> list:
         """The devices of a strategy built on `layout_map`'s mesh
         (`mesh_devices_by_name` unless one process is one device)."""
 
-    def checkpoint_pieces(self, variable: Any, writer: int,
+    def checkpoint_pieces(self, variable: Variable, writer: int,
                           process_id: int) -> list:
         """`[(region, host array)]`: the unique pieces of `variable` this
         process writes (`process_id` in the job): a replicated variable
         whole in process `writer` only, each shard once."""
 
-    def checkpoint_value(self, variable: Any) -> Any:
+    def checkpoint_value(self, variable: Variable) -> Any:
         """A replicated variable's whole value on the host (a collective
         for TensorFlow's sync-on-read variables: every process calls it)."""
 
-    def checkpoint_assign(self, variable: Any,
+    def checkpoint_assign(self, variable: Variable,
                           read_regions: Callable) -> None:
         """Restores `variable` from `read_regions(regions, into=None) ->
         [arrays]`, reading only what this process holds."""
 
-    def checkpoint_snapshot(self, variable: Any) -> Callable[[], None]:
+    def checkpoint_snapshot(self, variable: Variable) -> Callable[[], None]:
         """`put_back()` for `variable`'s current value (a failed restore
         puts every variable back)."""
 
@@ -347,14 +360,14 @@ def whole_region(shape: Sequence[int]) -> tuple:
     return tuple((0, int(n)) for n in shape)
 
 
-def assign_whole(variable: Any, read_regions: Callable) -> None:
+def assign_whole(variable: Variable, read_regions: Callable) -> None:
     """Restores a replicated variable from its whole saved region
     (`read_regions([region]) -> [array]`)."""
     (value,) = read_regions([whole_region(variable.shape)])
     variable.assign(value)
 
 
-def snapshot_whole(variable: Any) -> Callable[[], None]:
+def snapshot_whole(variable: Variable) -> Callable[[], None]:
     """A way back to a variable's current value: returns `put_back()`,
     which assigns it again (a host copy is held until then). A restore
     takes one per variable before assigning it, so that a failed restore
@@ -374,7 +387,7 @@ def host_value(variable: Any) -> Any:
     return keras.ops.convert_to_numpy(variable.value)
 
 
-def mesh_devices_by_name(layout_map: Any,
+def mesh_devices_by_name(layout_map: LayoutMap,
                          resolve_device: Callable[[Any], Any]) -> list:
     """`BackendModule.mesh_devices` of a backend where one process holds
     the mesh: each of the mesh's devices, resolved by name (or as the

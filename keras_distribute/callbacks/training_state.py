@@ -5,9 +5,12 @@ checkpoint elsewhere (what reaches into a running Keras `fit` lives in
 `integration/training.py`). Only `keras_distribute.callbacks` loads it.
 """
 
+from __future__ import annotations
+
 import os
 import random
 import shutil
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Dict
 from typing import List
@@ -17,12 +20,15 @@ import numpy as np
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
+if TYPE_CHECKING:
+    from keras import Model
+
 
 class MetricVariables:
     """A model's metric state for `ShardedCheckpoint`, read when saved (on
     TensorFlow, compiled metrics make their variables in the first step)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Model):
         self._model = model
 
     @property

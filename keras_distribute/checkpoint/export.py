@@ -1,14 +1,19 @@
 """Export a checkpoint's model as a Keras `.weights.h5` file."""
 
+from __future__ import annotations
+
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING
 
 from keras_distribute.backend import interface
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 
+if TYPE_CHECKING:
+    from keras import Model
 
-def export_weights(checkpoint_path: str, model: Any, filepath: str,
+
+def export_weights(checkpoint_path: str, model: Model, filepath: str,
                    object_name: str = "model") -> str:
     """Writes a checkpoint's model as a Keras `.weights.h5` file.
 

@@ -16,6 +16,8 @@ A TPU VM pod's hosts come from `TPU_WORKER_HOSTNAMES` and `TPU_WORKER_ID`
 (set on every host of a pod slice). No framework is imported here.
 """
 
+from __future__ import annotations
+
 import glob
 import os
 from typing import Any
@@ -248,7 +250,7 @@ def _keras_backend() -> str:
     return str(keras.backend.backend())
 
 
-def _tensorflow_resolver(resolver: Any) -> Any:
+def _tensorflow_resolver(resolver: ClusterResolver) -> Any:
     """TensorFlow's resolver for a kd one (others pass through)."""
     if isinstance(resolver, TPUClusterResolver):
         import tensorflow as tf

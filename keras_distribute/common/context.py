@@ -7,9 +7,12 @@ inside `strategy.scope()` code runs in the *cross-replica* context; inside
 thread-local, like Keras' own global state.
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Iterator
@@ -18,6 +21,9 @@ from typing import Optional
 from typing import Tuple
 
 from keras_distribute.common.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from keras import Model
 
 _state = threading.local()
 _default_strategy_factory: Optional[Callable[[], Any]] = None
@@ -68,7 +74,7 @@ def _current_entry() -> Optional[_Entry]:
     return stack[-1] if stack else None
 
 
-def model_strategy(model: Any) -> Any:
+def model_strategy(model: Model) -> Any:
     """The strategy `model` was created under (recorded by the Keras
     integration when the model is made inside a `scope()`), or `None`."""
     return getattr(model, "__dict__", {}).get("_kd_strategy")

@@ -6,11 +6,19 @@ make them errors that name the variable, the layout and the fix. Imports no
 framework.
 """
 
+from __future__ import annotations
+
 import re
 import warnings
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 from typing import Tuple
+
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.distribution import LayoutMap
+    from keras.layers import Layer
 
 
 def axis_names(axis: Any) -> Tuple[str, ...]:
@@ -28,7 +36,7 @@ def layout_axes(layout: Any) -> List[str]:
     return axes
 
 
-def sharded_axes(layout_map: Any) -> List[str]:
+def sharded_axes(layout_map: LayoutMap) -> List[str]:
     """The mesh axes any layout of `layout_map` shards over (none: `[]`)."""
     axes = []
     for layout in layout_map.values():
@@ -41,7 +49,7 @@ def sharded_axes(layout_map: Any) -> List[str]:
     return axes
 
 
-def variable_layout(layout_map: Any, path: str, shape: Any) -> Any:
+def variable_layout(layout_map: LayoutMap, path: str, shape: Any) -> Any:
     """The layout `layout_map` gives the variable `path` of `shape`: its
     entry, or what a rule-based map (`kd.layouts.fully_sharded`) computes
     from the shape; None for replicated."""
@@ -81,7 +89,7 @@ def check_layout_fits(layout: Any, path: str, shape: Any) -> None:
                 "or pick sizes divisible by the axis.")
 
 
-def nested_layers(layer: Any) -> List[Any]:
+def nested_layers(layer: Layer) -> List[Any]:
     """`layer` and the layers it holds (`.layers`, as a Sequential or
     functional model has), at every depth, in order."""
     found = [layer]
@@ -90,7 +98,7 @@ def nested_layers(layer: Any) -> List[Any]:
     return found
 
 
-def warn_unmatched_keys(layout_map: Any, model: Any) -> None:
+def warn_unmatched_keys(layout_map: LayoutMap, model: Model) -> None:
     """Warns, naming the key, for each layout key that matches none of
     `model`'s variables. As in Keras, such a key lays out nothing (a model
     may simply lack that variable: the keras-io distribution guide maps
@@ -114,7 +122,7 @@ def warn_unmatched_keys(layout_map: Any, model: Any) -> None:
                 stacklevel=4)
 
 
-def check_layout_map(layout_map: Any) -> None:
+def check_layout_map(layout_map: LayoutMap) -> None:
     """Raises `ValueError` for a layout naming an axis the mesh lacks."""
     mesh = layout_map.device_mesh
     for key, layout in layout_map.items():

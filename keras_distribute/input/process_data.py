@@ -12,9 +12,12 @@ pipeline and changes nothing), holds the settings of the call in progress
 framework is imported here.
 """
 
+from __future__ import annotations
+
 import functools
 import inspect
 import math
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Iterator
@@ -31,6 +34,9 @@ from keras_distribute.job import peer_board
 from keras_distribute.training import config as training_config
 from keras_distribute.training import divergence
 from keras_distribute.training import model_state
+
+if TYPE_CHECKING:
+    from keras import Model
 
 
 def _is_arrays(x: Any) -> bool:
@@ -231,10 +237,10 @@ def with_process_rules(engine: ReplicaEngine, method: Callable) -> Callable:
     ```
     """
     if engine.fit_per_process:
-        def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(model: Model, *args: Any, **kwargs: Any) -> Any:
             return call_sharded(engine, method, model, args, kwargs)
     else:
-        def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(model: Model, *args: Any, **kwargs: Any) -> Any:
             return _call_in_every_process(engine, method, model, args,
                                           kwargs)
     functools.update_wrapper(call, method)
@@ -242,7 +248,7 @@ def with_process_rules(engine: ReplicaEngine, method: Callable) -> Callable:
 
 
 def _call_in_every_process(engine: ReplicaEngine, method: Callable,
-                           model: Any, args: tuple, kwargs: dict) -> Any:
+                           model: Model, args: tuple, kwargs: dict) -> Any:
     """`method` on the whole data in every process (the framework splits
     it), with one model state and the chief's files."""
     name = method.__name__

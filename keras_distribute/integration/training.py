@@ -19,13 +19,19 @@ from the global RNG instead (restored by the backup), and has no counter:
 nothing to do there.
 """
 
+from __future__ import annotations
+
 import sys
 import types
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Optional
 
 import keras
+
+if TYPE_CHECKING:
+    from keras import Model
 
 # The attributes that make up a Keras callback's progress (EarlyStopping,
 # ReduceLROnPlateau, ModelCheckpoint, ...); restored on resume.
@@ -77,7 +83,7 @@ def set_data_epoch(value: Optional[int]) -> bool:
     return True
 
 
-def set_initial_epoch(model: Any, epoch: Optional[int]) -> None:
+def set_initial_epoch(model: Model, epoch: Optional[int]) -> None:
     """The epoch the next `fit` starts from (`None`: its `initial_epoch`),
     as Keras' own `BackupAndRestore` sets it."""
     model._initial_epoch = None if epoch is None else int(epoch)
@@ -97,7 +103,7 @@ def calling_callback_list(callback: Any) -> Optional[Any]:
     return None
 
 
-def skip_train_steps(model: Any, count: int, when_done: Callable,
+def skip_train_steps(model: Model, count: int, when_done: Callable,
                      on_first_batch: Optional[Callable] = None) -> None:
     """Makes the next `count` train steps consume their batch and do nothing.
 

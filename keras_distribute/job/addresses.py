@@ -5,12 +5,17 @@ process by its address in messages, and to have gloo talk over the
 interface that holds it.
 """
 
+from __future__ import annotations
+
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
 from typing import Optional
 
+if TYPE_CHECKING:
+    from keras_distribute.cluster_resolver.base import ClusterResolver
 
-def host_of(resolver: Any) -> Optional[str]:
+
+def host_of(resolver: ClusterResolver) -> Optional[str]:
     """The host of this process's own address in `resolver`'s cluster
     description (e.g. "10.0.0.2") when it is an address of this machine,
     else `None` (then the board names the host name: a torchrun

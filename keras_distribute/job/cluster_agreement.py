@@ -12,11 +12,17 @@ inside a collective, in its words).
 Each backend hands in its store as an `AgreementStore`.
 """
 
+from __future__ import annotations
+
 import json
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Optional
 from typing import Protocol
+
+if TYPE_CHECKING:
+    from keras_distribute.cluster_resolver.base import ClusterResolver
 
 _PREFIX = "keras_distribute/cluster/"
 
@@ -79,7 +85,7 @@ class CoordinationServiceStore:
         return text.decode() if isinstance(text, bytes) else text
 
 
-def describe(resolver: Any) -> str:
+def describe(resolver: ClusterResolver) -> str:
     """The cluster as `resolver` describes it: its process count and
     addresses, as text that compares equal only for the same cluster.
 

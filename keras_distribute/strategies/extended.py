@@ -1,7 +1,14 @@
 """`StrategyExtended`: the less common strategy operations
 (`strategy.extended`), as `tf.distribute.StrategyExtended`."""
 
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
+
+if TYPE_CHECKING:
+    from keras_distribute.strategies.strategy import Strategy
 
 
 class StrategyExtended:
@@ -11,7 +18,7 @@ class StrategyExtended:
         strategy: The strategy these operations belong to.
     """
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: Strategy):
         self._strategy = strategy
 
     def variable_created_in_scope(self, variable: Any) -> bool:

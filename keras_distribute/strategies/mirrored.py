@@ -1,6 +1,9 @@
 """`MirroredStrategy`: synchronous data parallelism over one host's devices."""
 
+from __future__ import annotations
+
 import warnings
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Dict
 from typing import Optional
@@ -10,6 +13,9 @@ from keras_distribute.backend import get_backend
 from keras_distribute.common.cross_device_ops import CrossDeviceOps
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from keras.distribution import LayoutMap
 
 
 def _resolve_devices(backend, devices: Sequence[Any]) -> list:
@@ -99,7 +105,8 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Optional[Sequence[Any]] = None,
-                 cross_device_ops: Any = None, *, layout_map: Any = None,
+                 cross_device_ops: Any = None, *,
+                 layout_map: LayoutMap | None = None,
                  communication_options: Any = None):
         backend = get_backend()
         if layout_map is not None:

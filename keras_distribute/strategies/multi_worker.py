@@ -1,5 +1,8 @@
 """`MultiWorkerMirroredStrategy`: synchronous training over many processes."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 
@@ -11,6 +14,9 @@ from keras_distribute.common.cross_device_ops import (
 )
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from keras.distribution import LayoutMap
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -51,7 +57,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None,
                  communication_options: Optional[CommunicationOptions] = None,
-                 *, layout_map: Any = None):
+                 *, layout_map: LayoutMap | None = None):
         backend = get_backend()
         communication_options = checked_communication_options(
             communication_options)

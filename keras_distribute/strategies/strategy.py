@@ -1,6 +1,9 @@
 """`Strategy`: the backend-neutral half of every distribution strategy."""
 
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Iterator
@@ -14,6 +17,9 @@ from keras_distribute.common.reduce_op import check_reduce_axis
 from keras_distribute.common.values import PerReplica
 from keras_distribute.input import datasets
 from keras_distribute.strategies.extended import StrategyExtended
+
+if TYPE_CHECKING:
+    from keras import Model
 
 
 def _tree():
@@ -120,7 +126,7 @@ class Strategy:
         names = [get_backend().device_name(d) for d in self._engine.devices]
         return f"<{type(self).__name__} devices={names}>"
 
-    def describe_layout(self, model: Any, print_fn: Callable = print) -> str:
+    def describe_layout(self, model: Model, print_fn: Callable = print) -> str:
         """Prints how each variable of `model` is laid out over the devices.
 
         Args:
@@ -398,7 +404,7 @@ class Strategy:
 
         return _tree().map_structure(gather_leaf, value)
 
-    def check_replicas_agree(self, model: Any) -> None:
+    def check_replicas_agree(self, model: Model) -> None:
         """Checks that every replica holds the same trainable state.
 
         Compares every copy of `model`'s trainable variables and of its

@@ -5,7 +5,10 @@ logical-device axis (`"model"`); variables follow `layout_map` (model
 parallelism) and the logical-device operations become sharding constraints.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 from typing import Sequence
@@ -15,6 +18,9 @@ from keras_distribute.backend import get_backend
 from keras_distribute.backend import interface
 from keras_distribute.common import context
 from keras_distribute.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from keras.distribution import LayoutMap
 
 
 class DeviceAssignment:
@@ -120,7 +126,7 @@ class TPUStrategy(Strategy):
 
     def __init__(self, tpu_cluster_resolver: Any = None,
                  device_assignment: Optional[DeviceAssignment] = None,
-                 layout_map: Any = None):
+                 layout_map: LayoutMap | None = None):
         backend = get_backend()
         backend.refuse_tpu_strategy()
         if device_assignment is not None and not isinstance(

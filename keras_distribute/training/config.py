@@ -18,7 +18,10 @@ One broadcast and one all-gather per `fit` (not per step). No framework is
 imported here.
 """
 
+from __future__ import annotations
+
 import json
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 from typing import Optional
@@ -27,6 +30,9 @@ import numpy as np
 
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common.layouts import nested_layers
+
+if TYPE_CHECKING:
+    from keras import Model
 
 
 def _without_names(value: Any) -> Any:
@@ -44,7 +50,7 @@ def _plain(value: Any) -> Any:
                                  default=str))
 
 
-def describe(model: Any) -> List[list]:
+def describe(model: Model) -> List[list]:
     """What must be equal in every process, in order: `[what, value]` per
     layer (its class and configuration), variable (shape, dtype,
     trainable) and the compile configuration."""
@@ -95,7 +101,7 @@ def _first_difference(mine: List[list], chief: List[list]) -> Optional[str]:
     return None
 
 
-def check_same_training(engine: ReplicaEngine, model: Any) -> None:
+def check_same_training(engine: ReplicaEngine, model: Model) -> None:
     """Raises, in every process, unless every process would train the same
     model (a collective: every process calls it before `fit`).
 

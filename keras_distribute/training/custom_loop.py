@@ -7,6 +7,9 @@ call and torch `loss.backward()`. `train_step` is that step for all three,
 so a ported loop needs one rewrite, not three.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Optional
@@ -15,8 +18,12 @@ from typing import Sequence
 from keras_distribute.training.losses import compute_average_loss
 from keras_distribute.training.losses import scale_regularization_loss
 
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.optimizers import Optimizer
 
-def train_step(model: Any, optimizer: Any, loss_fn: Callable, x: Any,
+
+def train_step(model: Model, optimizer: Optimizer, loss_fn: Callable, x: Any,
                y: Any, sample_weight: Any = None,
                global_batch_size: Optional[int] = None,
                metrics: Sequence[Any] = ()) -> Any:

@@ -17,8 +17,11 @@ The engine gives the copies (`ReplicaEngine.replica_copies`); no framework
 is imported here. Collective: every process calls it at the same points.
 """
 
+from __future__ import annotations
+
 import os
 import warnings
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 from typing import Optional
@@ -30,6 +33,9 @@ import numpy as np
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.backend.interface import whole_region
 from keras_distribute.common.errors import ReplicasDivergedError
+
+if TYPE_CHECKING:
+    from keras import Model
 
 MODES = ("raise", "warn", "off")
 ENVIRONMENT_VARIABLE = "KERAS_DISTRIBUTE_DIVERGENCE_CHECK"
@@ -81,7 +87,7 @@ def divergence_check_mode() -> str:
     return _checked_mode(value, ENVIRONMENT_VARIABLE)
 
 
-def checked_variables(model: Any) -> List[Tuple[str, Any]]:
+def checked_variables(model: Model) -> List[Tuple[str, Any]]:
     """`[(name, variable)]` the check compares: the model's trainable
     variables, then its optimizer's (slots, iteration count)."""
     named = [(f"{getattr(v, 'path', v.name)}", v)
@@ -159,7 +165,7 @@ def _small_values(engine: ReplicaEngine, variable: Any) -> str:
 
 
 def find_divergence(engine: ReplicaEngine,
-                    model: Any) -> Optional[Tuple[str, str]]:
+                    model: Model) -> Optional[Tuple[str, str]]:
     """`(variable name, where)` of the first variable whose copies differ
     (the same answer in every process), or `None` (a collective).
 
@@ -222,7 +228,7 @@ def divergence_message(name: str, where: str, when: str) -> str:
         f"{ENVIRONMENT_VARIABLE}=warn).")
 
 
-def check_replicas_agree(engine: ReplicaEngine, model: Any,
+def check_replicas_agree(engine: ReplicaEngine, model: Model,
                          when: str = "at this check",
                          mode: str = "raise") -> None:
     """Raises (or warns, per `mode`) when `model`'s copies differ (a

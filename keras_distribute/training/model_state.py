@@ -19,12 +19,18 @@ multi-worker strategy, PyTorch). Collective: every process calls it at the
 same points. No framework is imported here.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 
 import numpy as np
 
 from keras_distribute.backend.interface import ReplicaEngine
+
+if TYPE_CHECKING:
+    from keras import Model
 
 
 def _needs_agreement(engine: ReplicaEngine) -> bool:
@@ -34,7 +40,7 @@ def _needs_agreement(engine: ReplicaEngine) -> bool:
             and get_backend().name != "jax")
 
 
-def take_chief_values(engine: ReplicaEngine, model: Any) -> None:
+def take_chief_values(engine: ReplicaEngine, model: Model) -> None:
     """Gives `model`'s non-trainable variables process 0's values, in
     every process (one all-gather of their bytes; a collective).
 

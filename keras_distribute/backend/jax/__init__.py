@@ -7,6 +7,9 @@ helpers (`run`) and the checkpoint's view of a variable
 (`checkpoint`).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 
 from keras_distribute.backend import interface
@@ -23,19 +26,23 @@ from keras_distribute.backend.jax.jobs import make_tpu_engine  # noqa: F401
 from keras_distribute.backend.jax.run import apply_gradients  # noqa: F401
 from keras_distribute.backend.jax.run import value_and_gradients  # noqa: F401
 
+if TYPE_CHECKING:
+    from keras import Variable
+    from keras.distribution import LayoutMap
+
 name = "jax"
 
 
-def checkpoint_value(variable: Any) -> Any:
+def checkpoint_value(variable: Variable) -> Any:
     """A replicated variable's value on the host."""
     return interface.host_value(variable)
 
 
-def refuse_unsupported_layouts(layout_map: Any) -> None:
+def refuse_unsupported_layouts(layout_map: LayoutMap) -> None:
     """JAX shards any layout Keras can describe: nothing is refused."""
 
 
-def mesh_devices(layout_map: Any) -> list:
+def mesh_devices(layout_map: LayoutMap) -> list:
     """Every device of the mesh (one process may hold all of them)."""
     return interface.mesh_devices_by_name(layout_map, resolve_device)
 

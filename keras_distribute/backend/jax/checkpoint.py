@@ -5,11 +5,18 @@ of each), and restored by reading, for every local device, only the global
 slice that device holds under the variable's current layout.
 """
 
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from keras import Variable
 
 
 def _bounds(index: tuple, shape: tuple) -> tuple:
@@ -17,7 +24,7 @@ def _bounds(index: tuple, shape: tuple) -> tuple:
                  for s, n in zip(index, shape))
 
 
-def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:
+def checkpoint_pieces(variable: Variable, writer: int, process_id: int) -> list:
     """The unique pieces of a variable this process (`process_id`) writes:
     a replicated variable whole, in process `writer` only; else replica 0
     of each shard, by the process holding it."""
@@ -52,14 +59,14 @@ def _held_as(array: np.ndarray, dtype: Any, path: str) -> np.ndarray:
     return held
 
 
-def checkpoint_snapshot(variable: Any) -> Callable[[], None]:
+def checkpoint_snapshot(variable: Variable) -> Callable[[], None]:
     """`put_back()` for a variable's current value: a JAX array is never
     changed in place, so holding it costs nothing."""
     value = variable.value
     return lambda: variable.assign(value)
 
 
-def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
+def checkpoint_assign(variable: Variable, read_regions: Callable) -> None:
     """Restores a variable by reading only each local device's slice."""
     value = variable.value
     sharding = value.sharding

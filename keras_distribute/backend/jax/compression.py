@@ -21,9 +21,12 @@ Only Keras' own step is rewritten: a model that overrides `train_step`,
 is not a mean over the batch, trains uncompressed, with a warning.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import warnings
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 
@@ -31,6 +34,11 @@ import jax
 import jax.numpy as jnp
 import keras
 from jax.sharding import PartitionSpec
+
+if TYPE_CHECKING:
+    from keras import Model
+
+    from keras_distribute.backend.jax.engine import JaxEngine
 
 # `CommunicationOptions(compression=...)` names -> the dtype on the wire.
 DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
@@ -60,7 +68,7 @@ _compressed_gradient.defvjp(_compressed_gradient_fwd,
                             _compressed_gradient_bwd)
 
 
-def uncompressible_reason(model: Any) -> Optional[str]:
+def uncompressible_reason(model: Model) -> Optional[str]:
     """Why `model`'s step cannot be compressed, or None when it can."""
     for name in _KERAS_OWN:
         if getattr(type(model), name, None) is not getattr(
@@ -78,7 +86,7 @@ def uncompressible_reason(model: Any) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def compressing(model: Any, engine: Any, dtype: Any):
+def compressing(model: Model, engine: JaxEngine, dtype: Any):
     """While it is open, `model`'s training steps all-reduce their
     gradients in `dtype` over `engine`'s batch axis (see the module)."""
     reason = uncompressible_reason(model)
@@ -96,7 +104,7 @@ def compressing(model: Any, engine: Any, dtype: Any):
         model.__dict__.pop("compute_loss_and_updates", None)
 
 
-def _warn_once(model: Any, reason: str) -> None:
+def _warn_once(model: Model, reason: str) -> None:
     if not model.__dict__.get("_kd_compression_warned"):
         warnings.warn(
             f"Gradient compression is not applied to {model.name!r} on JAX: "
@@ -104,7 +112,7 @@ def _warn_once(model: Any, reason: str) -> None:
         object.__setattr__(model, "_kd_compression_warned", True)
 
 
-def _batch_is_split(engine: Any, x: Any) -> bool:
+def _batch_is_split(engine: JaxEngine, x: Any) -> bool:
     leaves = [leaf for leaf in jax.tree_util.tree_leaves(x)
               if getattr(leaf, "ndim", 0) > 0]
     if not leaves:

@@ -11,9 +11,12 @@ batch) run one thread per replica instead, with collectives that meet at a
 barrier.
 """
 
+from __future__ import annotations
+
 import contextlib
 import warnings
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -45,8 +48,12 @@ from keras_distribute.common.layouts import warn_unmatched_keys
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.distribution import LayoutMap
 
-def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
+
+def make_engine(devices: Sequence[Any], layout_map: LayoutMap | None = None, *,
                 services: KerasServices) -> "JaxEngine":
     """Builds the engine of a strategy over `devices`."""
     return JaxEngine(devices, layout_map, services=services)
@@ -61,7 +68,8 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
                                   interface.LayoutEngine)
     num_logical_devices = 1  # per replica; a TPU engine's may be more
 
-    def __init__(self, devices: Sequence[Any], layout_map: Any = None, *,
+    def __init__(self, devices: Sequence[Any],
+                 layout_map: LayoutMap | None = None, *,
                  services: KerasServices):
         self.keras_services = services
         self.devices = tuple(devices)
@@ -199,7 +207,7 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
 
         return broadcast_text_by(multihost_utils.broadcast_one_to_all, text)
 
-    def call_trainer(self, method: Callable, model: Any, args: tuple,
+    def call_trainer(self, method: Callable, model: Model, args: tuple,
                      kwargs: dict) -> Any:
         # Keras' JAX trainer detaches variable values during `fit`; if the
         # call dies before re-attaching them, put the last values back so
@@ -228,7 +236,7 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
                     variable._value = value
             raise
 
-    def _warn_eager_cpu_collectives(self, model: Any) -> None:
+    def _warn_eager_cpu_collectives(self, model: Model) -> None:
         """Warns once per model compiled with `jit_compile=False` over
         several CPU devices: Keras then runs every operation as its own
         program over the devices, and XLA's CPU collectives can abort the
@@ -255,7 +263,7 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
     def fit_per_process(self) -> bool:
         return self.multi_process
 
-    def _call_trainer(self, method: Callable, model: Any, args: tuple,
+    def _call_trainer(self, method: Callable, model: Model, args: tuple,
                       kwargs: dict) -> Any:
         if self.multi_process:
             from keras_distribute.job import peer_board
@@ -487,7 +495,7 @@ class JaxTpuEngine(JaxEngine):
 
     contract: Tuple[type, ...] = JaxEngine.contract + (interface.TpuEngine,)
 
-    def __init__(self, devices: Sequence[Any], layout_map: Any,
+    def __init__(self, devices: Sequence[Any], layout_map: LayoutMap,
                  num_logical_devices: int, *, services: KerasServices):
         super().__init__(devices, layout_map, services=services)
         self.num_logical_devices = num_logical_devices

@@ -3,6 +3,9 @@
 Also makes Keras' JAX `predict` work when arrays span several processes.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 
@@ -16,9 +19,15 @@ from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.keras_services import KerasServices
 
+if TYPE_CHECKING:
+    from keras.distribution import LayoutMap
 
-def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None, *,
+    from keras_distribute.cluster_resolver.base import ClusterResolver
+
+
+def make_multi_worker_engine(resolver: ClusterResolver,
+                             timeout_s: Optional[float],
+                             layout_map: LayoutMap | None = None, *,
                              services: KerasServices
                              ) -> "jax_engine.JaxEngine":
     """Joins the `jax.distributed` job `resolver` describes; all devices."""
@@ -112,7 +121,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
                                   services=services)
 
 
-def _cpu_collectives_over_own_address(resolver: Any) -> None:
+def _cpu_collectives_over_own_address(resolver: ClusterResolver) -> None:
     """Has JAX's CPU collectives (gloo) use this process's given address.
 
     Left to itself gloo takes the address the host name resolves to, a
@@ -156,7 +165,7 @@ def _own_address(address: str) -> Optional[str]:
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None, *,
+                    layout_map: LayoutMap | None = None, *,
                     services: KerasServices) -> "jax_engine.JaxTpuEngine":
     """The engine of a TPUStrategy: mesh `(replicas, logical devices)`."""
     from keras.distribution import LayoutMap
@@ -195,7 +204,7 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
                                    services=services)
 
 
-def _check_same_cluster(resolver: Any, timeout_s: float) -> None:
+def _check_same_cluster(resolver: ClusterResolver, timeout_s: float) -> None:
     """Refuses, in every process alike, a job whose processes were given
     different cluster descriptions (#43: a worker told of 3 processes
     trained beside a coordinator told of 2, and both exited 0), through

@@ -18,15 +18,26 @@ supplying each replica's thread with its device's copy of a replicated
 variable.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import keras
+
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.optimizers import Optimizer
+
+    from keras_distribute.backend.interface import ReplicaEngine
+    from keras_distribute.backend.jax.engine import JaxEngine
 
 # How a variable's per-replica new values are combined after `run`.
 _STACKED = ("sum", "mean")
@@ -134,7 +145,7 @@ def local_copy(variable: Any, device: Any) -> Optional[Any]:
     return jax.device_put(value, device)
 
 
-def value_and_gradients(model: Any, compute_loss: Callable, x: Any) -> tuple:
+def value_and_gradients(model: Model, compute_loss: Callable, x: Any) -> tuple:
     """`(loss, gradients, y_pred)` of `compute_loss(y_pred, losses)` over the
     model's trainable variables (`jax.value_and_grad` of a stateless call;
     the new non-trainable values, e.g. batch statistics, are assigned)."""
@@ -154,7 +165,8 @@ def value_and_gradients(model: Any, compute_loss: Callable, x: Any) -> tuple:
     return loss, grads, y_pred
 
 
-def apply_gradients(engine: Any, optimizer: Any, grads: List[Any],
+def apply_gradients(engine: ReplicaEngine, optimizer: Optimizer,
+                    grads: List[Any],
                     variables: List[Any]) -> None:
     """Sums the replicas' gradients, then applies them (inside `run`); in
     `engine`'s compression dtype when it has one."""
@@ -165,7 +177,8 @@ def apply_gradients(engine: Any, optimizer: Any, grads: List[Any],
     if dtype is not None:
         grads = [g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating)
                  else g for g in grads]
-        engine.traced_gradient_reductions[:] = [
+        # (only a JaxEngine is given a compression dtype)
+        cast("JaxEngine", engine).traced_gradient_reductions[:] = [
             (jnp.dtype(g.dtype).name, int(g.size) * g.dtype.itemsize)
             for g in grads]
     grads = context.replica_context_of("apply_gradients").all_reduce(

@@ -9,7 +9,10 @@ engine (`engine.TfEngine`) for each kind of strategy; `devices` finds
 the logical devices.
 """
 
+from __future__ import annotations
+
 import errno
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 from typing import Sequence
@@ -37,6 +40,12 @@ from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import layout_axes
 
+if TYPE_CHECKING:
+    from keras import Variable
+    from keras.distribution import LayoutMap
+
+    from keras_distribute.cluster_resolver.base import ClusterResolver
+
 name = "tensorflow"
 
 
@@ -46,8 +55,9 @@ def is_multi_worker(strategy: Any) -> bool:
         strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
-def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None, *,
+def make_multi_worker_engine(resolver: ClusterResolver,
+                             timeout_s: Optional[float],
+                             layout_map: LayoutMap | None = None, *,
                              services: KerasServices) -> "TfEngine":
     """A `tf.distribute.MultiWorkerMirroredStrategy` over `resolver`'s job."""
     _refuse_sharded(layout_map)
@@ -117,7 +127,7 @@ def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None, *,
+                    layout_map: LayoutMap | None = None, *,
                     services: KerasServices) -> "TfTpuEngine":
     """`tf.distribute.TPUStrategy` when this host has TPUs.
 
@@ -158,13 +168,13 @@ def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
                        if assignment is not None else 1, services=services)
 
 
-def refuse_unsupported_layouts(layout_map: Any) -> None:
+def refuse_unsupported_layouts(layout_map: LayoutMap) -> None:
     """Raises `NotImplementedError` for a layout map that shards variables
     (called before the mesh's devices are resolved)."""
     _refuse_sharded(layout_map)
 
 
-def _refuse_sharded(layout_map: Any) -> None:
+def _refuse_sharded(layout_map: LayoutMap) -> None:
     if layout_map is None:
         return
     sharded = {
@@ -184,7 +194,7 @@ def _refuse_sharded(layout_map: Any) -> None:
             "parallelism, or a layout_map whose axes are all None.")
 
 
-def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
+def make_engine(devices: Sequence[Any], layout_map: LayoutMap | None = None, *,
                 services: KerasServices) -> "TfEngine":
     """Builds the engine of a strategy over `devices`."""
     _refuse_sharded(layout_map)
@@ -194,7 +204,7 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
     return TfEngine(devices, services=services)
 
 
-def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:
+def checkpoint_pieces(variable: Variable, writer: int, process_id: int) -> list:
     """A (replicated) variable whole, in process `writer` only. Every
     process reads it: a sync-on-read variable's read is a collective
     every worker must join."""
@@ -204,7 +214,7 @@ def checkpoint_pieces(variable: Any, writer: int, process_id: int) -> list:
     return [(interface.whole_region(value.shape), value)]
 
 
-def mesh_devices(layout_map: Any) -> list:
+def mesh_devices(layout_map: LayoutMap) -> list:
     """Every device of the mesh (one process holds all of them)."""
     return interface.mesh_devices_by_name(layout_map, resolve_device)
 

@@ -2,6 +2,10 @@
 value as host memory to save, and a restored value assigned without a copy.
 """
 
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 
 import numpy as np
@@ -10,8 +14,11 @@ from tensorflow.python.distribute import values as tf_values
 
 from keras_distribute.backend.interface import whole_region
 
+if TYPE_CHECKING:
+    from keras import Variable
 
-def checkpoint_value(variable: Any) -> np.ndarray:
+
+def checkpoint_value(variable: Variable) -> np.ndarray:
     """A variable's value on the host, for the sharded checkpoint.
 
     Metric variables under tf.distribute are sync-on-read: reading one in
@@ -31,7 +38,7 @@ def checkpoint_value(variable: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def checkpoint_snapshot(variable: Any):
+def checkpoint_snapshot(variable: Variable):
     """`put_back()` for a variable's current value. Each replica's component
     is held as it is (a sync-on-read metric variable's parts differ), as a
     tensor: TensorFlow copies a buffer before an assignment would write
@@ -59,7 +66,7 @@ def checkpoint_snapshot(variable: Any):
     return put_back_whole
 
 
-def checkpoint_assign(variable: Any, read_regions) -> None:
+def checkpoint_assign(variable: Variable, read_regions) -> None:
     """Assigns a variable's restored value, now.
 
     A deferred restore can fire inside a `tf.function` trace: without a

@@ -2,11 +2,14 @@
 join or are lost, without a timeout on each collective (see
 `bounded_multi_worker_strategy`)."""
 
+from __future__ import annotations
+
 import contextlib
 import os
 import re
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Iterator
 from typing import Optional
@@ -14,6 +17,9 @@ from typing import Optional
 import tensorflow as tf
 
 from keras_distribute.common.errors import WorkerLostError
+
+if TYPE_CHECKING:
+    from keras_distribute.cluster_resolver.base import ClusterResolver
 
 # How TensorFlow names a task in its errors.
 _TASK_IN_TEXT = re.compile(r"/job:(chief|worker)(?:/replica:\d+)?/task:(\d+)")
@@ -25,7 +31,8 @@ _LOST_PEER_ERRORS = (tf.errors.UnavailableError,
 
 
 @contextlib.contextmanager
-def naming_a_lost_worker(resolver: Any) -> Iterator[None]:
+def naming_a_lost_worker(
+        resolver: ClusterResolver | None) -> Iterator[None]:
     """Turns TensorFlow's error for a lost worker into `kd.WorkerLostError`
     naming it and its address (TensorFlow's error stays its cause).
 
@@ -67,7 +74,7 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else type(error).__name__)[:300]
 
 
-def _lost_process(text: str, resolver: Any) -> Optional[int]:
+def _lost_process(text: str, resolver: ClusterResolver) -> Optional[int]:
     """The process of the job that TensorFlow's error `text` points at."""
     spec = resolver.cluster_spec()
     chiefs = len(spec.get("chief", []))
@@ -188,7 +195,7 @@ class _CoordinationText:
         return None
 
 
-def check_same_cluster(resolver: Any, timeout_s: float) -> None:
+def check_same_cluster(resolver: ClusterResolver, timeout_s: float) -> None:
     """Refuses, in every worker alike, a job whose workers were given
     different cluster descriptions or the same task index, before a step
     runs (#43: TensorFlow failed the first collective, in its words, "is

@@ -6,6 +6,9 @@ scope and the input pipeline; the backend module
 (`backend/tensorflow/__init__.py`) builds it.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import List
@@ -29,6 +32,11 @@ from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 from keras_distribute.job import peer_board
+
+if TYPE_CHECKING:
+    from keras import Model
+
+    from keras_distribute.cluster_resolver.base import ClusterResolver
 
 # `isinstance(value, kd.PerReplica)` holds for tf.distribute's own values.
 PerReplica.register(tf_values.PerReplica)
@@ -96,7 +104,7 @@ class TfEngine:
 
     def __init__(self, devices: Optional[Sequence[Any]], *,
                  services: KerasServices, tf_strategy: Any = None,
-                 resolver: Any = None):
+                 resolver: ClusterResolver | None = None):
         self.keras_services = services
         if tf_strategy is None:
             if devices is None:
@@ -258,7 +266,7 @@ class TfEngine:
         result = self.tf_strategy.run(contribute)
         return self.tf_strategy.experimental_local_results(result)[0].numpy()
 
-    def call_trainer(self, method: Callable, model: Any, args: tuple,
+    def call_trainer(self, method: Callable, model: Model, args: tuple,
                      kwargs: dict) -> Any:
         if method.__name__ == "predict_on_batch":
             # Keras' TF `predict_on_batch` feeds the whole batch to every

@@ -8,13 +8,23 @@ splits evenly. A last batch smaller than the replica count leaves replicas
 empty, which unsynchronized BatchNormalization turns into NaN: kd warns.
 """
 
+from __future__ import annotations
+
 import warnings
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 
 import keras
 import tensorflow as tf
 from tensorflow.python.distribute import values as tf_values
+
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.optimizers import Optimizer
+
+    from keras_distribute.backend.interface import ReplicaEngine
+    from keras_distribute.backend.tensorflow.engine import TfEngine
 
 # The attribute of a tf.distribute strategy kd made that refers (weakly: the
 # engine holds its strategy) to its kd engine, where the state of the
@@ -23,7 +33,7 @@ from tensorflow.python.distribute import values as tf_values
 _ENGINE_ATTRIBUTE = "_keras_distribute_engine"
 
 
-def register_engine(tf_strategy: Any, engine: Any) -> None:
+def register_engine(tf_strategy: Any, engine: TfEngine) -> None:
     """Records `engine` as the kd engine of `tf_strategy`."""
     setattr(tf_strategy, _ENGINE_ATTRIBUTE, weakref.ref(engine))
 
@@ -179,7 +189,7 @@ def replica_batch_spec(distributed_dataset: Any) -> Any:
     return None if unknown else batch
 
 
-def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
+def value_and_gradients(model: Model, compute_loss, x: Any) -> tuple:
     """`(loss, gradients, y_pred)` by a `tf.GradientTape`."""
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
@@ -187,7 +197,7 @@ def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
     return loss, tape.gradient(loss, model.trainable_variables), y_pred
 
 
-def apply_gradients(engine: Any, optimizer: Any, grads: Any,
+def apply_gradients(engine: ReplicaEngine, optimizer: Optimizer, grads: Any,
                     variables: Any) -> None:
     """In a tf.distribute replica context the optimizer sums the replicas'
     gradients itself (what the tutorials rely on); its all-reduce applies

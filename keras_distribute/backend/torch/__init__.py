@@ -8,6 +8,9 @@ helpers (`training`) and the checkpoint's view of a variable, plain
 tensor or DTensor (`variables`).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 from typing import Sequence
@@ -35,10 +38,19 @@ from keras_distribute.backend.torch.variables import checkpoint_snapshot  # noqa
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import sharded_axes
 
+if TYPE_CHECKING:
+    from keras import Variable
+    from keras.distribution import LayoutMap
+    from keras.optimizers import Optimizer
+
+    from keras_distribute.backend.interface import ReplicaEngine
+    from keras_distribute.cluster_resolver.base import ClusterResolver
+
 name = "torch"
 
 
-def apply_gradients(engine: Any, optimizer: Any, grads: Sequence[Any],
+def apply_gradients(engine: ReplicaEngine, optimizer: Optimizer,
+                    grads: Sequence[Any],
                     variables: Sequence[Any]) -> None:
     """Sums the processes' gradients, then applies them (in `engine`'s
     compression dtype, counted, when it is a torch engine)."""
@@ -56,7 +68,7 @@ def apply_gradients(engine: Any, optimizer: Any, grads: Sequence[Any],
         optimizer.apply(grads, variables)
 
 
-def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
+def make_engine(devices: Sequence[Any], layout_map: LayoutMap | None = None, *,
                 services: KerasServices) -> "TorchEngine":
     """Builds the engine of a strategy over this process's device.
 
@@ -77,27 +89,28 @@ def make_engine(devices: Sequence[Any], layout_map: Any = None, *,
     return TorchEngine(devices[0], services=services)
 
 
-def mesh_devices(layout_map: Any) -> list:
+def mesh_devices(layout_map: LayoutMap) -> list:
     """The devices of a strategy built on `layout_map`: this process's own
     (each process is one device of the mesh; `make_engine` checks the
     process count against the mesh)."""
     return default_devices()
 
 
-def make_multi_worker_engine(resolver: Any, timeout_s: Optional[float],
-                             layout_map: Any = None, *,
+def make_multi_worker_engine(resolver: ClusterResolver,
+                             timeout_s: Optional[float],
+                             layout_map: LayoutMap | None = None, *,
                              services: KerasServices) -> TorchEngine:
     """Joins (or checks) the group `resolver` describes; one replica each."""
     join_process_group(resolver, timeout_s)
     return make_engine(default_devices(), layout_map, services=services)
 
 
-def checkpoint_value(variable: Any) -> Any:
+def checkpoint_value(variable: Variable) -> Any:
     """A replicated variable's value on the host."""
     return interface.host_value(variable)
 
 
-def refuse_unsupported_layouts(layout_map: Any) -> None:
+def refuse_unsupported_layouts(layout_map: LayoutMap) -> None:
     """torch shards what `ShardedTorchEngine` supports and says so when it
     is made: nothing is refused this early."""
 
@@ -110,7 +123,7 @@ def refuse_tpu_strategy() -> None:
 
 
 def make_tpu_engine(tpu_cluster_resolver: Any, assignment: Any,
-                    layout_map: Any = None, *,
+                    layout_map: LayoutMap | None = None, *,
                     services: KerasServices) -> Any:
     """Raises `NotImplementedError` (see `refuse_tpu_strategy`)."""
     refuse_tpu_strategy()

@@ -9,10 +9,13 @@ are all-reduced before they are read; each process trains on its slice of
 every global batch. In a plain single process there is one replica.
 """
 
+from __future__ import annotations
+
 import contextlib
 import hashlib
 import threading
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import List
@@ -39,6 +42,10 @@ from keras_distribute.common.batches import balanced_bounds
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
+
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.layers import Layer
 
 
 def _variable_keys(variables: list) -> list:
@@ -126,7 +133,7 @@ class TorchEngine(trainer_call.TrainerCallState):
     # in `run` wait for the step's own broadcast.
     broadcasts_when_built = True
 
-    def layer_built(self, layer: Any) -> None:
+    def layer_built(self, layer: Layer) -> None:
         """Called when a layer made in this engine's scope is built."""
         if (self.in_group and self.broadcasts_when_built
                 and not self._trainer_calls
@@ -198,7 +205,7 @@ class TorchEngine(trainer_call.TrainerCallState):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def call_trainer(self, method: Callable, model: Any, args: tuple,
+    def call_trainer(self, method: Callable, model: Model, args: tuple,
                      kwargs: dict) -> Any:
         if not self.in_group:
             return method(model, *args, **kwargs)
@@ -285,14 +292,14 @@ class TorchEngine(trainer_call.TrainerCallState):
         wrapper.register_comm_hook(None, counting_hook)
         wrapper._kd_compression = True
 
-    def hold_ddp(self, model: Any, wrapper: Any) -> None:
+    def hold_ddp(self, model: Model, wrapper: Any) -> None:
         """Holds `wrapper` (a DDP of `model` made elsewhere) as its DDP."""
         if wrapper is not None:
             self._register_compression(wrapper)
             params = tuple(p for p in model.parameters() if p.requires_grad)
             self._ddp[model] = (wrapper, tuple(map(id, params)))
 
-    def ddp(self, model: Any) -> Any:
+    def ddp(self, model: Model) -> Any:
         """The DistributedDataParallel that wraps `model`, made once."""
         params = tuple(p for p in model.parameters() if p.requires_grad)
         held = self._ddp.get(model)
@@ -308,7 +315,7 @@ class TorchEngine(trainer_call.TrainerCallState):
 
     # ------------------------------------------------------------ training
     @torch.compiler.disable
-    def step_begins(self, model: Any) -> Any:
+    def step_begins(self, model: Model) -> Any:
         """Counts a training step (the watchdog reads the count) and returns
         the DDP that wraps `model` (made at its first step).
 
@@ -326,7 +333,7 @@ class TorchEngine(trainer_call.TrainerCallState):
         reads the count)."""
         torch_peers.advance()
 
-    def wrap_step_function(self, model: Any, function: Callable,
+    def wrap_step_function(self, model: Model, function: Callable,
                            is_train: bool) -> Callable:
         """Keras' `train_function`/`test_function` of a model whose step is
         the user's, made global (`user_steps`)."""
@@ -375,7 +382,7 @@ class TorchEngine(trainer_call.TrainerCallState):
         return {**logs, **{key: float(value)
                            for key, value in zip(scalars, flat.tolist())}}
 
-    def train_step(self, model: Any, data: Any) -> Any:
+    def train_step(self, model: Model, data: Any) -> Any:
         """Keras' torch train step, forwarding through the held DDP."""
         return self.train_steps.train_step(model, data)
 
@@ -588,7 +595,7 @@ class _EngineScope:
         return active[-1] if active else None
 
 
-def on_layer_built(layer: Any) -> None:
+def on_layer_built(layer: Layer) -> None:
     """Called by the Keras hook when a layer is built."""
     engine = _EngineScope.current()
     if engine is not None:

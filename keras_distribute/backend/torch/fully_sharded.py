@@ -14,7 +14,10 @@ the step that needs them.
 (`sharding.py`) that does this; it reads the engine's meshes and axes.
 """
 
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 from typing import Optional
@@ -28,6 +31,9 @@ from torch.distributed.tensor import Shard
 
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import layout_axes
+
+if TYPE_CHECKING:
+    from keras.layers import Layer
 
 
 class FullyShardedVariables:
@@ -69,7 +75,7 @@ class FullyShardedVariables:
                 and self.num_replicas > 1)
 
     @contextlib.contextmanager
-    def gathered_variables(self, layer: Any):
+    def gathered_variables(self, layer: Layer):
         """While a layer runs: each of its fully sharded variables reads as
         its model sub-mesh view, gathered over the batch axis by DTensor.
 

@@ -2,10 +2,13 @@
 (torchrun, `kd.launch`) or from a cluster resolver, keyed by torchrun's
 restart attempt, and ended together at exit."""
 
+from __future__ import annotations
+
 import datetime
 import errno
 import os
 import socket
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
 
@@ -16,6 +19,9 @@ from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.job import addresses
 from keras_distribute.job import cluster_agreement
+
+if TYPE_CHECKING:
+    from keras_distribute.cluster_resolver.base import ClusterResolver
 
 # How long a process leaving normally waits at exit for the others.
 _EXIT_BARRIER_S = 10.0
@@ -282,7 +288,8 @@ def ensure_process_group() -> bool:
     return True
 
 
-def join_process_group(resolver: Any, timeout_s: Optional[float]) -> None:
+def join_process_group(resolver: ClusterResolver,
+                       timeout_s: Optional[float]) -> None:
     """Joins (or checks) the group `resolver` describes."""
     timeout_s = communication_timeout_s(timeout_s)
     if dist.is_initialized():

@@ -20,10 +20,13 @@ style) is a DTensor on the whole mesh, 1/N per process, gathered while its
 layer runs: `fully_sharded.py`.
 """
 
+from __future__ import annotations
+
 import contextlib
 import math
 import os
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Optional
@@ -56,8 +59,13 @@ from keras_distribute.common.layouts import layout_axes
 from keras_distribute.common.layouts import variable_layout
 from keras_distribute.common.layouts import warn_unmatched_keys
 
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.distribution import LayoutMap
+    from keras.layers import Layer
 
-def check_mesh(layout_map: Any, world_size: int) -> None:
+
+def check_mesh(layout_map: LayoutMap, world_size: int) -> None:
     """Raises unless the mesh and its layouts fit a torch job of
     `world_size` processes."""
     mesh = layout_map.device_mesh
@@ -165,7 +173,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
     # (`shard_layer`).
     broadcasts_when_built = False
 
-    def __init__(self, device: Any, layout_map: Any, *,
+    def __init__(self, device: Any, layout_map: LayoutMap, *,
                  services: KerasServices):
         super().__init__(device, services=services)
         check_layout_map(layout_map)
@@ -229,7 +237,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
             placements.append(Shard(dims[0]) if dims else Replicate())
         return placements
 
-    def shard_layer(self, layer: Any) -> None:
+    def shard_layer(self, layer: Layer) -> None:
         """Makes the variables of `layer` DTensors when the map shards one.
 
         Called once a layer is built, before Keras tracks its variables as
@@ -319,7 +327,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
     # ------------------------------------------------------------ training
     uses_keras_ddp = False  # DTensor's collectives replace DDP's
 
-    def ddp(self, model: Any) -> Any:
+    def ddp(self, model: Model) -> Any:
         return model  # DTensor's collectives replace DDP's all-reduce
 
     @torch_peers.collective
@@ -359,7 +367,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
             [g for g in grads if not self._on_whole_mesh(g)], scale)
         return grads
 
-    def train_step(self, model: Any, data: Any) -> Any:
+    def train_step(self, model: Model, data: Any) -> Any:
         with implicit_replication():  # plain scalars next to DTensor slots
             return super().train_step(model, data)
 
@@ -373,7 +381,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         with super().global_metric_states(variables):
             yield
 
-    def call_trainer(self, method: Callable, model: Any, args: tuple,
+    def call_trainer(self, method: Callable, model: Model, args: tuple,
                      kwargs: dict) -> Any:
         if model.built and model not in self._keys_checked:
             warn_unmatched_keys(self.layout_map, model)
@@ -396,7 +404,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
                 "the model itself (`self(x)`), not a DDP of it; or train "
                 "without a `layout_map` to use DDP.") from error
 
-    def sharded_forward(self, forward: Callable, layer: Any, args: tuple,
+    def sharded_forward(self, forward: Callable, layer: Layer, args: tuple,
                         kwargs: dict) -> Any:
         """Calls a sharded layer: replicated DTensors in, whole tensors out."""
         def enter(leaf):

@@ -7,12 +7,20 @@ that Keras' `fit` bypasses would sync nothing);
 values while Keras reads them.
 """
 
+from __future__ import annotations
+
 import contextlib
 import warnings
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from keras import Model
+
+    from keras_distribute.backend.torch.engine import TorchEngine
 
 
 class TrainSteps:
@@ -20,11 +28,11 @@ class TrainSteps:
     each engine owns (`engine.train_steps`), holding the step's own state
     (whether Keras is computing a train step's metrics)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: TorchEngine):
         self._engine = engine
         self._in_train_step = False
 
-    def train_step(self, model: Any, data: Any) -> Any:
+    def train_step(self, model: Model, data: Any) -> Any:
         """Keras' torch train step, forwarding through the held DDP."""
         import keras
 
@@ -122,7 +130,7 @@ class TrainSteps:
                         variable.value.zero_()
 
 
-def compiled_ddp_mode(engine, model: Any):
+def compiled_ddp_mode(engine, model: Model):
     """How dynamo compiles a `jit_compile=True` step that forwards through
     the held DDP on CPU processes (a context around a trainer call).
 
@@ -165,7 +173,7 @@ def compiled_ddp_mode(engine, model: Any):
     return config.patch(optimize_ddp=False)
 
 
-def value_and_gradients(model: Any, compute_loss, x: Any) -> tuple:
+def value_and_gradients(model: Model, compute_loss, x: Any) -> tuple:
     """`(loss, gradients, y_pred)` by `loss.backward()` on this replica."""
     model.zero_grad()
     y_pred = model(x, training=True)

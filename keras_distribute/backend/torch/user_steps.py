@@ -28,8 +28,11 @@ Keras' own step (DDP reduced its gradients) opens no session: its
 optimizer call goes straight through (also when `torch.compile` traces it).
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Iterator
@@ -38,6 +41,12 @@ from typing import Optional
 from typing import Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from keras import Model
+    from keras.optimizers import Optimizer
+
+    from keras_distribute.backend.torch.engine import TorchEngine
 
 _state = threading.local()
 # Sessions and `run` calls open in any thread: the one check an optimizer's
@@ -67,7 +76,7 @@ def gradients_reduced() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def in_run(engine: Any) -> Iterator[None]:
+def in_run(engine: TorchEngine) -> Iterator[None]:
     """Marks this thread as inside `engine`'s `run` (a replica's call)."""
     global _open
     previous = getattr(_state, "run_engine", None)
@@ -112,7 +121,8 @@ class StepSession:
             needed to weigh the processes.
     """
 
-    def __init__(self, engine: Any, model: Any, rows: int, even: bool):
+    def __init__(self, engine: TorchEngine, model: Model, rows: int,
+                 even: bool):
         self.engine = engine
         self.model = model
         self.rows = rows
@@ -160,7 +170,7 @@ def _flattened(logs: dict) -> dict:
     return flat
 
 
-def apply_with_global_gradients(apply: Callable, optimizer: Any,
+def apply_with_global_gradients(apply: Callable, optimizer: Optimizer,
                                 grads: Any, variables: Any) -> Any:
     """Calls an optimizer's `apply` with the global batch's gradients where
     kd knows them to be local (inside a user's step, or inside
@@ -181,7 +191,8 @@ def apply_with_global_gradients(apply: Callable, optimizer: Any,
         return apply(optimizer, global_grads, variables)
 
 
-def wrap_step_function(engine: Any, model: Any, function: Callable,
+def wrap_step_function(engine: TorchEngine, model: Model,
+                       function: Callable,
                        is_train: bool) -> Callable:
     """`function` (Keras' `train_function`/`test_function`) run as one
     `StepSession` per call."""

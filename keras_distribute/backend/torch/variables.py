@@ -8,6 +8,9 @@ writes to a checkpoint and the region it restores, and keeping torch's
 nothing of the engine modules at load time.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -26,8 +29,13 @@ from keras_distribute.backend.interface import assign_whole
 from keras_distribute.backend.interface import snapshot_whole
 from keras_distribute.backend.interface import whole_region
 
+if TYPE_CHECKING:
+    from keras.layers import Layer
 
-def on_layer_built(layer: Any) -> None:
+    from keras_distribute.backend.torch.sharding import ShardedTorchEngine
+
+
+def on_layer_built(layer: Layer) -> None:
     """Called by the Keras hook once a layer is built: a sharding engine
     turns its variables into DTensors."""
     own = list(getattr(layer, "_trainable_variables", ())) + list(
@@ -164,7 +172,7 @@ def local_region(value: Any) -> tuple:
     return tuple((o, o + n) for o, n in zip(offset, shape))
 
 
-def writes_piece(engine: Any, value: Any) -> bool:
+def writes_piece(engine: ShardedTorchEngine, value: Any) -> bool:
     """Whether this process writes its piece of `value` to a checkpoint:
     first along the mesh dimensions that replicate it (every piece once),
     and in replica 0 only unless the value is sharded over the replicas too
