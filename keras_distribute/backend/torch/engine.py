@@ -7,12 +7,15 @@ In a launched group (`kd.launch`, `python -m keras_distribute.launch`,
 the train step (bucketed all-reduce overlapped with backward); metric states
 are all-reduced before they are read; each process trains on its slice of
 every global batch. In a plain single process there is one replica.
+
+`TorchEngine` holds the engine's state, its variables and the input side;
+its DDP training is `ddp_training.DdpTraining` and its `run` and
+collectives `process_collectives.ProcessCollectives` (its bases).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -33,14 +36,17 @@ from keras_distribute.backend import interface
 from keras_distribute.backend import trainer_call
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch import training as torch_training
+from keras_distribute.backend.torch.ddp_training import DdpTraining
 from keras_distribute.backend.torch.groups import ensure_process_group
+from keras_distribute.backend.torch.process_collectives import (
+    ProcessCollectives,
+)
+from keras_distribute.backend.torch.process_collectives import to_tensor
 from keras_distribute.backend.torch.variables import host_view
 from keras_distribute.backend.torch.variables import local_region
-from keras_distribute.backend.torch.variables import whole_value
 from keras_distribute.common import context
 from keras_distribute.common.batches import balanced_bounds
 from keras_distribute.common.keras_services import KerasServices
-from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 
 if TYPE_CHECKING:
@@ -48,21 +54,8 @@ if TYPE_CHECKING:
     from keras.layers import Layer
 
 
-def _variable_keys(variables: list) -> list:
-    """`(path, shape, n)` of each variable: n counts earlier variables of the
-    same path and shape (keys that name the same variable in every process
-    of one program)."""
-    seen: dict = {}
-    keys = []
-    for variable in variables:
-        name = (str(getattr(variable, "path", variable.name)),
-                tuple(variable.shape))
-        seen[name] = seen.get(name, -1) + 1
-        keys.append(name + (seen[name],))
-    return keys
-
-
-class TorchEngine(trainer_call.TrainerCallState):
+class TorchEngine(DdpTraining, ProcessCollectives,
+                  trainer_call.TrainerCallState):
     """The per-strategy torch engine (see `interface.ReplicaEngine`)."""
 
     # One process per replica, Keras' torch trainer stepping through it.
@@ -251,149 +244,6 @@ class TorchEngine(trainer_call.TrainerCallState):
         """Every input pipeline's rows, concatenated in pipeline order."""
         return self.all_gather(torch.as_tensor(array), axis=0).numpy()
 
-    def sync_gradients(self, variables: Sequence[Any]) -> None:
-        """Nothing to do: the held DDP all-reduced the gradients."""
-
-    # Keras 3.16 wraps a model in its own DistributedDataParallel; the
-    # integration layer hands that one over (`hold_ddp`) instead of a second.
-    uses_keras_ddp = True
-
-    def set_gradient_compression(self, name: str) -> None:
-        """All-reduces gradients in `name`'s dtype ("fp16" or "bf16")."""
-        self.gradient_compression = {"fp16": torch.float16,
-                                     "bf16": torch.bfloat16}[name]
-
-    def compress_gradients(self, flat: Any) -> Any:
-        """`flat` in the compression dtype (itself when there is none),
-        counted as all-reduced bytes."""
-        if self.gradient_compression is not None:
-            flat = flat.to(self.gradient_compression)
-        self.gradient_bytes_reduced += flat.numel() * flat.element_size()
-        return flat
-
-    def _register_compression(self, wrapper: Any) -> None:
-        # torch's own DDP hooks (cast, divide, all-reduce, cast back), with
-        # the bytes counted.
-        if self.gradient_compression is None or getattr(
-                wrapper, "_kd_compression", False):
-            return
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        torch_hook = (default_hooks.fp16_compress_hook
-                      if self.gradient_compression == torch.float16
-                      else default_hooks.bf16_compress_hook)
-        itemsize = torch.empty((), dtype=self.gradient_compression
-                               ).element_size()
-
-        def counting_hook(state, bucket):
-            self.gradient_bytes_reduced += bucket.buffer().numel() * itemsize
-            return torch_hook(state, bucket)
-
-        wrapper.register_comm_hook(None, counting_hook)
-        wrapper._kd_compression = True
-
-    def hold_ddp(self, model: Model, wrapper: Any) -> None:
-        """Holds `wrapper` (a DDP of `model` made elsewhere) as its DDP."""
-        if wrapper is not None:
-            self._register_compression(wrapper)
-            params = tuple(p for p in model.parameters() if p.requires_grad)
-            self._ddp[model] = (wrapper, tuple(map(id, params)))
-
-    def ddp(self, model: Model) -> Any:
-        """The DistributedDataParallel that wraps `model`, made once."""
-        params = tuple(p for p in model.parameters() if p.requires_grad)
-        held = self._ddp.get(model)
-        if held is None or held[1] != tuple(map(id, params)):
-            self.broadcast_new_variables()
-            wrapper = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=None if self.device.type == "cpu" else [
-                    self.device.index])
-            self._register_compression(wrapper)
-            held = (wrapper, tuple(map(id, params)))
-            self._ddp[model] = held
-        return held[0]
-
-    # ------------------------------------------------------------ training
-    @torch.compiler.disable
-    def step_begins(self, model: Model) -> Any:
-        """Counts a training step (the watchdog reads the count) and returns
-        the DDP that wraps `model` (made at its first step).
-
-        Python state, kept out of a step `torch.compile` traces
-        (`jit_compile=True`): one graph break where the step begins, where
-        a traced counter or DDP lookup would be a guard failing at every
-        step (a recompile per step, then eager).
-        """
-        torch_peers.advance()
-        return self.ddp(model)
-
-    @torch.compiler.disable
-    def user_step_begins(self) -> None:
-        """Counts a step of a user's `train_step`/`test_step` (the watchdog
-        reads the count)."""
-        torch_peers.advance()
-
-    def wrap_step_function(self, model: Model, function: Callable,
-                           is_train: bool) -> Callable:
-        """Keras' `train_function`/`test_function` of a model whose step is
-        the user's, made global (`user_steps`)."""
-        from keras_distribute.backend.torch import user_steps
-
-        return user_steps.wrap_step_function(self, model, function, is_train)
-
-    @torch_peers.collective
-    def sum_gradients(self, grads: Sequence[Any], scale: float) -> list:
-        """This process's `grads` times `scale`, summed over the replicas
-        (in place, as DDP leaves them): one flat all-reduce per dtype; a
-        sharded gradient contributes its local part."""
-        grads = list(grads)
-        if not self.in_group or self.num_replicas == 1:
-            return grads
-        from torch.distributed.tensor import DTensor
-
-        parts = [g.to_local() if isinstance(g, DTensor) else g
-                 for g in grads if g is not None]
-        with torch.no_grad():
-            for dtype in dict.fromkeys(p.dtype for p in parts):
-                group = [p for p in parts if p.dtype == dtype]
-                flat = torch.cat([p.reshape(-1) for p in group]) * scale
-                dtype_sent = flat.dtype
-                flat = self.all_reduce_sum(self.compress_gradients(flat))
-                flat = flat.to(dtype_sent)
-                offset = 0
-                for part in group:
-                    part.copy_(flat[offset:offset + part.numel()].view_as(
-                        part))
-                    offset += part.numel()
-        return grads
-
-    @torch_peers.collective
-    def weighted_mean_logs(self, logs: dict, share: float) -> dict:
-        """`logs` with each scalar value replaced by its mean over the
-        processes, each weighted by `share` (its share of the batch)."""
-        scalars = [key for key, value in logs.items()
-                   if _is_scalar_log(value)]
-        if not scalars or not self.in_group or self.num_replicas == 1:
-            return logs
-        flat = torch.tensor([float(_detached(logs[key])) * share
-                             for key in scalars],
-                            dtype=torch.float64, device=self.device)
-        self.all_reduce_sum(flat)
-        return {**logs, **{key: float(value)
-                           for key, value in zip(scalars, flat.tolist())}}
-
-    def train_step(self, model: Model, data: Any) -> Any:
-        """Keras' torch train step, forwarding through the held DDP."""
-        return self.train_steps.train_step(model, data)
-
-    def global_metric_states(self, variables: Sequence[Any]):
-        """Metric variables with their all-process values, for a read."""
-        return self.train_steps.global_metric_states(variables)
-
-    def restoring_metric_states(self, variables: Sequence[Any]):
-        """Around a restore of all-process metric values (a context)."""
-        return self.train_steps.restoring_metric_states(variables)
-
     # ------------------------------------------------------- placing values
     def from_native(self, value: Any) -> Any:
         return value
@@ -412,145 +262,10 @@ class TorchEngine(trainer_call.TrainerCallState):
         def put(leaf):
             if leaf is None:
                 return None
-            tensor = _to_tensor(leaf)
+            tensor = to_tensor(leaf)
             return PerReplica([tensor.to(self.device) if on_device else tensor])
 
         return keras.tree.map_structure(put, structure)
-
-    # ------------------------------------------------------------------ run
-    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if not self.in_group:
-            return self._run(strategy, fn, args, kwargs)
-        torch_peers.advance()
-        with torch_peers.naming_a_lost_peer():
-            self.broadcast_new_variables()
-            return self._run(strategy, fn, args, kwargs)
-
-    def _run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        local = lambda v: v.values[0] if isinstance(v, PerReplica) else v  # noqa: E731
-        call_args = keras.tree.map_structure(local, args)
-        call_kwargs = keras.tree.map_structure(local, kwargs)
-        aggregated = (self._agreed(self._live_aggregated())
-                      if self.in_group and self.num_replicas > 1 else [])
-        before = [v.value.detach().clone() for v in aggregated]
-        from keras_distribute.backend.torch import user_steps
-
-        with strategy.enter_replica(self.local_replica_ids[0],
-                                    _TorchCollectives(self)), (
-                user_steps.in_run(self)):
-            result = fn(*call_args, **call_kwargs)
-        if aggregated:
-            self._combine_aggregated(aggregated, before)
-        return keras.tree.map_structure(
-            lambda out: out if out is None else PerReplica([out]), result)
-
-    def _live_aggregated(self) -> list:
-        """The "sum" / "mean" variables still alive, in creation order (the
-        same on every process: they were made by the same program)."""
-        alive = [(ref, ref()) for ref in self._aggregated]
-        self._aggregated = [ref for ref, v in alive if v is not None]
-        return [v for _, v in alive if v is not None and v._value is not None]
-
-    @torch_peers.collective
-    def _agreed(self, variables: list, group: Any = "replicas") -> list:
-        """The `variables` that every process holds, in one order everywhere
-        (a collective).
-
-        Processes may hold different ones: a metric made by chief-only work
-        (a callback, a save), or freed by the garbage collector at another
-        time. Combining lists of different lengths aborted gloo ("Received
-        data size doesn't match"). A variable is known by its path and shape
-        (and which of that name it is); one small all-reduce finds the lists
-        equal, else the processes exchange them and keep the common ones.
-        `group`: the replicas' group (combining), or `None` for every
-        process (broadcasting from process 0).
-        """
-        group = self.replica_group if group == "replicas" else group
-        keys = _variable_keys(variables)
-        digest = int.from_bytes(hashlib.blake2b(
-            repr(keys).encode(), digest_size=7).digest(), "little")
-        probe = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-        if int(probe[0]) == digest == -int(probe[1]):
-            return variables
-        every: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, keys, group=group)
-        common = set(every[0]).intersection(*every[1:])
-        return [v for key, v in sorted(zip(keys, variables),
-                                       key=lambda pair: pair[0])
-                if key in common]
-
-    def _combine_aggregated(self, variables: list, before: list) -> None:
-        """As tf.distribute's sync-on-read variables read after `run`: a
-        "sum" variable (a metric's total and count) holds every process's
-        updates, a "mean" one their average — the same on every process.
-        One flat all-reduce of the changes (sum) and values (mean)."""
-        with torch.no_grad():
-            flat = torch.cat([
-                (v.value - old if v.aggregation == "sum" else v.value)
-                .double().reshape(-1).to(self.device)
-                for v, old in zip(variables, before)])
-            self.all_reduce_sum(flat)
-            offset = 0
-            for variable, old in zip(variables, before):
-                part = flat[offset:offset + old.numel()].reshape(old.shape)
-                offset += old.numel()
-                new = (old.double() + part if variable.aggregation == "sum"
-                       else part / self.world_size)
-                variable.value.copy_(new.to(old.dtype))
-
-    # -------------------------------------------------- cross-replica ops
-    def reduce(self, op: ReduceOp, values: Sequence[Any],
-               axis: Optional[int]) -> Any:
-        (value,) = values  # this process's one replica
-        tensor = _to_tensor(value).to(self.device)
-        if axis is None:
-            total = self.all_reduce_sum(tensor.clone())
-            return total / self.num_replicas if op is ReduceOp.MEAN else total
-        _check_axis(axis, tensor.dim())
-        total = self.all_reduce_sum(tensor.sum(dim=axis))
-        if op is ReduceOp.SUM:
-            return total
-        count = torch.tensor(float(tensor.shape[axis]), device=self.device)
-        return total / self.all_reduce_sum(count)
-
-    def gather(self, values: Sequence[Any], axis: int) -> Any:
-        tensor = _to_tensor(values[0]).to(self.device)
-        if tensor.dim() == 0:
-            raise ValueError(
-                "`gather` needs per-replica values of rank >= 1 to "
-                "concatenate. Received scalars. Use `reduce` for scalars, or "
-                "give each replica's value a leading dimension.")
-        _check_axis(axis, tensor.dim())
-        return self.all_gather(tensor, axis)
-
-    @torch_peers.collective
-    def all_reduce_sum(self, tensor):
-        """Sums `tensor` over the replicas, in place."""
-        if self.in_group and self.num_replicas > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
-                            group=self.replica_group)
-        return tensor
-
-    @torch_peers.collective
-    def all_gather(self, tensor, axis: int):
-        """Concatenates `tensor` of every replica along `axis` (sizes may
-        differ), in replica order."""
-        if not self.in_group or self.num_replicas == 1:
-            return tensor
-        group, count = self.replica_group, self.num_replicas
-        axis = axis % tensor.dim()
-        size = torch.tensor([tensor.shape[axis]], device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(count)]
-        dist.all_gather(sizes, size, group=group)
-        longest = int(max(s.item() for s in sizes))
-        pad = ([0, 0] * (tensor.dim() - axis - 1)
-               + [0, longest - tensor.shape[axis]])
-        padded = torch.nn.functional.pad(tensor, pad)
-        parts = [torch.empty_like(padded) for _ in range(count)]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        return torch.cat([p.narrow(axis, 0, int(s.item()))
-                          for p, s in zip(parts, sizes)], dim=axis)
 
 
 class _EngineScope:
@@ -608,64 +323,3 @@ def on_variable_created(variable: Any) -> None:
     if engine is not None:
         object.__setattr__(variable, "_kd_engine", engine)
         engine.record_variable(variable)
-
-
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def _is_scalar_log(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, float)):
-        return True
-    return isinstance(value, torch.Tensor) and value.numel() == 1 and (
-        not value.dtype.is_complex)
-
-
-def _check_axis(axis: int, rank: int) -> None:
-    if not -rank <= axis < rank:
-        raise ValueError(
-            f"`axis`={axis} is out of range for per-replica values of "
-            f"rank {rank}. Use an axis in [{-rank}, {rank}).")
-
-
-def _to_tensor(value: Any) -> Any:
-    """A torch tensor of `value`; a sharded one whole (a collective)."""
-    if isinstance(value, keras.Variable):
-        value = value.value
-    if isinstance(value, torch.Tensor):
-        return whole_value(value)
-    if hasattr(value, "numpy") and not isinstance(value, np.generic):
-        value = value.numpy()
-    value = np.asarray(value)
-    if not value.flags.writeable:  # e.g. tf.data's arrays: torch would warn
-        value = value.copy()
-    return torch.as_tensor(value)
-
-
-class _TorchCollectives:
-    """Collectives of one process-replica: `torch.distributed` all-reduce."""
-
-    def __init__(self, engine: TorchEngine):
-        self._engine = engine
-
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        from keras_distribute.backend.torch import user_steps
-
-        def reduce(leaf):
-            tensor = _to_tensor(leaf).to(self._engine.device).clone()
-            if not torch.is_floating_point(tensor) and op is ReduceOp.MEAN:
-                tensor = tensor.float()
-            total = self._engine.all_reduce_sum(tensor)
-            # Global now: an optimizer given it applies it as it is.
-            return user_steps.mark_reduced(
-                total / self._engine.num_replicas if op is ReduceOp.MEAN
-                else total)
-
-        return keras.tree.map_structure(reduce, value)
-
-    def all_gather(self, value: Any, axis: int) -> Any:
-        return keras.tree.map_structure(
-            lambda leaf: self._engine.all_gather(
-                _to_tensor(leaf).to(self._engine.device), axis), value)
