@@ -46,7 +46,8 @@ def state(model):
 def test_round_trip_is_bit_exact_with_optimizer_state(tmp_path, monkeypatch,
                                                       block_bytes):
     if block_bytes is not None:  # written and read in blocks by threads
-        monkeypatch.setattr(ckpt.parallel_io, "BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(ckpt.storage.parallel_io, "BLOCK_BYTES",
+                            block_bytes)
     model = trained_model()
     checkpoint = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer)
     path = checkpoint.write(str(tmp_path / "c"))
@@ -95,7 +96,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.writing, "_write_shards", broken)
+    monkeypatch.setattr(ckpt.storage.writing, "_write_shards", broken)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.write(path)
     assert open(os.path.join(path, "index.json")).read() == before
@@ -108,7 +109,7 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
     # process's part by name and read it while it was still empty.
     import threading
 
-    fmt = ckpt.writing
+    fmt = ckpt.storage.writing
     path = str(tmp_path / "c")
     temporary = fmt.prepare(path)
     piece = ((2,), "float32", (None,), [(((0, 2),), np.ones(2, "f4"))], "w")
@@ -150,7 +151,8 @@ def test_commit_never_reads_a_part_still_being_written(tmp_path,
 def test_corrupt_truncated_and_mismatched_checkpoints(tmp_path, monkeypatch,
                                                       block_bytes):
     if block_bytes is not None:
-        monkeypatch.setattr(ckpt.parallel_io, "BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(ckpt.storage.parallel_io, "BLOCK_BYTES",
+                            block_bytes)
     model = trained_model()
     path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
     shard = os.path.join(path, "shards-00000.h5")

@@ -527,7 +527,7 @@ def test_write_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):
         checkpoint.write(str(tmp_path / "d"))
     assert (tmp_path / "c.tmp" / "keep.txt").exists()
     assert (tmp_path / "d.old" / "keep.txt").exists()
-    assert not ckpt.writing.clean_unfinished(str(tmp_path))
+    assert not ckpt.storage.writing.clean_unfinished(str(tmp_path))
     assert (tmp_path / "c.tmp" / "keep.txt").exists()
 
 
