@@ -9,6 +9,7 @@ replicated so that it never fails to divide over the replicas.
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Dict
+from typing import Optional
 
 from keras.distribution import DataParallel
 from keras.distribution import ModelParallel
@@ -36,6 +37,9 @@ class StrategyLayouts(_MixedIntoDistribution):
     _kd_strategy_distribution = True
     # A rule-based map (kd.layouts.fully_sharded), when the strategy has one.
     _kd_layout_map: Any = None
+    # Several processes: whether the batch being laid out is given whole
+    # (set by the engine for each batch it splits; None: decide by shape).
+    batch_given_whole: Optional[bool]
 
     def _init_layout_cache(self, batch_shards: int):
         self._batch_shards = batch_shards

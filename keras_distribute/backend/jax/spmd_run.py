@@ -6,7 +6,6 @@ one thread per replica instead (`jax_collectives.run_in_threads`).
 
 from typing import Any
 from typing import Callable
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,24 +17,19 @@ from keras_distribute.backend.jax import collectives as jax_collectives
 from keras_distribute.backend.jax import run as jax_run
 from keras_distribute.backend.jax.collectives import as_array
 from keras_distribute.backend.jax.collectives import unwrap
+from keras_distribute.backend.jax.replica_values import ReplicaValues
 from keras_distribute.common.values import PerReplica
 
 _RUN_CACHE_SIZE = 64
 
 
-class SpmdRun:
-    """The `run` of `JaxEngine` (it supplies `mesh`, `batch_axis`,
-    `local_replica_ids`, `multi_process`, `_run_cache`, `_stack`,
-    `_replicate` and `_per_replica_shards`)."""
+class SpmdRun(ReplicaValues):
+    """The `run` of `JaxEngine`, over its per-replica values
+    (`ReplicaValues`: `_stack`, `_replicate`, `_per_replica_shards`); the
+    engine supplies `_run_cache` and the attributes `ReplicaValues`
+    declares."""
 
-    mesh: Any
-    batch_axis: str
-    local_replica_ids: Sequence[int]
-    multi_process: bool
     _run_cache: dict
-    _stack: Callable[[list], Any]
-    _replicate: Callable[[Any], Any]
-    _per_replica_shards: Callable[[Any], Sequence[Any]]
 
     def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
         if not self.multi_process:
