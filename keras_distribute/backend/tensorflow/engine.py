@@ -3,7 +3,8 @@
 `TfEngine` drives a `tf.distribute.MirroredStrategy` (or the multi-worker or
 TPU strategy the backend module made) for `run`, `reduce`, `gather`, the
 scope and the input pipeline; the backend module
-(`backend/tensorflow/__init__.py`) builds it.
+(`backend/tensorflow/__init__.py`) builds it. Its `run`, `reduce` and
+`gather` are `replica_run.ReplicaRun` (a base of `TfEngine`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from keras_distribute.backend import interface
 from keras_distribute.backend.tensorflow import cluster as tf_cluster
 from keras_distribute.backend.tensorflow import fit as tf_fit
 from keras_distribute.backend.tensorflow.devices import device_name
+from keras_distribute.backend.tensorflow.replica_run import ReplicaRun
+from keras_distribute.backend.tensorflow.replica_run import to_tensor
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.input_context import InputContext
 from keras_distribute.common.keras_services import KerasServices
-from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.values import PerReplica
 from keras_distribute.job import peer_board
 
@@ -42,22 +44,6 @@ if TYPE_CHECKING:
 PerReplica.register(tf_values.PerReplica)
 _strategies_created = 0
 _KEY_BASE_STRIDE = 1_000_000
-
-
-def _raise_if_foreign_variable(error: IndexError, strategy: Any) -> None:
-    """tf.distribute indexes a mirrored variable by replica id: one made
-    under a strategy with fewer replicas fails with a bare IndexError."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    if frames and frames[-1].filename.replace("\\", "/").endswith(
-            "distribute/values.py"):
-        raise ValueError(
-            "A variable created under another strategy (with fewer replicas) "
-            f"was used inside {strategy!r}.run. Received: a mirrored "
-            "variable of another strategy. Create the model and its "
-            "variables inside this strategy's scope, or run the function "
-            "under the strategy that created them.") from error
 
 
 def _tf_options(options) -> Optional[tf.distribute.InputOptions]:
@@ -93,7 +79,7 @@ def _new_mirrored_strategy(devices: Sequence[Any]):
         cls._collective_key_base = saved_base
 
 
-class TfEngine:
+class TfEngine(ReplicaRun):
     """The per-strategy TensorFlow engine (see `interface.ReplicaEngine`)."""
 
     # `constrain` lays tensors out (a TPU engine adds `TpuEngine`).
@@ -314,7 +300,7 @@ class TfEngine:
                         on_device: bool = True) -> Any:
         return self.tf_strategy.experimental_distribute_values_from_function(
             lambda ctx: keras.tree.map_structure(
-                _to_tensor, structures[ctx.replica_id_in_sync_group])
+                to_tensor, structures[ctx.replica_id_in_sync_group])
         )
 
     def distribute_dataset(self, dataset: Any, options: Any) -> Any:
@@ -338,90 +324,6 @@ class TfEngine:
 
         return self.tf_strategy.distribute_datasets_from_function(
             tf_dataset_fn, _tf_options(options))
-
-    # ------------------------------------------------------------------ run
-    def run(self, strategy, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        def replica_fn(*call_args, **call_kwargs):
-            tf_context = tf.distribute.get_replica_context()
-            with strategy.enter_replica(tf_context.replica_id_in_sync_group,
-                                        _TfCollectives(tf_context)):
-                try:
-                    return fn(*call_args, **call_kwargs)
-                except IndexError as error:
-                    _raise_if_foreign_variable(error, strategy)
-                    raise
-
-        result = self.tf_strategy.run(
-            replica_fn, args=self._to_native(args),
-            kwargs=self._to_native(kwargs),
-        )
-        if self.multi_worker and len(self.local_replica_ids) == 1:
-            # One device per worker: tf.distribute returns the worker's
-            # tensor itself; it is still that replica's own value.
-            result = keras.tree.map_structure(
-                lambda v: v if v is None or isinstance(
-                    v, tf_values.DistributedValues) else tf_values.PerReplica(
-                        (v,)), result)
-        return result
-
-    # -------------------------------------------------- cross-replica ops
-    def reduce(self, op: ReduceOp, values: Sequence[Any],
-               axis: Optional[int]) -> Any:
-        if axis is None:
-            shapes = {tuple(_to_tensor(v).shape) for v in values}
-            if len(shapes) > 1:
-                raise ValueError(
-                    "Cannot reduce per-replica values of different shapes "
-                    f"{sorted(shapes)} with axis=None. Pass the batch "
-                    "dimension as `axis` (usually `axis=0`)."
-                )
-        else:
-            _check_axis(axis, len(_to_tensor(values[0]).shape))
-        per_replica = tf_values.PerReplica(tuple(_to_tensor(v) for v in values))
-        return self.tf_strategy.reduce(op.value, per_replica, axis=axis)
-
-    def gather(self, values: Sequence[Any], axis: int) -> Any:
-        rank = len(_to_tensor(values[0]).shape)
-        if rank == 0:
-            raise ValueError(
-                "`gather` needs per-replica values of rank >= 1 to "
-                "concatenate. Received scalars. Use `reduce` for scalars, or "
-                "give each replica's value a leading dimension."
-            )
-        _check_axis(axis, rank)
-        per_replica = tf_values.PerReplica(tuple(_to_tensor(v) for v in values))
-        return self.tf_strategy.gather(per_replica, axis=axis)
-
-
-def _check_axis(axis: int, rank: int) -> None:
-    if not -rank <= axis < rank:
-        raise ValueError(
-            f"`axis`={axis} is out of range for per-replica values of "
-            f"rank {rank}. Use an axis in [{-rank}, {rank})."
-        )
-
-
-def _to_tensor(value: Any) -> Any:
-    if value is None or isinstance(value, tf.Variable):
-        return value
-    if isinstance(value, keras.Variable):
-        return value.value
-    return tf.convert_to_tensor(value)
-
-
-class _TfCollectives:
-    """Collectives of a `tf.distribute` replica context."""
-
-    def __init__(self, tf_context):
-        self._tf_context = tf_context
-
-    def all_reduce(self, op: ReduceOp, value: Any) -> Any:
-        return self._tf_context.all_reduce(
-            op.value, keras.tree.map_structure(_to_tensor, value))
-
-    def all_gather(self, value: Any, axis: int) -> Any:
-        return self._tf_context.all_gather(
-            keras.tree.map_structure(_to_tensor, value), axis)
 
 
 class TfTpuEngine(TfEngine):
