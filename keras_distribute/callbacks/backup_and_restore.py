@@ -202,12 +202,11 @@ class BackupAndRestore(TrainingStateCallback):
         """What builds the compiled metrics from the first skipped batch and
         restores them, when they are not built yet: TensorFlow without a
         strategy makes their variables only when it traces the first step."""
-        compiled = getattr(self.model, "_compile_metrics", None)
-        if compiled is None or compiled.built:
+        if not integration_training.compiled_metrics_unbuilt(self.model):
             return None
 
         def build_and_restore(batch):
-            self.model._symbolic_build(data_batch=batch)
+            integration_training.build_from_batch(self.model, batch)
             self._restore_epoch_metrics()
 
         return build_and_restore

@@ -180,7 +180,7 @@ class ShardedCheckpoint(TrainingStateCallback):
                 for _, old in ranked[self.max_to_keep:]:
                     ckpt_writing.remove(old)
 
-        checkpoint._then(keep)
+        checkpoint.after_save(keep)
 
     def on_train_end(self, logs=None):
         self._state.sync()  # a failed background save is raised here

@@ -328,8 +328,22 @@ class ShardedCheckpoint:
             number = int(engine.broadcast_text(str(number)))
         return number
 
-    def _then(self, fn: Callable[[], None]) -> None:
-        """Runs `fn` once the pending save succeeded (now if none is)."""
+    def after_save(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` once the save in progress is committed.
+
+        With `CheckpointOptions(enable_async=True)` a save commits in the
+        background: `fn` runs then, in that thread, and never if the save
+        fails. With no save in progress it runs now.
+
+        Args:
+            fn: A function of no arguments (e.g. one that links or trims
+                the checkpoints kept).
+
+        Example:
+
+        >>> path = checkpoint.write(directory, options)
+        >>> checkpoint.after_save(lambda: print("committed", path))
+        """
         self._checkpointer.then(fn)
 
     def sync(self) -> None:

@@ -305,6 +305,10 @@ ROWS += (
         instance_of="Model", backends=("torch",)),
     Row("Model._loss_tracker", (), _A + "Trainer: see _compute_loss",
         "3.10-3.16", instance_of="Model", backends=("torch",)),
+    Row("Model._compile_metrics", (), _A + "Trainer: BackupAndRestore "
+        "restores mid-epoch metric state into compiled metrics that TF "
+        "builds only at its first step (built from that batch first)",
+        "3.10-3.16", instance_of="Model"),
     Row("Model._flatten_layers", (), _A + "Layer: TF names layers whose "
         "variables a replica cannot sync", "3.10-3.16", instance_of="Model",
         backends=("tensorflow",)),

@@ -89,6 +89,21 @@ def set_initial_epoch(model: Model, epoch: Optional[int]) -> None:
     model._initial_epoch = None if epoch is None else int(epoch)
 
 
+def compiled_metrics_unbuilt(model: Model) -> bool:
+    """Whether `model`'s compiled metrics exist but have no variables yet
+    (TensorFlow without a strategy makes them when it traces the first
+    step); False when the model has none or Keras keeps them elsewhere."""
+    compiled = getattr(model, "_compile_metrics", None)
+    return compiled is not None and not compiled.built
+
+
+def build_from_batch(model: Model, batch: Any) -> None:
+    """Builds `model` (its compiled metrics included) from one batch, as
+    `fit` does before its first step (Keras' `_symbolic_build`: registry
+    row `BaseTrainer._symbolic_build`)."""
+    model._symbolic_build(data_batch=batch)
+
+
 def calling_callback_list(callback: Any) -> Optional[Any]:
     """The `CallbackList` dispatching to `callback` (found on the stack)."""
     frame: Optional[types.FrameType] = sys._getframe(1)
