@@ -78,7 +78,9 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # as the soak (test_soak.py) does, and the GPU tier's command on a CPU
   # (test_gpu_tier_script.py: it skips there). A lost, frozen, hung or never-joining worker
   # tests the engines' failure detection and the launchers, not Keras; so
-  # does the several-hosts tier (test_several_hosts.py: network namespaces).
+  # does the several-hosts tier (test_several_hosts.py: network namespaces),
+  # and so do a JAX worker started by hand, torchrun starting a JAX job and
+  # the script launcher's fork server.
   KD_DOCS_BLOCKS=0 PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend \
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=${KD_DURATIONS:-12} \
     $parallel --ignore=tests/test_notebooks.py --ignore=tests/test_examples.py \
@@ -86,7 +88,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
     --ignore=tests/test_cluster_resolver.py --ignore=tests/test_ray_train.py \
     --ignore=tests/test_soak.py --ignore=tests/test_gpu_tier_script.py \
     --ignore=tests/test_several_hosts.py \
-    -k "not lost_worker and not never_joins and not frozen_rank and not hung" \
+    -k "not lost_worker and not never_joins and not frozen_rank and not hung and not started_by_hand and not torchrun_launches and not launch_module_runs" \
     tests "$@" 2>&1 | tee "$logs/next-$backend.log" || fail
 done
 stage "docs: mkdocs build --strict"
