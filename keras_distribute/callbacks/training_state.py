@@ -134,7 +134,7 @@ def link_checkpoint(source: str, target: str) -> None:
                 shutil.copy2(os.path.join(source, name),
                              os.path.join(temporary, name))
         os.remove(os.path.join(temporary, ckpt_format.TEMPORARY_MARKER))
-        ckpt_writing._commit(temporary, target)
+        ckpt_writing.commit_directory(temporary, target)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

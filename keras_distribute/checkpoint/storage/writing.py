@@ -171,7 +171,7 @@ def commit(path: str, process_count: int, metadata: Dict[str, Any],
         for part in parts:
             os.remove(part)
         os.remove(os.path.join(temporary, TEMPORARY_MARKER))
-        _commit(temporary, path)
+        commit_directory(temporary, path)
     except BaseException:
         _remove_if_ours(temporary)
         raise
@@ -285,11 +285,25 @@ def _write_shards(directory: str, entries: Dict[str, tuple],
     return {"variables": variables}
 
 
-def _commit(temporary: str, path: str) -> None:
+def commit_directory(temporary: str, path: str) -> None:
     """Puts `temporary` at `path`; an old `path` is removed only after.
 
     Between the two renames `path` is briefly absent while the old one sits
     at `<path>.old`; `recover` puts it back if the process died there.
+
+    Args:
+        temporary: A complete checkpoint directory made by
+            `make_temporary(path)` (its marker removed).
+        path: Where it goes.
+
+    Raises:
+        CheckpointError: if `path` holds something kd did not write.
+
+    Example:
+
+    >>> temporary = make_temporary(path)
+    >>> ...  # write it whole
+    >>> commit_directory(temporary, path)
     """
     refuse_foreign(path)  # checked again: the save may have taken long
     old = None
