@@ -22,12 +22,18 @@ __all__ = ["DEFAULT_MIN_SIZE", "FullyShardedLayoutMap", "fully_sharded"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from keras_distribute.common import fully_sharded as module
+        from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
+        from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
+        from keras_distribute.common.fully_sharded import fully_sharded
 
-        return getattr(module, name)
+        loaded = {"DEFAULT_MIN_SIZE": DEFAULT_MIN_SIZE,
+                  "FullyShardedLayoutMap": FullyShardedLayoutMap,
+                  "fully_sharded": fully_sharded}
+        globals().update(loaded)  # later reads find them without this
+        return loaded[name]
     raise AttributeError(
         f"module 'keras_distribute.layouts' has no attribute {name!r}")
 
 
 def __dir__() -> list:
-    return sorted(list(globals()) + __all__)
+    return sorted(set(globals()) | set(__all__))
