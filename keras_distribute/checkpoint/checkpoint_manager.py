@@ -273,11 +273,10 @@ class CheckpointManager:
         try:
             # Old checkpoints go only once the new one is committed (in the
             # background with an asynchronous save); never after a failure.
-            written = self.checkpoint._write(
-                path, options, metadata, on_commit=self._deleter(to_delete),
-                owner=self.owner)
+            written = self.checkpoint.write(path, options, metadata,
+                                            owner=self.owner)
+            pending = self.checkpoint.after_save(self._deleter(to_delete))
             self._last_saved_step = step
-            pending = self.checkpoint._checkpointer.pending
             if pending is not None:  # in the background
                 self._in_flight = (path, kept_before, pending)
             return written

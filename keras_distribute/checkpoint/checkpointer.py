@@ -56,17 +56,11 @@ class Checkpointer:
         # Asynchronous saves copy into these, reused from save to save.
         self.host_buffers = saved_objects.HostBuffers()
 
-    @property
-    def pending(self) -> Optional[concurrent.futures.Future]:
-        """The background save still running (or its result), if any."""
-        return self._pending
-
     def write(self, engine: ReplicaEngine, path: str, gather: Gather,
               options: CheckpointOptions,
-              on_commit: Optional[Callable[[], None]] = None,
               started: Optional[float] = None) -> str:
         """Writes a checkpoint at `path`, every process of `engine` taking
-        part; the chief calls `on_commit()` once it is committed.
+        part (`then` runs a function once it is committed).
 
         Args:
             engine: The engine whose processes save together.
@@ -77,7 +71,6 @@ class Checkpointer:
                 background save (`None` otherwise).
             options: The `CheckpointOptions` (background writing, timeout,
                 verbose).
-            on_commit: Called by the chief once `path` is committed.
             started: When the save began (`time.perf_counter()`), for the
                 progress line.
 
@@ -108,7 +101,7 @@ class Checkpointer:
 
         def finish() -> None:
             _finish_save(path, entries, process_id, process_count,
-                         index_metadata, options, on_commit, started)
+                         index_metadata, options, started)
 
         if options.enable_async:
             if self._executor is None:
@@ -120,18 +113,21 @@ class Checkpointer:
             finish()
         return path
 
-    def then(self, fn: Callable[[], None]) -> None:
-        """Runs `fn` once the pending save succeeded (now if none is)."""
+    def then(self, fn: Callable[[], None]
+             ) -> Optional[concurrent.futures.Future]:
+        """Runs `fn` once the pending save succeeded (now if none is);
+        returns the future that runs it (`None`: it ran now)."""
         previous, executor = self._pending, self._executor
         if previous is None or executor is None:
             fn()
-            return
+            return None
 
         def after() -> None:
             previous.result()  # a failed save: raise that, skip `fn`
             fn()
 
         self._pending = executor.submit(after)  # runs after `previous`
+        return self._pending
 
     def sync(self) -> None:
         """Waits for a background save to finish.
@@ -162,7 +158,6 @@ def chief_path(engine: ReplicaEngine, path: str) -> str:
 def _finish_save(path: str, entries: dict, process_id: int,
                  process_count: int, metadata: dict,
                  options: CheckpointOptions,
-                 on_commit: Optional[Callable[[], None]],
                  started: float) -> None:
     """Writes this process's shards; the chief then commits."""
     timeout_s = options.timeout_seconds
@@ -176,8 +171,6 @@ def _finish_save(path: str, entries: dict, process_id: int,
         raise
     if process_id == 0:
         ckpt_writing.commit(path, process_count, metadata, timeout_s)
-        if on_commit is not None:
-            on_commit()
     else:
         ckpt_writing.wait_committed(path, timeout_s)
         if not os.path.isfile(os.path.join(path, ckpt_format.INDEX)):

@@ -1,5 +1,6 @@
 """`ShardedCheckpoint`: save and restore Keras state, reshardable, portable."""
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -215,7 +216,8 @@ class ShardedCheckpoint:
 
     # ---------------------------------------------------------------- write
     def write(self, path: str, options: Optional[CheckpointOptions] = None,
-              metadata: Optional[Dict[str, Any]] = None) -> str:
+              metadata: Optional[Dict[str, Any]] = None,
+              owner: Optional[str] = None) -> str:
         """Writes a checkpoint at `path` (replacing one there, atomically).
 
         In a multi-process job every process must call it (as with any
@@ -229,6 +231,10 @@ class ShardedCheckpoint:
             options: A `CheckpointOptions` (e.g. asynchronous writing).
             metadata: JSON-able values stored in the index (e.g. the epoch);
                 `kd.checkpoint.read_metadata(path)` returns them.
+            owner: A name recorded in the index: the writer that may delete
+                the checkpoint later (a `CheckpointManager` deletes only
+                checkpoints recorded with its `owner`). `None` records none:
+                no manager ever deletes it.
 
         Returns:
             The path written: `path`, or in a multi-process job the chief's.
@@ -237,15 +243,6 @@ class ShardedCheckpoint:
             CheckpointError: if another process failed to write its shards;
                 with `enable_async`, raised by the next call instead.
         """
-        return self._write(path, options, metadata)
-
-    def _write(self, path: str, options: Optional[CheckpointOptions],
-               metadata: Optional[Dict[str, Any]],
-               on_commit: Optional[Callable[[], None]] = None,
-               owner: Optional[str] = None) -> str:
-        """`write`; the chief calls `on_commit()` once `path` is committed.
-        `owner`: recorded in the index (see `ownership`): who may delete
-        the checkpoint later."""
         started = time.perf_counter()
         options = options or CheckpointOptions()
         ckpt_format.check_metadata(metadata)
@@ -284,7 +281,7 @@ class ShardedCheckpoint:
             return entries, index_metadata
 
         return self._checkpointer.write(engine, path, gather, options,
-                                        on_commit, started)
+                                        started)
 
     def save(self, file_prefix: str,
              options: Optional[CheckpointOptions] = None,
@@ -305,15 +302,14 @@ class ShardedCheckpoint:
         """
         return self._save(file_prefix, options, metadata)
 
-    def _save(self, file_prefix: str, options, metadata,
-              on_commit: Optional[Callable[[], None]] = None) -> str:
+    def _save(self, file_prefix: str, options, metadata) -> str:
         self.sync()
         directory, stem = os.path.split(os.path.abspath(file_prefix))
         counter = self.save_counter
         self.save_counter = self._next_number(directory, stem)
         try:
-            return self._write(f"{file_prefix}-{self.save_counter}", options,
-                               metadata, on_commit)
+            return self.write(f"{file_prefix}-{self.save_counter}", options,
+                              metadata)
         except BaseException:
             self.save_counter = counter
             raise
@@ -328,7 +324,8 @@ class ShardedCheckpoint:
             number = int(engine.broadcast_text(str(number)))
         return number
 
-    def after_save(self, fn: Callable[[], None]) -> None:
+    def after_save(self, fn: Callable[[], None]
+                   ) -> Optional[concurrent.futures.Future]:
         """Runs `fn` once the save in progress is committed.
 
         With `CheckpointOptions(enable_async=True)` a save commits in the
@@ -339,12 +336,17 @@ class ShardedCheckpoint:
             fn: A function of no arguments (e.g. one that links or trims
                 the checkpoints kept).
 
+        Returns:
+            The future of the save and then `fn` (it fails if either
+            failed; `sync()` raises that once), or `None` when `fn` ran
+            now.
+
         Example:
 
         >>> path = checkpoint.write(directory, options)
         >>> checkpoint.after_save(lambda: print("committed", path))
         """
-        self._checkpointer.then(fn)
+        return self._checkpointer.then(fn)
 
     def sync(self) -> None:
         """Waits for a background save to finish.
