@@ -197,6 +197,24 @@ def test_save_best_only_writes_improvements_only(tmp_path):
     assert ckpt.read_metadata(kept)["monitor_value"] == pytest.approx(
         min(history.history["loss"]))
     assert ckpt.checkpoints_in(str(tmp_path / "run")) == []
+    # A resumed run goes on numbering after the best one kept (it never
+    # replaces it) and still writes only improvements.
+    best_loss = min(history.history["loss"])
+    again = kd.callbacks.ShardedCheckpoint(
+        str(tmp_path / "run"), monitor="loss", save_best_only=True,
+        max_to_keep=2, async_save=False)
+    more = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                     callbacks=[again])
+    improvements = [best_loss]
+    for loss in more.history["loss"]:
+        if loss < improvements[-1]:
+            improvements.append(loss)
+    kept_now = ckpt.checkpoints_in(callback.best_directory)
+    assert [ckpt.read_metadata(p)["monitor_value"] for p in kept_now] == (
+        pytest.approx(improvements[-2:]))
+    first_number = int(kept.rsplit("-", 1)[1])
+    assert all(int(p.rsplit("-", 1)[1]) > first_number
+               for p in kept_now if p != kept)
 
 
 def test_callback_argument_errors(tmp_path):
@@ -262,6 +280,128 @@ def test_manager_keeps_the_last_n_and_one_every_n_steps(tmp_path):
     assert again.restore_or_initialize().endswith("ckpt-60")
     with pytest.raises(ValueError, match="max_to_keep must be a positive"):
         ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=0)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_manager_keeps_the_best_n_by_a_metric(tmp_path, async_save):
+    # orbax's best_fn, tf.keras ModelCheckpoint(save_best_only) for more
+    # than one: the kept ones are the best, not the newest.
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    options = ckpt.CheckpointOptions(enable_async=async_save)
+    manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2,
+                                     best_metric="val_loss")
+    assert manager.best_checkpoint is None and manager.best_value is None
+    losses = {1: 0.5, 2: 0.3, 3: 0.9, 4: float("nan"), 5: 0.4, 6: 0.4}
+    written = {}
+    for number, loss in losses.items():
+        written[number] = manager.save(checkpoint_number=number,
+                                       options=options,
+                                       metadata={"val_loss": loss})
+    manager.sync()
+    # 3 (worse than both kept), 4 (NaN) and 6 (only equal to the worst
+    # kept) are not written at all; 1 went when 5 was committed.
+    assert [n for n, path in written.items() if path is None] == [3, 4, 6]
+    assert listing(tmp_path) == ["ckpt-2", "ckpt-5"]
+    assert manager.best_checkpoint.endswith("ckpt-2")
+    assert manager.best_value == pytest.approx(0.3)
+    assert manager.latest_checkpoint.endswith("ckpt-5")
+    assert manager.would_keep({"val_loss": 0.35})
+    assert not manager.would_keep({"val_loss": 0.45})
+    # A restarted run ranks what it finds; higher is better with "max".
+    manager.close()
+    again = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2,
+                                   best_metric="val_loss")
+    assert again.best_checkpoint.endswith("ckpt-2")
+    assert again.save(metadata={"val_loss": 0.1}).endswith("ckpt-6")
+    assert listing(tmp_path) == ["ckpt-2", "ckpt-6"]
+    again.close()
+    with pytest.raises(ValueError, match=r"ranked by metadata\['val_loss'\]"
+                       r".*Received: metadata=\{'loss': 0.2\}"):
+        again.save(metadata={"loss": 0.2})
+    with pytest.raises(ValueError, match="keep_every_n_steps keeps "
+                       "checkpoints by age"):
+        ckpt.CheckpointManager(checkpoint, str(tmp_path), best_metric="acc",
+                               keep_every_n_steps=5)
+    with pytest.raises(ValueError, match="best_mode must be 'min'.*"
+                       "Received: best_mode='best'"):
+        ckpt.CheckpointManager(checkpoint, str(tmp_path), best_metric="acc",
+                               best_mode="best")
+    with pytest.raises(ValueError, match="best_metric must name a metadata "
+                       "entry.*Received: best_metric=''"):
+        ckpt.CheckpointManager(checkpoint, str(tmp_path), best_metric="")
+
+
+def test_best_retention_deletes_only_what_its_owner_wrote(tmp_path):
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    # Written by hand (no owner), with the metric: ranked, never deleted.
+    foreign = checkpoint.write(str(tmp_path / "ckpt-1"),
+                               metadata={"acc": 0.1})
+    manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=1,
+                                     best_metric="acc", best_mode="max")
+    assert manager.best_checkpoint == foreign
+    manager.save(metadata={"acc": 0.7})
+    assert listing(tmp_path) == ["ckpt-1", "ckpt-2"]
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-2"]
+    manager.close()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_link_keeps_a_copy_without_writing_it_again(tmp_path,
+                                                         async_save):
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    options = ckpt.CheckpointOptions(enable_async=async_save)
+    latest = ckpt.CheckpointManager(checkpoint, str(tmp_path / "run"),
+                                    max_to_keep=1)
+    best = ckpt.CheckpointManager(checkpoint, str(tmp_path / "best"),
+                                  max_to_keep=1, best_metric="loss",
+                                  owner="best-of-run")
+    kept = []
+    for number, loss in ((1, 0.5), (2, 0.9), (3, 0.2)):
+        saved = latest.save(checkpoint_number=number, options=options,
+                            metadata={"loss": loss})
+        kept.append(best.save_link(saved, checkpoint_number=number,
+                                   metadata={"loss": loss}))
+    latest.sync()
+    assert kept[1] is None  # worse than the one kept
+    assert listing(tmp_path / "run") == ["ckpt-3"]
+    assert listing(tmp_path / "best") == ["ckpt-3"]
+    source, copy = str(tmp_path / "run" / "ckpt-3"), kept[2]
+    from keras_distribute.checkpoint.storage import ownership
+
+    assert ownership.owner_of(source) == "CheckpointManager/ckpt"
+    assert ownership.owner_of(copy) == "best-of-run"
+    shards = [name for name in os.listdir(source) if name != "index.json"]
+    assert shards and all(os.path.samefile(os.path.join(source, name),
+                                           os.path.join(copy, name))
+                          for name in shards)  # linked, not written again
+    fresh = make_plain_model()
+    ckpt.ShardedCheckpoint(model=fresh).read(copy).assert_consumed()
+    for a, b in zip(model.get_weights(), fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # A link whose source failed to save links and deletes nothing.
+    from keras_distribute.checkpoint.storage import writing as ckpt_writing
+
+    def broken_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    original = ckpt_writing._write_shards
+    ckpt_writing._write_shards = broken_disk
+    try:
+        failed = ckpt.CheckpointOptions(enable_async=True)
+        saved = latest.save(checkpoint_number=4, options=failed,
+                            metadata={"loss": 0.1})
+        best.save_link(saved, checkpoint_number=4, metadata={"loss": 0.1})
+        with pytest.raises(OSError, match="No space left"):
+            latest.sync()
+    finally:
+        ckpt_writing._write_shards = original
+    assert listing(tmp_path / "best") == ["ckpt-3"]
+    assert best.checkpoints == [copy] and latest.checkpoints == [source]
+    latest.close()
+    best.close()
 
 
 def test_manager_interval_step_counter_and_init_fn(tmp_path):

@@ -153,6 +153,21 @@ def test_an_index_symlinked_outside_is_refused(written):
         read_all(path)
 
 
+def test_linking_a_checkpoint_with_a_symlink_inside_is_refused(written):
+    # A manager's save_link copies a checkpoint by hard links: a symlink
+    # planted in it is not followed, and nothing is made at the target.
+    from keras_distribute.checkpoint.storage import writing as ckpt_writing
+
+    path, _, outside = written
+    (outside / "secret").write_text("not a shard")
+    os.symlink(outside / "secret", os.path.join(path, "shards-00009.h5"))
+    target = os.path.join(os.path.dirname(path), "copy")
+    with pytest.raises(CheckpointError, match="not a plain file"):
+        ckpt_writing.link_committed(path, target, owner="best")
+    assert sorted(os.listdir(os.path.dirname(path))) == ["c"]
+    assert (outside / "secret").read_text() == "not a shard"
+
+
 def rewrite_dataset(path, dataset, make, drop_offsets=True):
     """Replaces `dataset` of shards-00000.h5 with what `make(h5, name)`
     creates there (keeping the index, checksums included, as they are).

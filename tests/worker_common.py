@@ -224,7 +224,7 @@ def fit_with_sharded_checkpoints(strategy, directory):
         model = make_model(initial_weights())
     model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0,
               callbacks=[kd.callbacks.ShardedCheckpoint(
-                  directory, save_freq=2, max_to_keep=2),
+                  directory, save_freq=2, max_to_keep=2, monitor="loss"),
                   kd.callbacks.BackupAndRestore(
                       directory + "-backup", save_freq=3,
                       delete_checkpoint=False)])
@@ -363,6 +363,21 @@ def assert_checkpoints_hold(results, directory):
     kd.checkpoint.ShardedCheckpoint(model=model).read(latest).expect_partial()
     for a, b in zip(model.get_weights(), results[0]["weights"]):
         np.testing.assert_array_equal(a, b)
+    # The best two by the monitored loss, linked from the latest saves
+    # into best/ (the chief links once each save is committed).
+    best = kd.checkpoint.checkpoints_in(os.path.join(directory, "best"))
+    assert 1 <= len(best) <= 2
+    best_values = [kd.checkpoint.read_metadata(path)["monitor_value"]
+                   for path in best]
+    for path in kd.checkpoint.checkpoints_in(directory):
+        twin = os.path.join(directory, "best", os.path.basename(path))
+        if twin in best:
+            assert all(os.path.samefile(os.path.join(path, name),
+                                        os.path.join(twin, name))
+                       for name in os.listdir(path) if name != "index.json")
+        else:
+            value = kd.checkpoint.read_metadata(path)["monitor_value"]
+            assert value >= max(best_values) or len(best) < 2
     backup = kd.checkpoint.latest_checkpoint(directory + "-backup")
     assert backup.endswith("backup-2")  # after steps 3 and 6 of 8
     assert kd.checkpoint.read_metadata(backup)["step"] == 2  # epoch 1, step 2

@@ -3,12 +3,11 @@ best) sharded checkpoints of a run, on every backend and in multi-process
 jobs (every process writes its shards; the chief commits and deletes).
 """
 
+import math
 import os
 from typing import Any
-from typing import List
 from typing import Optional
 
-from keras_distribute.callbacks.training_state import link_checkpoint
 from keras_distribute.callbacks.training_state_callback import (
     TrainingStateCallback,
 )
@@ -16,10 +15,6 @@ from keras_distribute.callbacks.training_state_callback import (
     made_at_train_begin,
 )
 from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
-from keras_distribute.checkpoint.storage import writing as ckpt_writing
-from keras_distribute.checkpoint.storage.committed import checkpoints_in
-from keras_distribute.checkpoint.storage.committed import read_metadata
-from keras_distribute.checkpoint.storage.format import CheckpointError
 
 
 class ShardedCheckpoint(TrainingStateCallback):
@@ -84,6 +79,7 @@ class ShardedCheckpoint(TrainingStateCallback):
         self.save_best_only = save_best_only
         self.mode = mode
         self._latest: Optional[CheckpointManager] = None
+        self._best: Optional[CheckpointManager] = None
         self._global_step = 0
 
     @property
@@ -96,13 +92,26 @@ class ShardedCheckpoint(TrainingStateCallback):
         """The manager of this run's checkpoints, made by `on_train_begin`."""
         return made_at_train_begin(self._latest, "checkpoint manager", self)
 
+    @property
+    def _best_manager(self) -> CheckpointManager:
+        """The manager of the best ones (with `monitor`)."""
+        return made_at_train_begin(self._best, "checkpoint manager", self)
+
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         self._latest = CheckpointManager(
             self._state, self.directory, max_to_keep=self.max_to_keep)
-        latest = self._latest_manager.latest_checkpoint
-        self._global_step = int(os.path.basename(latest).rsplit("-", 1)[1]
-                                ) if latest else 0
+        managers = [self._latest]
+        if self.monitor is not None:
+            # Ranked by the monitored value each save records.
+            self._best = CheckpointManager(
+                self._state, self.best_directory,
+                max_to_keep=self.max_to_keep, best_metric="monitor_value",
+                best_mode=self.mode)
+            managers.append(self._best)
+        self._global_step = max(
+            (_number(manager.latest_checkpoint) for manager in managers
+             if manager.latest_checkpoint is not None), default=0)
         self._state.save_counter = self._global_step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -121,68 +130,50 @@ class ShardedCheckpoint(TrainingStateCallback):
                 "metrics need validation_data, and save_freq='epoch').")
         return float(value)
 
-    def _best_ranked(self) -> List[tuple]:
-        ranked = []
-        for path in checkpoints_in(self.best_directory):
-            try:
-                value = read_metadata(path).get("monitor_value")
-            except CheckpointError:  # removed meanwhile by a background save
-                continue
-            if value is not None:
-                ranked.append((value, path))
-        return sorted(ranked, reverse=self.mode == "max")
-
     def _improves(self, value: float) -> bool:
-        values = [v for v, _ in self._best_ranked()]  # best first
-        if self.save_best_only:
-            return not values or self._better(value, values[0])
-        return (self.max_to_keep is None or len(values) < self.max_to_keep
-                or self._better(value, values[-1]))
-
-    def _better(self, a: float, b: float) -> bool:
-        return a < b if self.mode == "min" else a > b
+        """Whether `value` is better than the best one kept (a NaN never
+        is), as `ModelCheckpoint(save_best_only=True)` decides."""
+        best = self._best_manager.best_value
+        if math.isnan(value):
+            return False
+        if best is None or math.isnan(best):
+            return True
+        return value < best if self.mode == "min" else value > best
 
     def _save(self, epoch: int, step: int, logs) -> None:
         value = self._value(logs)
         metadata = dict(self._metadata(epoch, step, logs),
                         monitor=self.monitor, monitor_value=value)
-        keep_best = value is not None and self._improves(value)
-        if self.save_best_only and not keep_best:
-            return
         number = self._global_step
         if self.save_best_only:
-            path = os.path.join(self.best_directory, f"ckpt-{number}")
-            self._state.write(path, self._options(), metadata)
-            self._after_best(path)
+            assert value is not None  # save_best_only needs a monitor
+            if self._improves(value) and not _saved_at(self._best_manager,
+                                                       number):
+                self._best_manager.save(checkpoint_number=number,
+                                        options=self._options(),
+                                        metadata=metadata)
             return
-        if self._latest_manager.latest_checkpoint and os.path.basename(
-                self._latest_manager.latest_checkpoint) == f"ckpt-{number}":
+        if _saved_at(self._latest_manager, number):
             return  # already saved at this step (e.g. batch and epoch end)
         saved = self._latest_manager.save(
             checkpoint_number=number, options=self._options(),
             metadata=metadata)
-        if keep_best and saved is not None:
-            self._after_best(saved)
-
-    def _after_best(self, path: str) -> None:
-        """Links `path` into `best/` once committed; trims `best/`."""
-        checkpoint = self._state
-        is_chief = checkpoint.resolve_engine().process_id == 0
-
-        def keep():
-            if not is_chief:
-                return
-            best = os.path.join(self.best_directory, os.path.basename(path))
-            if os.path.dirname(path) != self.best_directory:
-                link_checkpoint(path, best)
-            ranked = self._best_ranked()
-            if self.max_to_keep is not None:
-                for _, old in ranked[self.max_to_keep:]:
-                    ckpt_writing.remove(old)
-
-        checkpoint.after_save(keep)
+        if value is not None and saved is not None:
+            self._best_manager.save_link(saved, checkpoint_number=number,
+                                         metadata=metadata)
 
     def on_train_end(self, logs=None):
         self._state.sync()  # a failed background save is raised here
-        if self._latest is not None:
-            self._latest.close()  # the directory's lease: another job's now
+        for manager in (self._latest, self._best):
+            if manager is not None:
+                manager.close()  # the directory's lease: another job's now
+
+
+def _number(path: str) -> int:
+    return int(os.path.basename(path).rsplit("-", 1)[1])
+
+
+def _saved_at(manager: CheckpointManager, number: int) -> bool:
+    """Whether `manager` saved at step `number` already (or after it)."""
+    latest = manager.latest_checkpoint
+    return latest is not None and _number(latest) >= number

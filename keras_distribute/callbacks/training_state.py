@@ -1,24 +1,19 @@
 """What `kd.callbacks` saves and restores besides the variables.
 
-The host RNG states, other callbacks' array state, linking a committed
-checkpoint elsewhere (what reaches into a running Keras `fit` lives in
-`integration/training.py`). Only `keras_distribute.callbacks` loads it.
+The host RNG states and the other callbacks' array state (what reaches
+into a running Keras `fit` lives in `integration/training.py`). Only
+`keras_distribute.callbacks` loads it.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Dict
 from typing import List
 
 import numpy as np
-
-from keras_distribute.checkpoint.storage import format as ckpt_format
-from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
 if TYPE_CHECKING:
     from keras import Model
@@ -119,22 +114,3 @@ def restore_rng(state: Dict[str, Any]) -> None:
     if "backend" in state:
         get_backend().set_host_rng_state(state["backend"])
 
-
-def link_checkpoint(source: str, target: str) -> None:
-    """Puts a copy of a committed checkpoint at `target` (hard links when
-    the file system allows), atomically."""
-    ckpt_writing.refuse_foreign(target)
-    temporary = ckpt_writing.make_temporary(target)
-    try:
-        for name in os.listdir(source):
-            try:
-                os.link(os.path.join(source, name),
-                        os.path.join(temporary, name))
-            except OSError:
-                shutil.copy2(os.path.join(source, name),
-                             os.path.join(temporary, name))
-        os.remove(os.path.join(temporary, ckpt_format.TEMPORARY_MARKER))
-        ckpt_writing.commit_directory(temporary, target)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise

@@ -13,7 +13,8 @@ In layers, lowest first (each uses only the ones before it), as folders:
   assignment, restores deferred until the variables exist.
 - `sharded_checkpoint`: `ShardedCheckpoint`, the object-graph API (what is
   saved, under which keys; attaching objects after a restore);
-  `checkpoint_manager`, `export`: on top of it; `preemption_handler`:
+  `checkpoint_manager` (its `retention` policies: the latest or the best
+  N), `export`: on top of it; `preemption_handler`:
   tf.distribute's `PreemptionCheckpointHandler` (`kd.experimental`), a
   manager's save when a preemption signal arrives in a custom loop.
 

@@ -1,4 +1,5 @@
-"""`CheckpointManager`: numbered saves in a directory, the last N kept."""
+"""`CheckpointManager`: numbered saves in a directory, the latest N or the
+best N kept (`retention`)."""
 
 import os
 from typing import Any
@@ -7,16 +8,20 @@ from typing import Dict
 from typing import List
 from typing import Optional
 
+from keras_distribute.checkpoint import retention
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import ownership
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 from keras_distribute.checkpoint.storage.committed import checkpoints_in
+from keras_distribute.checkpoint.storage.committed import read_metadata
+from keras_distribute.checkpoint.storage.format import CheckpointError
 
 
 class CheckpointManager:
-    """Keeps the last `max_to_keep` checkpoints of a `ShardedCheckpoint`.
+    """Keeps the last (or the best) `max_to_keep` checkpoints of a
+    `ShardedCheckpoint`.
 
     The counterpart of `tf.train.CheckpointManager`. Saves go to
     `<directory>/<checkpoint_name>-<number>`; once a save is committed the
@@ -24,6 +29,13 @@ class CheckpointManager:
     that with `keep_every_n_steps` one checkpoint every that many steps is
     kept for good. A failed save deletes nothing. Saves left unfinished by
     an earlier, interrupted run are removed when the manager is created.
+
+    With `best_metric`, the `max_to_keep` kept are the best by that entry
+    of each save's `metadata` (lower is better with `best_mode="min"`,
+    higher with `"max"`; a NaN ranks last), not the latest: a save that
+    would not be among them is not written (`save` returns `None`), and
+    when a better one is committed the worst is deleted. Checkpoints
+    already in the directory without that entry are not managed.
 
     Ownership: every checkpoint it writes records `owner` in its index, and
     it deletes only checkpoints recorded with its `owner` (another
@@ -58,11 +70,15 @@ class CheckpointManager:
         owner: The name recorded in each checkpoint it writes; it deletes
             only checkpoints recorded with this owner. Defaults to
             `"CheckpointManager/<checkpoint_name>"`.
+        best_metric: Keep the best checkpoints by this `metadata` entry
+            (e.g. `"val_loss"`) instead of the latest.
+        best_mode: `"min"` (lower `best_metric` is better) or `"max"`.
 
     Raises:
         ValueError: for a non-positive `max_to_keep`, `keep_every_n_steps`
-            or `checkpoint_interval`, or a `checkpoint_interval` without a
-            `step_counter`.
+            or `checkpoint_interval`, a `checkpoint_interval` without a
+            `step_counter`, a bad `best_metric` or `best_mode`, or
+            `keep_every_n_steps` with `best_metric` (it keeps by age).
         DirectoryInUseError: another live job saves into `directory`.
 
     Example:
@@ -87,7 +103,9 @@ class CheckpointManager:
                  step_counter: Any = None,
                  checkpoint_interval: Optional[int] = None,
                  init_fn: Optional[Callable[[], Any]] = None,
-                 owner: Optional[str] = None):
+                 owner: Optional[str] = None,
+                 best_metric: Optional[str] = None,
+                 best_mode: str = "min"):
         if not isinstance(checkpoint, ShardedCheckpoint):
             raise ValueError(
                 "Expected a kd.checkpoint.ShardedCheckpoint. Received: "
@@ -114,6 +132,24 @@ class CheckpointManager:
                 "step_counter= (e.g. the optimizer's iterations). Received: "
                 f"checkpoint_interval={checkpoint_interval}, "
                 "step_counter=None.")
+        if best_metric is not None and (not isinstance(best_metric, str)
+                                        or not best_metric):
+            raise ValueError(
+                "best_metric must name a metadata entry each save records "
+                f"(e.g. 'val_loss'). Received: best_metric={best_metric!r}.")
+        if best_mode not in ("min", "max"):
+            raise ValueError(
+                "best_mode must be 'min' (a lower best_metric is better) or "
+                f"'max'. Received: best_mode={best_mode!r}.")
+        if best_metric is not None and keep_every_n_steps is not None:
+            raise ValueError(
+                "keep_every_n_steps keeps checkpoints by age, best_metric by "
+                "a metric: pass one of them. Received: keep_every_n_steps="
+                f"{keep_every_n_steps}, best_metric={best_metric!r}.")
+        self._retention: retention.Retention = (
+            retention.KeepLatest(max_to_keep) if best_metric is None else
+            retention.KeepBest(max_to_keep, best_metric, best_mode))
+        self.best_metric = best_metric
         self.checkpoint = checkpoint
         self.step_counter = step_counter
         self.checkpoint_interval = checkpoint_interval
@@ -135,11 +171,28 @@ class CheckpointManager:
         existing = [p for p in checkpoints_in(self.directory)
                     if os.path.basename(p).rsplit("-", 1)[0]
                     == checkpoint_name]
-        keep = len(existing) if max_to_keep is None else max_to_keep
-        self._checkpoints: List[str] = existing[-keep:] if keep else []
-        older = existing[:len(existing) - len(self._checkpoints)]
+        # The metric value of each managed checkpoint (with best_metric).
+        self._values: Dict[str, float] = {}
+        if best_metric is not None:
+            self._values = self._recorded_values(existing)
+            existing = [p for p in existing if p in self._values]
+        self._checkpoints: List[str] = self._retention.kept(existing,
+                                                            self._values)
+        older = [p for p in existing if p not in self._checkpoints]
         self._last_kept_for_good = (
             _number(older[-1]) if older else None)
+
+    def _recorded_values(self, paths: List[str]) -> Dict[str, float]:
+        """The `best_metric` recorded in each of `paths` that has one."""
+        values = {}
+        for path in paths:
+            try:
+                value = self._retention.value_of(read_metadata(path))
+            except (CheckpointError, ValueError):
+                continue  # unreadable, or saved without the metric
+            if value is not None:
+                values[path] = value
+        return values
 
     def _take_lease(self) -> None:
         """Takes the directory's lease for this job (process 0 takes it,
@@ -199,6 +252,40 @@ class CheckpointManager:
         self._settle()
         return self._checkpoints[-1] if self._checkpoints else None
 
+    @property
+    def best_checkpoint(self) -> Optional[str]:
+        """With `best_metric`, the managed checkpoint with the best value
+        (of equal ones, the oldest); `None` without `best_metric` or
+        checkpoints."""
+        self._settle()
+        if not isinstance(self._retention, retention.KeepBest):
+            return None
+        ranked = self._retention.ranked(self._checkpoints, self._values)
+        return ranked[0] if ranked else None
+
+    @property
+    def best_value(self) -> Optional[float]:
+        """The `best_metric` value of `best_checkpoint` (or `None`)."""
+        best = self.best_checkpoint
+        return None if best is None else self._values[best]
+
+    def would_keep(self, metadata: Optional[Dict[str, Any]] = None) -> bool:
+        """Whether a save with this `metadata` would be among the ones
+        kept (always, without `best_metric`).
+
+        Raises:
+            ValueError: with `best_metric`, if `metadata` lacks it.
+
+        Example:
+
+        >>> if manager.would_keep({"val_loss": 0.3}):
+        ...     manager.save(metadata={"val_loss": 0.3})
+        """
+        self._settle()
+        return self._retention.would_keep(
+            self._retention.value_of(metadata), self._checkpoints,
+            self._values)
+
     def _settle(self) -> None:
         """Forgets a background save that failed (its error is still raised
         by the next `save` / `sync`); the ones it would have replaced stay."""
@@ -215,6 +302,7 @@ class CheckpointManager:
         self._settle()
         if path in self._checkpoints:
             self._checkpoints.remove(path)
+            self._values.pop(path, None)
 
     def save(self, checkpoint_number: Optional[int] = None,
              options: Optional[CheckpointOptions] = None,
@@ -234,13 +322,15 @@ class CheckpointManager:
 
         Returns:
             The path of the new checkpoint, or `None` when the interval
-            skipped it.
+            skipped it (or, with `best_metric`, it would not be kept).
 
         Raises:
             ValueError: if `checkpoint_number` is not after the latest one
                 (or after a `<checkpoint_name>-<n>` already in the
-                directory), or `metadata` is not JSON-able.
+                directory), `metadata` is not JSON-able, or (with
+                `best_metric`) it lacks that entry.
         """
+        value = self._retention.value_of(metadata)
         if checkpoint_number is not None:
             checkpoint_number = int(checkpoint_number)
         step = None
@@ -254,20 +344,14 @@ class CheckpointManager:
         if self._closed:  # in every process alike: close() is collective
             self._take_lease()
             self._closed = False
-        free = self.checkpoint._next_number(self.directory,
-                                            self.checkpoint_name)
-        if checkpoint_number is not None and checkpoint_number < free:
-            raise ValueError(
-                f"checkpoint_number must grow: it must be after the latest "
-                f"checkpoint ({self.latest_checkpoint!r}) and every "
-                f"'{self.checkpoint_name}-<n>' already in {self.directory!r} "
-                f"(the next free number is {free}); a save never replaces "
-                f"one. Received: checkpoint_number={checkpoint_number}.")
-        number = free if checkpoint_number is None else checkpoint_number
-        path = os.path.join(self.directory, f"{self.checkpoint_name}-{number}")
+        if not self._agreed_to_keep(value):
+            return None
+        path = self._new_path(checkpoint_number,
+                              self.checkpoint.save_counter)
+        number = _number(path)
         kept_before = (list(self._checkpoints), self._last_kept_for_good)
         counter = self.checkpoint.save_counter
-        to_delete = self._track(path)
+        to_delete = self._track(path, value)
         self.checkpoint.save_counter = (
             number if checkpoint_number is None else counter + 1)
         try:
@@ -285,13 +369,116 @@ class CheckpointManager:
             self._checkpoints, self._last_kept_for_good = kept_before
             raise
 
-    def _track(self, path: str) -> List[str]:
+    def save_link(self, source: str,
+                  checkpoint_number: Optional[int] = None,
+                  metadata: Optional[Dict[str, Any]] = None
+                  ) -> Optional[str]:
+        """Keeps a checkpoint this manager's `ShardedCheckpoint` saved
+        elsewhere (e.g. by another manager) as one of this manager's,
+        without writing it again.
+
+        Once `source` is committed (after a background save, in its
+        thread), its files are hard-linked (copied where the file system
+        cannot link) to `<directory>/<checkpoint_name>-<number>`, with an
+        index of its own recording this manager's `owner`; then the ones
+        no longer kept are deleted. If the save of `source` fails, nothing
+        is linked or deleted. Call it in every process, as `save`.
+
+        Args:
+            source: The path a save of the same checkpoint returned.
+            checkpoint_number: The number in the name; by default the next
+                free one.
+            metadata: The metadata `source` was saved with (with
+                `best_metric`, its value ranks the copy).
+
+        Returns:
+            The path of the copy, or `None` when, with `best_metric`, it
+            would not be kept.
+
+        Raises:
+            ValueError: as `save`.
+
+        Example:
+
+        ```python
+        latest = kd.checkpoint.CheckpointManager(checkpoint, "/tmp/run")
+        best = kd.checkpoint.CheckpointManager(
+            checkpoint, "/tmp/run/best", best_metric="val_loss")
+        saved = latest.save(metadata={"val_loss": 0.25})
+        best.save_link(saved, metadata={"val_loss": 0.25})
+        ```
+        """
+        value = self._retention.value_of(metadata)
+        if checkpoint_number is not None:
+            checkpoint_number = int(checkpoint_number)
+        self._settle()
+        if self._closed:
+            self._take_lease()
+            self._closed = False
+        if not self._agreed_to_keep(value):
+            return None
+        # (a link still to be made is not in the directory yet)
+        path = self._new_path(checkpoint_number, max(
+            [_number(p) for p in self._checkpoints], default=0))
+        kept_before = (list(self._checkpoints), self._last_kept_for_good)
+        to_delete = self._track(path, value)
+        delete = self._deleter(to_delete)
+        source = os.path.abspath(source)
+
+        def link_then_delete() -> None:
+            if self._is_chief:
+                ckpt_writing.link_committed(source, path, owner=self.owner)
+            delete()
+
+        try:
+            pending = self.checkpoint.after_save(link_then_delete)
+        except BaseException:
+            self._checkpoints, self._last_kept_for_good = kept_before
+            raise
+        if pending is not None:
+            self._in_flight = (path, kept_before, pending)
+        return path
+
+    def _agreed_to_keep(self, value: Optional[float]) -> bool:
+        """Whether a save with `value` is kept, as the chief decides."""
+        if self.best_metric is None:
+            return True
+        keep = self._retention.would_keep(value, self._checkpoints,
+                                          self._values)
+        engine = self.checkpoint.resolve_engine()
+        if engine.process_count > 1:
+            keep = engine.broadcast_text("keep" if keep else "") == "keep"
+        return keep
+
+    def _new_path(self, checkpoint_number: Optional[int],
+                  counter: int) -> str:
+        """`<directory>/<checkpoint_name>-<number>` of the next save: after
+        `counter` and every such name in the directory, as the chief sees
+        it."""
+        free = ownership.next_number(self.directory, self.checkpoint_name,
+                                     counter)
+        engine = self.checkpoint.resolve_engine()
+        if engine.process_count > 1:
+            free = int(engine.broadcast_text(str(free)))
+        if checkpoint_number is not None and checkpoint_number < free:
+            raise ValueError(
+                f"checkpoint_number must grow: it must be after the latest "
+                f"checkpoint ({self.latest_checkpoint!r}) and every "
+                f"'{self.checkpoint_name}-<n>' already in {self.directory!r} "
+                f"(the next free number is {free}); a save never replaces "
+                f"one. Received: checkpoint_number={checkpoint_number}.")
+        number = free if checkpoint_number is None else checkpoint_number
+        return os.path.join(self.directory,
+                            f"{self.checkpoint_name}-{number}")
+
+    def _track(self, path: str, value: Optional[float]) -> List[str]:
         """Adds `path`; returns the checkpoints that fall out of the list."""
         self._checkpoints.append(path)
-        if self.max_to_keep is None:
-            return []
-        dropped = self._checkpoints[:-self.max_to_keep]
-        self._checkpoints = self._checkpoints[-self.max_to_keep:]
+        if value is not None:
+            self._values[path] = value
+        kept = self._retention.kept(self._checkpoints, self._values)
+        dropped = [p for p in self._checkpoints if p not in kept]
+        self._checkpoints = kept
         to_delete = []
         for old in dropped:
             n = _number(old)

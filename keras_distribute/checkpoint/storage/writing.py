@@ -14,6 +14,7 @@ import time
 from typing import Any
 from typing import Dict
 from typing import List
+from typing import Optional
 
 from keras_distribute.checkpoint.storage import parallel_io
 from keras_distribute.checkpoint.storage.format import FORMAT
@@ -24,6 +25,7 @@ from keras_distribute.checkpoint.storage.format import WRITTEN_CHECKSUM
 from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.checkpoint.storage.format import checksum
 from keras_distribute.checkpoint.storage.format import is_checkpoint
+from keras_distribute.checkpoint.storage.format import load_index_json
 from keras_distribute.checkpoint.storage.format import numpy_dtype
 from keras_distribute.checkpoint.storage.format import storable_array
 
@@ -345,6 +347,63 @@ def remove(path: str) -> None:
         return
     os.remove(os.path.join(path, INDEX))  # no longer a checkpoint first
     shutil.rmtree(path, ignore_errors=True)
+
+
+def link_committed(source: str, target: str, owner: Optional[str]) -> None:
+    """Puts a copy of the committed checkpoint `source` at `target`,
+    atomically: its files hard-linked (copied where the file system cannot
+    link), its index written anew with `owner` (so whoever deletes the copy
+    is proven by the copy itself, and deleting it leaves `source` whole).
+
+    Args:
+        source: A committed checkpoint kd wrote.
+        target: Where the copy goes (refused if it holds something kd did
+            not write).
+        owner: The owner recorded in the copy's index (`None`: none).
+
+    Raises:
+        CheckpointError: if `source` is not a committed checkpoint, holds
+            anything but plain files, or `target` is not kd's.
+
+    Example:
+
+    >>> link_committed("/tmp/run/ckpt-30", "/tmp/run/best/ckpt-30",
+    ...                owner="CheckpointManager/ckpt")
+    """
+    if not is_checkpoint(source):
+        raise CheckpointError(
+            f"Expected a committed checkpoint to link. Received: {source!r} "
+            f"(it has no {INDEX}).")
+    index = load_index_json(os.path.join(source, INDEX))
+    if not isinstance(index, dict):
+        raise CheckpointError(
+            f"The index of {source!r} is not a JSON object; not linked.")
+    refuse_foreign(target)
+    temporary = make_temporary(target)
+    try:
+        for name in os.listdir(source):
+            from_path = os.path.join(source, name)
+            if name == INDEX:
+                continue
+            if os.path.islink(from_path) or not os.path.isfile(from_path):
+                raise CheckpointError(
+                    f"{from_path!r} is not a plain file; a checkpoint kd "
+                    "wrote holds only files. Not linked.")
+            to_path = os.path.join(temporary, name)
+            try:
+                os.link(from_path, to_path, follow_symlinks=False)
+            except OSError:
+                shutil.copy2(from_path, to_path, follow_symlinks=False)
+        if owner is None:
+            index.pop("owner", None)
+        else:
+            index["owner"] = owner
+        _write_json(os.path.join(temporary, INDEX), index)
+        os.remove(os.path.join(temporary, TEMPORARY_MARKER))
+        commit_directory(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
 
 
 def move_aside(path: str, suffix: str) -> str:
