@@ -703,3 +703,48 @@ def test_an_interrupted_commit_is_read_where_it_lies_but_never_a_link(written):
     with pytest.raises(CheckpointError, match="not a committed"):
         read_all(path)
     assert os.path.islink(path + ".old") and not os.path.exists(path)
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run",
+                                 "file:///tmp/run", "hdfs://nn/run"])
+def test_a_path_naming_object_storage_is_refused_everywhere(
+        tmp_path, monkeypatch, url):
+    # os would take "s3://bucket/run" for a directory "s3:" in the working
+    # directory: a checkpoint that vanishes with the machine. Every entry
+    # point refuses it, and nothing is made anywhere.
+    monkeypatch.chdir(tmp_path)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    from pathlib import PurePosixPath
+
+    entry_points = {
+        "write": lambda p: checkpoint.write(p),
+        "save": lambda p: checkpoint.save(p),
+        "read": lambda p: checkpoint.read(p),
+        "restore": lambda p: checkpoint.restore(p),
+        "CheckpointManager": lambda p: kd.checkpoint.CheckpointManager(
+            checkpoint, p),
+        "latest_checkpoint": kd.checkpoint.latest_checkpoint,
+        "checkpoints_in": kd.checkpoint.checkpoints_in,
+        "read_metadata": kd.checkpoint.read_metadata,
+        "list_variables": kd.checkpoint.list_variables,
+        "load_checkpoint": kd.checkpoint.load_checkpoint,
+        "export_weights": lambda p: kd.checkpoint.export_weights(
+            p, model, str(tmp_path / "w.weights.h5")),
+        "callbacks.ShardedCheckpoint": kd.callbacks.ShardedCheckpoint,
+        "BackupAndRestore": kd.callbacks.BackupAndRestore,
+        "PreemptionCheckpoint": kd.callbacks.PreemptionCheckpoint,
+        "PreemptionCheckpointHandler": lambda p: (
+            kd.experimental.PreemptionCheckpointHandler(
+                kd.get_strategy().cluster_resolver, checkpoint, p)),
+        "pathlib": lambda p: checkpoint.write(PurePosixPath(p)),
+    }
+    scheme = url.split(":")[0]
+    for name, call in entry_points.items():
+        with pytest.raises(ValueError, match=f"names {scheme}:// storage, "
+                           "which kd checkpoints cannot use yet.*mounted"):
+            call(url)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TypeError, match="must be a path.*Received: path=3 "
+                       "of type int"):
+        checkpoint.write(3)

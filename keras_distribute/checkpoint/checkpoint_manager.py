@@ -13,6 +13,7 @@ from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 from keras_distribute.checkpoint.storage.committed import checkpoints_in
 from keras_distribute.checkpoint.storage.committed import read_metadata
@@ -157,7 +158,8 @@ class CheckpointManager:
         self._last_saved_step: Optional[int] = None
         # (path, tracking before it, its future) of a background save.
         self._in_flight: Optional[tuple] = None
-        self.directory = os.path.abspath(directory)
+        self.directory = os.path.abspath(
+            ckpt_paths.local_path(directory, "directory"))
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.checkpoint_name = checkpoint_name
@@ -423,7 +425,7 @@ class CheckpointManager:
         kept_before = (list(self._checkpoints), self._last_kept_for_good)
         to_delete = self._track(path, value)
         delete = self._deleter(to_delete)
-        source = os.path.abspath(source)
+        source = os.path.abspath(ckpt_paths.local_path(source, "source"))
 
         def link_then_delete() -> None:
             if self._is_chief:

@@ -22,6 +22,7 @@ from keras_distribute.checkpoint.objects import saved_objects
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import reading
 from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.input.iterator import DistributedIterator
@@ -242,7 +243,10 @@ class ShardedCheckpoint:
         Raises:
             CheckpointError: if another process failed to write its shards;
                 with `enable_async`, raised by the next call instead.
+            ValueError: for a path with a scheme (`s3://`, `gs://`): kd
+                checkpoints need a local or mounted directory.
         """
+        path = ckpt_paths.local_path(path)
         started = time.perf_counter()
         options = options or CheckpointOptions()
         ckpt_format.check_metadata(metadata)
@@ -303,6 +307,7 @@ class ShardedCheckpoint:
         return self._save(file_prefix, options, metadata)
 
     def _save(self, file_prefix: str, options, metadata) -> str:
+        file_prefix = ckpt_paths.local_path(file_prefix, "file_prefix")
         self.sync()
         directory, stem = os.path.split(os.path.abspath(file_prefix))
         counter = self.save_counter
@@ -397,7 +402,7 @@ class ShardedCheckpoint:
         self.sync()
         if path is None:
             return InitializationOnlyStatus()
-        path = reading.locate(os.path.abspath(path))
+        path = reading.locate(os.path.abspath(ckpt_paths.local_path(path)))
         index = reading.read_index(path)
         saved, paths = index["variables"], index.get("object_paths", {})
         self._bytes_read = 0

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import reading
 from keras_distribute.checkpoint.storage.format import numpy_dtype
 
@@ -46,7 +47,11 @@ def checkpoints_in(directory: str) -> List[str]:
 
     Returns:
         Their paths, by number; unfinished saves are not among them.
+
+    Raises:
+        ValueError: for a path with a scheme (`s3://`, `gs://`).
     """
+    directory = ckpt_paths.local_path(directory, "directory")
     if not os.path.isdir(directory):
         return []
     found = []
@@ -66,6 +71,7 @@ def checkpoints_in(directory: str) -> List[str]:
 def _resolve(path: str) -> str:
     """`path`, or for a directory of numbered checkpoints (as
     `tf.train.list_variables` accepts) its latest one."""
+    path = ckpt_paths.local_path(path)
     if os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
         return path
     latest = latest_checkpoint(path)
