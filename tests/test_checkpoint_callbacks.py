@@ -718,6 +718,35 @@ def test_restore_is_deferred_until_the_variables_exist(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_read_can_require_a_match_first_or_restore_only_what_exists(
+        tmp_path):
+    model = trained()
+    path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
+    # A model with more variables than saved: refused before any assign.
+    bigger = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5),
+                               keras.layers.Dense(2), keras.layers.Dense(2)])
+    before = bigger.get_weights()
+    with pytest.raises(ckpt.CheckpointMismatchError, match="holds no value "
+                       "for.*Nothing was restored"):
+        ckpt.ShardedCheckpoint(model=bigger).read(
+            path, require_existing_matched=True)
+    for a, b in zip(before, bigger.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # An optimizer whose slots do not exist yet: defer=False restores now
+    # what exists (its iteration count) and nothing later.
+    saved = ckpt.ShardedCheckpoint(optimizer=model.optimizer).write(
+        str(tmp_path / "o"))
+    fresh = keras.optimizers.Adam(1e-2)
+    checkpoint = ckpt.ShardedCheckpoint(optimizer=fresh)
+    status = checkpoint.read(saved, defer=False)
+    assert int(fresh.iterations) == int(model.optimizer.iterations) > 0
+    fresh.build(make_plain_model().trainable_variables)
+    assert not any(np.any(keras.ops.convert_to_numpy(v.value))
+                   for v in fresh.variables[2:])  # slots left as made
+    with pytest.raises(AssertionError):
+        status.assert_consumed()
+
+
 class SubclassedNet(keras.Model):
     """The TF guides' subclassed model: no variables before its first call."""
 

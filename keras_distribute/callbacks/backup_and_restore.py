@@ -23,7 +23,6 @@ from keras_distribute.checkpoint.sharded_checkpoint import (
     ShardedCheckpoint as _Checkpoint,
 )
 from keras_distribute.checkpoint.storage import ownership
-from keras_distribute.checkpoint.storage import reading
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 from keras_distribute.checkpoint.storage.committed import read_metadata
 from keras_distribute.checkpoint.storage.format import CheckpointError
@@ -137,7 +136,7 @@ class BackupAndRestore(TrainingStateCallback):
         # Model and optimizer now; the metric state only when resuming
         # mid-epoch (fit resets it at each epoch's start), the other
         # callbacks' state once they reset it (at their train begin).
-        objects = dict(self._state._objects)
+        objects = self._state.objects_by_name()
         objects.pop("metrics")
         objects.pop("callback_arrays")
         failures = []
@@ -145,7 +144,8 @@ class BackupAndRestore(TrainingStateCallback):
             try:
                 # Every variable is assigned again from an older backup, so
                 # a partial read of a corrupt one leaves nothing behind.
-                _Checkpoint(**objects)._read(path, require_existing=True)
+                _Checkpoint(**objects).read(path,
+                                            require_existing_matched=True)
                 self._resume = read_metadata(path)
             except CheckpointMismatchError as error:
                 raise CheckpointMismatchError(
@@ -184,8 +184,8 @@ class BackupAndRestore(TrainingStateCallback):
             skip = int(resume.get("step", 0))
             restore_rng(resume["rng_epoch_begin"] if skip else resume["rng"])
             self._restore_callback_states(resume.get("callbacks", {}))
-            _Checkpoint(callback_arrays=self._state._objects[
-                "callback_arrays"]).read(resume_path).expect_partial()
+            _Checkpoint(callback_arrays=self._state.callback_arrays).read(
+                resume_path).expect_partial()
             if skip:
                 # The order of the epoch's batches comes from the RNG at its
                 # start; dropout & co. then go on from the state at the save.
@@ -223,15 +223,13 @@ class BackupAndRestore(TrainingStateCallback):
         path = self._resume_path
         if path is None:
             return  # nothing to resume from
-        metrics = _Checkpoint(metrics=self._state._objects["metrics"])
-        path = reading.locate(path)
-        saved = reading.read_index(path)["variables"]
-        variables = metrics._variables_by_object()["metrics"]
+        metrics = self._state.metrics
         engine = self._state.resolve_engine()
-        with (engine.restoring_metric_states(list(variables.values()))
+        with (engine.restoring_metric_states(list(metrics.variables))
               if isinstance(engine, interface.TorchDdpEngine)
               else contextlib.nullcontext()):
-            metrics._restore(path, saved, variables)
+            _Checkpoint(metrics=metrics).read(path,
+                                              defer=False).expect_partial()
 
     def _save(self, epoch: int, step: int, logs) -> None:
         self._backups.save(options=self._options(),

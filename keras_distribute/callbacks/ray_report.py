@@ -123,7 +123,7 @@ class RayReport(BackupAndRestore):
         if reported is None:
             return None
         path = self._local_path(reported, engine)
-        objects = dict(checkpoint._objects)
+        objects = checkpoint.objects_by_name()
         objects.pop("metrics")
         objects.pop("callback_arrays")
         ShardedCheckpoint(**objects).read(path).assert_existing_objects_matched()

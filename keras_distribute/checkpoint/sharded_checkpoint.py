@@ -134,6 +134,22 @@ class ShardedCheckpoint:
         else:
             object.__delattr__(self, name)
 
+    def objects_by_name(self) -> Dict[str, Any]:
+        """The objects it saves, by name (a new dict: changing it changes
+        nothing here; set or delete attributes for that).
+
+        Returns:
+            `{name: object}`, as given to the constructor or set since.
+
+        Example:
+
+        >>> checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+        ...                                              step=step)
+        >>> sorted(checkpoint.objects_by_name())
+        ['model', 'step']
+        """
+        return dict(self._objects)
+
     def _leaf_objects(self) -> Dict[str, Any]:
         """The saved objects, nested checkpoints, lists and dicts flattened
         (`"l1/model"`, `"layers/0"`): the names their keys start with."""
@@ -364,7 +380,9 @@ class ShardedCheckpoint:
 
     # ----------------------------------------------------------------- read
     def read(self, path: str,
-             options: Optional[CheckpointOptions] = None) -> LoadStatus:
+             options: Optional[CheckpointOptions] = None, *,
+             require_existing_matched: bool = False,
+             defer: bool = True) -> LoadStatus:
         """Restores every variable the checkpoint at `path` holds.
 
         Objects whose variables do not exist yet are restored when they are
@@ -378,6 +396,13 @@ class ShardedCheckpoint:
                 restored, as with `tf.train.Checkpoint.restore(None)`).
             options: A `CheckpointOptions` (its `verbose`: a line with the
                 bytes read and the MB/s).
+            require_existing_matched: Raise `CheckpointMismatchError`
+                before anything is assigned if a variable that exists now
+                has no value in the checkpoint (the check of
+                `LoadStatus.assert_existing_objects_matched`, made first).
+            defer: `False` restores now the variables that exist, of every
+                object, and nothing later (what an object does not hold yet
+                is reported by the `LoadStatus`).
 
         Returns:
             A `LoadStatus` (call `assert_consumed()` to require a full match);
@@ -389,14 +414,6 @@ class ShardedCheckpoint:
             CheckpointError: if `path` is not a committed checkpoint or a
                 file is corrupt (nothing is restored).
         """
-        return self._read(path, options)
-
-    def _read(self, path: str, options: Optional[CheckpointOptions] = None,
-              require_existing: bool = False) -> LoadStatus:
-        """`read`; with `require_existing`, a variable of the objects that
-        the checkpoint lacks is a `CheckpointMismatchError` raised before
-        anything is assigned (`assert_existing_objects_matched`, checked
-        first)."""
         started = time.perf_counter()
         options = options or CheckpointOptions()
         self.sync()
@@ -410,14 +427,15 @@ class ShardedCheckpoint:
         leaves = self._leaf_objects()
         ready, deferred = {}, []
         for name, variables in by_object.items():
-            if restoring.ready(leaves[name], variables,
-                      saved_objects.saved_keys_of(saved, name)):
+            if not defer or restoring.ready(
+                    leaves[name], variables,
+                    saved_objects.saved_keys_of(saved, name)):
                 ready.update(variables)
             else:
                 deferred.append(name)  # not created yet
         ready = object_paths.match(saved, paths, ready, leaves)
         missing = sorted(key for key in ready if key not in saved)
-        if require_existing and missing:
+        if require_existing_matched and missing:
             raise CheckpointMismatchError(
                 f"The checkpoint {path!r} holds no value for {missing[:10]}: "
                 "the objects differ from the ones saved. Nothing was "
