@@ -15,6 +15,8 @@ from typing import List
 
 import numpy as np
 
+from keras_distribute.checkpoint.objects.host_state import HostArrayHolder
+
 if TYPE_CHECKING:
     from keras import Model
 
@@ -43,7 +45,7 @@ def keyed_callbacks(callbacks: List[Any]):
 CALLBACK_ARRAYS = ("best_weights",)
 
 
-class CallbackArrays:
+class CallbackArrays(HostArrayHolder):
     """The other callbacks' array state (`CALLBACK_ARRAYS`) of a kd training
     callback, as host arrays a `ShardedCheckpoint` saves and restores.
 
@@ -55,7 +57,7 @@ class CallbackArrays:
     def __init__(self, owner: Any):
         self._owner = owner
 
-    def _host_arrays(self) -> Dict[str, np.ndarray]:
+    def host_arrays(self) -> Dict[str, np.ndarray]:
         arrays = {}
         for prefix, callback in keyed_callbacks(self._owner._others):
             for name in CALLBACK_ARRAYS:
@@ -66,7 +68,7 @@ class CallbackArrays:
                         arrays[f"{prefix}/{name}/{i}"] = array
         return arrays
 
-    def _restore_host_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
+    def restore_host_arrays(self, arrays: Dict[str, np.ndarray]) -> None:
         for prefix, callback in keyed_callbacks(self._owner._others):
             for name in CALLBACK_ARRAYS:
                 start = f"{prefix}/{name}/"

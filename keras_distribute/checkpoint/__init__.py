@@ -7,7 +7,9 @@ In layers, lowest first (each uses only the ones before it), as folders:
   disk), writing and the atomic commit, the directory's lease, who wrote
   which checkpoint, the committed checkpoints of a directory.
 - `objects/`: what a checkpoint holds of the objects given to it (saved
-  objects, object paths, iterator state, attached containers).
+  objects and their variables, object paths, `host_state`: one interface
+  for each kind of object whose state is host values — input iterators,
+  host arrays —, attached containers).
 - `checkpointer`: how a save runs across processes (barriers, the chief's
   path, background saves, one at a time); `restoring`: all-or-nothing
   assignment, restores deferred until the variables exist.

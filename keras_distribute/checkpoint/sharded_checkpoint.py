@@ -16,7 +16,7 @@ from keras_distribute.checkpoint import restoring
 from keras_distribute.checkpoint.load_status import InitializationOnlyStatus
 from keras_distribute.checkpoint.load_status import LoadStatus
 from keras_distribute.checkpoint.objects import attached_containers
-from keras_distribute.checkpoint.objects import iterator_state
+from keras_distribute.checkpoint.objects import host_state
 from keras_distribute.checkpoint.objects import object_paths
 from keras_distribute.checkpoint.objects import saved_objects
 from keras_distribute.checkpoint.options import CheckpointOptions
@@ -155,16 +155,6 @@ class ShardedCheckpoint:
         (`"l1/model"`, `"layers/0"`): the names their keys start with."""
         return saved_objects.leaf_objects(self._objects, ShardedCheckpoint)
 
-    def _host_array_holders(self) -> Dict[str, Any]:
-        """Objects whose state is host arrays (`_host_arrays()`), e.g. the
-        other callbacks' `best_weights` a training backup keeps."""
-        return {name: obj for name, obj in self._leaf_objects().items()
-                if hasattr(obj, "_host_arrays")}
-
-    def _iterators(self) -> Dict[str, Any]:
-        return {name: obj for name, obj in self._leaf_objects().items()
-                if iterator_state.is_data_iterator(obj)}
-
     # ------------------------------------------------------------ variables
     def _variables_by_object(self, leaves: Optional[Dict[str, Any]] = None
                              ) -> Dict[str, Dict[str, Any]]:
@@ -180,9 +170,8 @@ class ShardedCheckpoint:
         if leaves is None:
             leaves = self._leaf_objects()
         for name, obj in leaves.items():
-            if iterator_state.is_data_iterator(obj) or hasattr(
-                    obj, "_host_arrays"):
-                continue
+            if host_state.kind_of(obj) is not None:
+                continue  # its state is host values
             if isinstance(obj, keras.Variable):
                 found[name] = {name: obj}
                 continue
@@ -279,10 +268,9 @@ class ShardedCheckpoint:
             entries = saved_objects.variable_entries(
                 variables, backend, process_id, engine.process_count,
                 buffers)
-            entries.update(saved_objects.host_array_entries(
-                self._host_array_holders(), process_id))
-            entries.update(iterator_state.entries(self._iterators(),
-                                                  process_id))
+            for kind, objects in host_state.by_kind(
+                    self._leaf_objects()).items():
+                entries.update(kind.entries(objects, process_id))
             mesh = engine.device_mesh
             index_metadata = {
                 "save_counter": self.save_counter,
@@ -442,22 +430,19 @@ class ShardedCheckpoint:
                 "restored.")
         engine = self.resolve_engine()
         restored = set(ready)
-        iterators = self._iterators()
-        holders = self._host_array_holders()
+        host_objects = host_state.by_kind(leaves)
 
         def restore_the_rest():
             # Inside the all-or-nothing restore: a failure here puts the
             # variables back too (and the iterators and arrays restored).
-            undo = [iterator_state.snapshot(iterator)
-                    for iterator in iterators.values()]
-            undo += [saved_objects.snapshot_host_arrays(holder)
-                     for holder in holders.values()]
+            undo = [kind.snapshot(obj)
+                    for kind, objects in host_objects.items()
+                    for obj in objects.values()]
             try:
-                restored.update(iterator_state.restore_all(
-                    path, saved, iterators, engine.process_id,
-                    engine.process_count, trusted=options.trusted))
-                restored.update(saved_objects.restore_host_arrays(
-                    path, saved, holders))
+                for kind, objects in host_objects.items():
+                    restored.update(kind.restore(
+                        path, saved, objects, engine.process_id,
+                        engine.process_count, options.trusted))
             except BaseException:
                 for put_back in reversed(undo):
                     put_back()

@@ -20,6 +20,7 @@ from keras_distribute.checkpoint.storage import reading
 from keras_distribute.checkpoint.storage import signing
 from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.input import tf_data_state
+from keras_distribute.input.iterator import DistributedIterator
 
 _PROCESS_KEY = "{name}/process-{process_id:05d}"
 # Each state's signature (`signing`): kd restores only states it can prove
@@ -35,7 +36,7 @@ def is_data_iterator(obj: Any) -> bool:
     holds no `tf.data` iterator.
     """
     return (tf_data_state.is_tf_data_iterator(obj)
-            or hasattr(obj, "_save_input_state"))
+            or isinstance(obj, DistributedIterator))
 
 
 def save(iterator: Any) -> np.ndarray:

@@ -1,23 +1,18 @@
 """What a `ShardedCheckpoint` holds, as checkpoint entries: the check of
-each object given to it, Keras variables (each process's unique pieces,
-with their logical layout), and host arrays (the other callbacks' array
-state a training backup keeps, e.g. `EarlyStopping.best_weights`).
-
-A host-array holder has `_host_arrays() -> {key: numpy array}` (the same
-values in every process) and `_restore_host_arrays({key: array})`.
+each object given to it and Keras variables (each process's unique pieces,
+with their logical layout). The objects whose state is host values (input
+iterators, host arrays) are `host_state`'s kinds.
 """
 
 from typing import Any
 from typing import Dict
 from typing import List
-from typing import Set
 
 import numpy as np
 
-from keras_distribute.backend.interface import whole_region
-from keras_distribute.checkpoint.objects import iterator_state
-from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.objects import host_state
 from keras_distribute.checkpoint.storage.format import numpy_dtype
+from keras_distribute.input.iterator import DistributedIterator
 
 
 def check_object(name: str, obj: Any, checkpoint_class: type,
@@ -61,8 +56,7 @@ def check_object(name: str, obj: Any, checkpoint_class: type,
             "step number instead and skip that many steps on restore, or "
             "save the iterator of the dataset before distribution.")
     if not (isinstance(obj, keras.Variable) or hasattr(obj, "variables")
-            or iterator_state.is_data_iterator(obj)
-            or hasattr(obj, "_host_arrays")):
+            or host_state.kind_of(obj) is not None):
         hint = ""
         if hasattr(obj, "shape") and hasattr(obj, "dtype"):
             hint = (" Hold framework tensors and variables (tf.Variable, "
@@ -73,7 +67,7 @@ def check_object(name: str, obj: Any, checkpoint_class: type,
             "Expected Keras models, layers, optimizers, metrics, variables "
             f"or tf.data iterators. Received: {name}={type(obj).__name__}."
             + hint)
-    if hasattr(obj, "_check_saveable"):  # a kd.DistributedIterator
+    if isinstance(obj, DistributedIterator):
         obj._check_saveable(name)
     if hasattr(checkpoint_class, name):
         raise ValueError(
@@ -106,42 +100,6 @@ def saved_keys_of(saved: Dict[str, Any], name: str) -> List[str]:
     """The checkpoint keys of the object saved as `name`."""
     return [key for key in saved
             if key == name or key.startswith(name + "/")]
-
-
-def host_array_entries(holders: Dict[str, Any],
-                       process_id: int) -> Dict[str, tuple]:
-    """The checkpoint entries of host-array holders (copies; the same
-    values in every process, so process 0 writes them)."""
-    entries = {}
-    for name, holder in holders.items():
-        for key, array in holder._host_arrays().items():
-            array = np.array(array, copy=True)
-            pieces = ([(whole_region(array.shape), array)]
-                      if process_id == 0 else [])
-            entries[f"{name}/{key}"] = (
-                array.shape, array.dtype.name, [None] * array.ndim, pieces,
-                f"{name}/{key} (host array)")
-    return entries
-
-
-def snapshot_host_arrays(holder: Any):
-    """`put_back()`: gives a host-array holder its current arrays again."""
-    arrays = {key: np.array(array, copy=True)
-              for key, array in holder._host_arrays().items()}
-    return lambda: holder._restore_host_arrays(arrays)
-
-
-def restore_host_arrays(path: str, saved: Dict[str, Any],
-                        holders: Dict[str, Any]) -> Set[str]:
-    """Gives each holder its saved arrays; returns the keys consumed."""
-    consumed = set()
-    for name, holder in holders.items():
-        keys = saved_keys_of(saved, name)
-        holder._restore_host_arrays({
-            key[len(name) + 1:]: reading.read_whole(path, saved[key])
-            for key in keys})
-        consumed |= set(keys)
-    return consumed
 
 
 # Replicated variables of at least this size are spread over the processes
