@@ -2,7 +2,10 @@
 
 `fully_sharded(mesh_or_layout_map, min_size=...)`: FSDP / ZeRO-3 in one
 line, every large variable sharded over the batch axis (see
-`keras_distribute.common.fully_sharded`).
+`keras_distribute.common.fully_sharded`). `plan_layout(model, mesh)`: a map
+planned from the model's variable shapes (tensor parallel on the model
+axis, FSDP on the batch axis), with a report (see
+`keras_distribute.planning.layout_planner`).
 
 Its names are loaded on first use: the layout maps subclass Keras'
 `LayoutMap`, and `import keras_distribute` imports no Keras (the script
@@ -16,8 +19,12 @@ if TYPE_CHECKING:
     from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
     from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
     from keras_distribute.common.fully_sharded import fully_sharded
+    from keras_distribute.planning.layout_planner import LayoutPlan
+    from keras_distribute.planning.layout_planner import PlannedVariable
+    from keras_distribute.planning.layout_planner import plan_layout
 
-__all__ = ["DEFAULT_MIN_SIZE", "FullyShardedLayoutMap", "fully_sharded"]
+__all__ = ["DEFAULT_MIN_SIZE", "FullyShardedLayoutMap", "LayoutPlan",
+           "PlannedVariable", "fully_sharded", "plan_layout"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,10 +32,16 @@ def __getattr__(name: str) -> Any:
         from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
         from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
         from keras_distribute.common.fully_sharded import fully_sharded
+        from keras_distribute.planning.layout_planner import LayoutPlan
+        from keras_distribute.planning.layout_planner import PlannedVariable
+        from keras_distribute.planning.layout_planner import plan_layout
 
         loaded = {"DEFAULT_MIN_SIZE": DEFAULT_MIN_SIZE,
                   "FullyShardedLayoutMap": FullyShardedLayoutMap,
-                  "fully_sharded": fully_sharded}
+                  "LayoutPlan": LayoutPlan,
+                  "PlannedVariable": PlannedVariable,
+                  "fully_sharded": fully_sharded,
+                  "plan_layout": plan_layout}
         globals().update(loaded)  # later reads find them without this
         return loaded[name]
     raise AttributeError(

@@ -141,7 +141,7 @@ def test_the_reader_counts_lazy_imports():
 # imports only from its package and the ones before it, lazily or not.
 PACKAGE_ORDER = ("common", "job", "cluster_resolver", "backend", "training",
                  "input", "checkpoint", "integration", "strategies",
-                 "callbacks", "launch", "root")
+                 "planning", "callbacks", "launch", "root")
 ROOT_MODULES = {"keras_distribute", "keras_distribute.experimental",
                 "keras_distribute.layouts"}
 

@@ -335,6 +335,11 @@ class BackendModule(Protocol):
     def set_host_rng_state(self, state: Any) -> None:
         """Sets what `host_rng_state` returned (ignores `None`)."""
 
+    def build_without_values(self, build: Callable[[], Any]) -> Any:
+        """Calls `build()` (which makes a Keras model) so that its
+        variables get shapes and dtypes but hold no memory; returns what it
+        returned (only shapes, dtypes and paths may be read from it)."""
+
 
 def broadcast_text_by(broadcast_array: Callable[[Any], Any],
                       text: str) -> str:
@@ -358,6 +363,28 @@ def broadcast_text_by(broadcast_array: Callable[[Any], Any],
 def whole_region(shape: Sequence[int]) -> tuple:
     """The region covering a whole array of `shape`."""
     return tuple((0, int(n)) for n in shape)
+
+
+def build_in_stateless_scope(build: Callable[[], Any]) -> Any:
+    """`BackendModule.build_without_values` by `keras.StatelessScope`:
+    variables made in it stay uninitialised (no memory); a read of one
+    outside a trace runs its initializer, so a large model builds slowly
+    (a backend that can trace the build, as JAX can, is faster)."""
+    import keras
+
+    with keras.StatelessScope():
+        try:
+            return build()
+        except ValueError as error:
+            if "stateless scope" not in str(error):
+                raise
+            raise ValueError(
+                "The model is built without values here (in a "
+                "keras.StatelessScope), where a variable made from a value "
+                "cannot be made: an optimizer's, by compile(), or one a "
+                "layer makes from an array. Return the model before "
+                f"compile(). Keras said: {str(error).splitlines()[0]}"
+            ) from None
 
 
 def assign_whole(variable: Variable, read_regions: Callable) -> None:

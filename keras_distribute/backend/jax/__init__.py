@@ -56,6 +56,23 @@ def set_host_rng_state(state: Any) -> None:
     """Nothing to set (see `host_rng_state`)."""
 
 
+def build_without_values(build: Any) -> Any:
+    """Builds under `jax.eval_shape`: every value the build computes (each
+    variable's, each symbolic call's) is abstract, so a model of any size
+    builds in seconds and holds no memory; `compile()` may be part of it.
+    The model returned holds abstract values: read its variables' shapes,
+    dtypes and paths only."""
+    import jax
+
+    built = []
+
+    def abstract() -> None:
+        built.append(build())
+
+    jax.eval_shape(abstract)
+    return built[0]
+
+
 def refuse_tpu_strategy() -> None:
     """A TPUStrategy can be made here (whether TPUs exist is the engine's
     to say): nothing is refused."""

@@ -229,6 +229,9 @@ def set_host_rng_state(state: Any) -> None:
     """Nothing to set (see `host_rng_state`)."""
 
 
+build_without_values = interface.build_in_stateless_scope
+
+
 def refuse_tpu_strategy() -> None:
     """A TPUStrategy can be made here (whether TPUs exist is the engine's
     to say): nothing is refused."""

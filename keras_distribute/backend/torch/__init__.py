@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from keras_distribute.cluster_resolver.base import ClusterResolver
 
 name = "torch"
+build_without_values = interface.build_in_stateless_scope
 
 
 def apply_gradients(engine: ReplicaEngine, optimizer: Optimizer,

@@ -1,0 +1,361 @@
+"""`kd.layouts.plan_layout`: a `LayoutMap` planned from a model's variable
+shapes, with a report of each variable's layout, bytes per device and why.
+
+The rules are the known good patterns of tensor parallelism (Megatron's
+paired column- and row-parallel layers, as keras-hub's hand-written
+`get_layout_map`s lay them out) plus FSDP for what stays large:
+
+- an embedding table: its vocabulary over the model axis (else its width);
+- a projection that widens (`Dense` up, attention query/key/value): column
+  parallel, its output dimension (the heads of an `EinsumDense` kernel)
+  over the model axis, its bias with it; one that narrows (`Dense` down,
+  attention output): row parallel, its input dimension (the heads) over
+  the model axis, its bias replicated. A square `Dense` is row parallel
+  when its name says it is an output projection (`out`, `o_proj`,
+  `output`, `down`, `fc2`, ...), column parallel otherwise;
+- with `fsdp=True` (the default), every variable of at least
+  `fsdp_min_size` elements
+  is also sharded over the batch axis on its largest dimension still free
+  that the axis divides;
+- everything else (norm scales, small variables) is replicated.
+
+A dimension is sharded only when the axis size divides it: a plan never
+holds an indivisible shard (the report says where a rule gave way).
+
+It plans from shapes: a model built in a `keras.StatelessScope` (what
+`plan_layout` does with a function that builds one) has no values, so a
+model far larger than this machine's memory is planned in its memory.
+Imports Keras' public API only, and only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import List
+from typing import Optional
+from typing import Sequence
+from typing import Tuple
+
+if TYPE_CHECKING:
+    from keras.distribution import DeviceMesh
+
+# A square projection whose layer name says it is an output projection is
+# row parallel (its input is what the column-parallel one before it split).
+_OUTPUT_NAMES = re.compile(
+    r"(^|[/_])(out|output|o_proj|out_proj|down|down_proj|fc2|wo|"
+    r"attention_output|ffw_linear|proj|c_proj|dense_2)(_\d+)?(/|$)")
+_EMBEDDING_NAMES = ("embeddings", "embedding")
+_KERNEL_NAMES = ("kernel",)
+_BIAS_NAMES = ("bias",)
+# Variables smaller than this stay replicated on the model axis: splitting
+# them saves little memory for a collective each.
+DEFAULT_MIN_SHARD_SIZE = 2**14
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedVariable:
+    """One variable of a plan.
+
+    Attributes:
+        path: The variable's path (`variable.path`), the layout map's key.
+        shape: Its shape.
+        dtype: Its dtype name.
+        axes: The mesh axis of each dimension (`None`: not sharded).
+        bytes_per_device: What one device holds of it.
+        reason: Which rule laid it out, in words.
+    """
+
+    path: str
+    shape: Tuple[int, ...]
+    dtype: str
+    axes: Tuple[Optional[str], ...]
+    bytes_per_device: int
+    reason: str
+
+
+@dataclasses.dataclass
+class LayoutPlan:
+    """What `plan_layout` returns: the map and its report.
+
+    Attributes:
+        layout_map: A `keras.distribution.LayoutMap` (pass it as a
+            strategy's `layout_map=`); one exact key per variable.
+        variables: A `PlannedVariable` per variable, in model order.
+        mesh: The `DeviceMesh` planned for.
+    """
+
+    layout_map: Any
+    variables: List[PlannedVariable]
+    mesh: Any
+
+    @property
+    def bytes_per_device(self) -> int:
+        """The bytes of variables one device holds under this plan."""
+        return sum(row.bytes_per_device for row in self.variables)
+
+    @property
+    def replicated_bytes(self) -> int:
+        """The bytes one device would hold with every variable replicated."""
+        return sum(_nbytes(row.shape, row.dtype) for row in self.variables)
+
+    def table(self) -> str:
+        """The report as a text table, heaviest variables first."""
+        rows = [(row.path, str(row.shape), str(row.axes),
+                 _human(row.bytes_per_device), row.reason)
+                for row in sorted(self.variables,
+                                  key=lambda r: -r.bytes_per_device)]
+        header = ("variable", "shape", "layout", "bytes/device", "why")
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+        lines = ["  ".join([c.ljust(w) for c, w in zip(row[:4], widths)]
+                           + [row[4]]).rstrip()
+                 for row in [header] + rows]
+        lines.append(
+            f"per device: {_human(self.bytes_per_device)} of variables "
+            f"(replicated: {_human(self.replicated_bytes)}), mesh "
+            f"{dict(zip(self.mesh.axis_names, self.mesh.shape))}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def plan_layout(model: Any, mesh: DeviceMesh, *,
+                model_axis: Optional[str] = None,
+                batch_axis: Optional[str] = None,
+                fsdp: bool = True,
+                fsdp_min_size: int = 2**16,
+                min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> LayoutPlan:
+    """Plans a `LayoutMap` for `model` on `mesh`, with a report.
+
+    Args:
+        model: A built Keras model or layer, or a function of no arguments
+            that builds one: it is called in a `keras.StatelessScope`, so
+            the variables get shapes but no values (a model larger than
+            this machine's memory is planned within it). Its variable
+            paths are the map's keys: build the model you train with the
+            same layer names (explicitly named layers, keras-hub models,
+            or the same function after `keras.backend.clear_session()`).
+        mesh: A `keras.distribution.DeviceMesh`.
+        model_axis: The mesh axis for tensor parallelism; by default the
+            mesh's second axis (none on a one-axis mesh).
+        batch_axis: The data-parallel axis; by default the mesh's first.
+        fsdp: Also shard every large variable over `batch_axis` on its
+            largest dimension still free (FSDP, as keras-hub's layout maps
+            do); `False` keeps the batch axis for data only.
+        fsdp_min_size: With `fsdp`, the fewest elements a variable needs
+            to be sharded over `batch_axis`.
+        min_shard_size: The fewest elements a variable needs to be
+            sharded over `model_axis`.
+
+    Returns:
+        A `LayoutPlan`: `.layout_map` for a strategy, `.variables` (each
+        one's layout, bytes per device and why), `.table()`.
+
+    Raises:
+        TypeError: if `model` is neither a Keras layer nor a function, or
+            `mesh` is not a `DeviceMesh`.
+        ValueError: for an axis the mesh does not have, the same axis for
+            both, a model without variables, or a negative size.
+
+    Example:
+
+    ```python
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"])
+    plan = kd.layouts.plan_layout(lambda: make_model(), mesh)
+    print(plan.table())
+    keras.backend.clear_session()   # the same layer names again
+    strategy = kd.MirroredStrategy(layout_map=plan.layout_map)
+    with strategy.scope():
+        model = make_model()
+    ```
+    """
+    import keras
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "Expected a keras.distribution.DeviceMesh. Received: "
+            f"mesh={mesh!r} of type {type(mesh).__name__}. Make one with "
+            "keras.distribution.DeviceMesh((2, 4), ['batch', 'model']).")
+    for name, value in (("fsdp_min_size", fsdp_min_size),
+                        ("min_shard_size", min_shard_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"{name} must be a non-negative int (a number of elements)."
+                f" Received: {name}={value!r}.")
+    names = list(mesh.axis_names)
+    batch_axis = names[0] if batch_axis is None else batch_axis
+    if model_axis is None:
+        model_axis = names[1] if len(names) > 1 else None
+    for name, axis in (("batch_axis", batch_axis),
+                       ("model_axis", model_axis)):
+        if axis is not None and axis not in names:
+            raise ValueError(
+                f"{name}={axis!r} is not an axis of the mesh. Received a "
+                f"mesh with axes {names}. Pass one of them.")
+    if model_axis is not None and model_axis == batch_axis:
+        raise ValueError(
+            "model_axis and batch_axis must differ (one splits variables, "
+            f"the other the batch). Received: both {model_axis!r}.")
+    variables = _variables_of(model, keras)
+    sizes = dict(zip(names, (int(s) for s in mesh.shape)))
+    rules = _Rules(model_axis, sizes.get(model_axis, 1) if model_axis
+                   else 1, min_shard_size)
+    planned = []
+    layout_map = LayoutMap(mesh)
+    column_parallel: set = set()  # layers whose kernel splits the output
+    for variable in variables:
+        path, shape = variable.path, tuple(int(s) for s in variable.shape)
+        dtype = str(variable.dtype)
+        axes, reason = rules.plan(path, shape, column_parallel)
+        if fsdp and batch_axis is not None and sizes[batch_axis] > 1:
+            axes, reason = _add_batch_axis(axes, reason, shape, batch_axis,
+                                           sizes[batch_axis], fsdp_min_size)
+        shards = math.prod(sizes[a] for a in axes if a is not None)
+        planned.append(PlannedVariable(
+            path, shape, dtype, tuple(axes),
+            _nbytes(shape, dtype) // shards, reason))
+        if any(a is not None for a in axes):
+            layout_map["^" + re.escape(path) + "$"] = tuple(axes)
+    return LayoutPlan(layout_map, planned, mesh)
+
+
+def _variables_of(model: Any, keras: Any) -> List[Any]:
+    """The variables of `model` (built in a `StatelessScope` when it is a
+    function), each once."""
+    if not isinstance(model, keras.layers.Layer):
+        if not callable(model):
+            raise TypeError(
+                "Expected a built Keras model or layer, or a function that "
+                f"builds one. Received: model={model!r} of type "
+                f"{type(model).__name__}.")
+        from keras_distribute.backend import get_backend
+
+        built = get_backend().build_without_values(model)
+        if not isinstance(built, keras.layers.Layer):
+            raise TypeError(
+                "The function given as `model` must return a Keras model "
+                f"or layer. It returned {type(built).__name__}.")
+        model = built
+    seen, variables = set(), []
+    for variable in model.weights:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            variables.append(variable)
+    if not variables:
+        raise ValueError(
+            "The model has no variables to plan: build it first (call it "
+            "on data, model.build(input_shape), or give it a keras.Input).")
+    return variables
+
+
+class _Rules:
+    """The model-axis rules, one variable at a time (model order: a bias
+    follows its kernel)."""
+
+    def __init__(self, axis: Optional[str], size: int, min_size: int):
+        self.axis, self.size, self.min_size = axis, size, min_size
+
+    def plan(self, path: str, shape: Tuple[int, ...],
+             column_parallel: set) -> Tuple[List[Optional[str]], str]:
+        axes: List[Optional[str]] = [None] * len(shape)
+        if self.axis is None or self.size <= 1:
+            return axes, "replicated (no model axis)"
+        layer, _, name = path.rpartition("/")
+        if math.prod(shape) < self.min_size and not (
+                name in _BIAS_NAMES and layer in column_parallel):
+            return axes, (f"replicated: under {self.min_size} elements")
+        if name in _EMBEDDING_NAMES and len(shape) == 2:
+            return self._first_divisible(
+                axes, shape, [0, 1],
+                ["embedding: vocabulary over {a}",
+                 "embedding: width over {a} (vocabulary {s0} indivisible)"])
+        if name in _KERNEL_NAMES and len(shape) >= 2:
+            return self._kernel(axes, layer, shape, column_parallel)
+        if name in _BIAS_NAMES and len(shape) == 1 and (
+                layer in column_parallel):
+            if shape[0] % self.size == 0:
+                axes[0] = self.axis
+                return axes, ("bias of a column-parallel kernel: over "
+                              f"{self.axis}")
+            return axes, "bias: replicated (indivisible)"
+        return axes, "replicated: no rule for it"
+
+    def _kernel(self, axes: List[Optional[str]], layer: str,
+                shape: Tuple[int, ...], column_parallel: set
+                ) -> Tuple[List[Optional[str]], str]:
+        if len(shape) == 2:  # Dense: (in, out)
+            row = shape[0] > shape[1] or (
+                shape[0] == shape[1] and bool(_OUTPUT_NAMES.search(layer)))
+            order = [0, 1] if row else [1, 0]
+            kinds = ["row", "column"] if row else ["column", "row"]
+        elif len(shape) == 3:  # EinsumDense: (in, heads, d) / (heads, d, out)
+            row = not (shape[0] >= shape[2] and shape[0] > shape[1])
+            order = [0, 2] if row else [1, 0]
+            kinds = ["row", "column"] if row else ["column", "row"]
+        else:  # a convolution: (..., in, out)
+            order = [len(shape) - 1, len(shape) - 2]
+            kinds = ["column", "row"]
+        for dim, kind in zip(order, kinds):
+            if shape[dim] % self.size == 0:
+                axes[dim] = self.axis
+                if kind == "column":
+                    column_parallel.add(layer)
+                note = "" if dim == order[0] else (
+                    f" (dimension {order[0]} indivisible by {self.size})")
+                return axes, (f"{kind} parallel: dimension {dim} over "
+                              f"{self.axis}{note}")
+        return axes, (f"replicated: no dimension divisible by "
+                      f"{self.axis}={self.size}")
+
+    def _first_divisible(self, axes: List[Optional[str]],
+                         shape: Tuple[int, ...], dims: Sequence[int],
+                         reasons: Sequence[str]
+                         ) -> Tuple[List[Optional[str]], str]:
+        for dim, reason in zip(dims, reasons):
+            if shape[dim] % self.size == 0:
+                axes[dim] = self.axis
+                return axes, reason.format(a=self.axis, s0=shape[0])
+        return axes, (f"replicated: no dimension divisible by "
+                      f"{self.axis}={self.size}")
+
+
+def _add_batch_axis(axes: List[Optional[str]], reason: str,
+                    shape: Tuple[int, ...], axis: str, size: int,
+                    min_size: int) -> Tuple[List[Optional[str]], str]:
+    """FSDP: the batch axis on the largest free dimension it divides."""
+    if math.prod(shape) < min_size:
+        return axes, reason
+    free = [d for d, s in enumerate(shape)
+            if axes[d] is None and s % size == 0]
+    if not free:
+        return axes, reason
+    dim = max(free, key=lambda d: (shape[d], -d))
+    axes = list(axes)
+    axes[dim] = axis
+    return axes, f"{reason}; FSDP: dimension {dim} over {axis}"
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    import numpy as np
+
+    try:
+        itemsize = int(np.dtype(dtype).itemsize)
+    except TypeError:
+        itemsize = 2 if "16" in dtype else 4  # bfloat16 and the like
+    return int(math.prod(shape)) * itemsize
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return (f"{nbytes:.0f} {unit}" if unit == "B"
+                    else f"{nbytes:.1f} {unit}")
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
