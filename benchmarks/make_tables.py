@@ -414,6 +414,25 @@ def memory_jax_table():
         (("param_bytes", "params"), ("optimizer_bytes", "optimizer")))
 
 
+def plan_layout_table():
+    entry = _load("plan_layout")
+    r = entry["result"]
+    rows = ["| model | mesh | plan (median; first) | peak memory "
+            "(planning added) | bytes/device: plan / keras-hub's map | "
+            "laid out differently | goal | run |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {r['model']} ({r['parameters'] / 1e9:.1f} B parameters, "
+            f"{r['variables']} variables) | {r['mesh']} | "
+            f"{r['plan_s']:.2f} s; {r['first_plan_s']:.2f} s | "
+            f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB "
+            f"({r['planning_added_rss_bytes'] / 2**20:,.0f} MiB) | "
+            f"{r['plan_bytes_per_device'] / 2**30:.2f} GiB / "
+            f"{r['anchor_bytes_per_device'] / 2**30:.2f} GiB "
+            f"({r['ratio']:.2f}x) | {r['variables_laid_out_differently']} of "
+            f"{r['variables']} | {r['goal']} | {_run(entry)} |"]
+    return "\n".join(rows)
+
+
 TABLES = {"fit": fit_table, "memory": memory_table,
           "memory_jax": memory_jax_table, "scaling": scaling_table,
           "soak": soak_table, "checkpoint": checkpoint_table,
@@ -422,7 +441,8 @@ TABLES = {"fit": fit_table, "memory": memory_table,
           "checkpoint_many": checkpoint_many_table,
           "compression": compression_table,
           "compression_jax": compression_jax_table,
-          "divergence": divergence_table}
+          "divergence": divergence_table,
+          "plan_layout": plan_layout_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)
 

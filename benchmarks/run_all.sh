@@ -24,4 +24,6 @@ for backend in jax tensorflow torch; do
   echo "=== soak on $backend (2 processes x 2,000 steps) ==="
   KERAS_BACKEND=$backend "$python" benchmarks/soak.py
 done
+echo "=== bench_plan_layout (a Gemma-7B-shaped layout, JAX) ==="
+"$python" benchmarks/bench_plan_layout.py
 "$python" benchmarks/make_tables.py
