@@ -5,7 +5,9 @@ line, every large variable sharded over the batch axis (see
 `keras_distribute.common.fully_sharded`). `plan_layout(model, mesh)`: a map
 planned from the model's variable shapes (tensor parallel on the model
 axis, FSDP on the batch axis), with a report (see
-`keras_distribute.planning.layout_planner`).
+`keras_distribute.planning.layout_planner`). `check_layout(layout_map,
+model)`: a map checked against a model before the launch, each finding
+with its fix.
 
 Its names are loaded on first use: the layout maps subclass Keras'
 `LayoutMap`, and `import keras_distribute` imports no Keras (the script
@@ -19,12 +21,16 @@ if TYPE_CHECKING:
     from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
     from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
     from keras_distribute.common.fully_sharded import fully_sharded
+    from keras_distribute.planning.layout_check import Finding
+    from keras_distribute.planning.layout_check import LayoutCheck
+    from keras_distribute.planning.layout_check import check_layout
     from keras_distribute.planning.layout_planner import LayoutPlan
     from keras_distribute.planning.layout_planner import PlannedVariable
     from keras_distribute.planning.layout_planner import plan_layout
 
-__all__ = ["DEFAULT_MIN_SIZE", "FullyShardedLayoutMap", "LayoutPlan",
-           "PlannedVariable", "fully_sharded", "plan_layout"]
+__all__ = ["DEFAULT_MIN_SIZE", "Finding", "FullyShardedLayoutMap",
+           "LayoutCheck", "LayoutPlan", "PlannedVariable", "check_layout",
+           "fully_sharded", "plan_layout"]
 
 
 def __getattr__(name: str) -> Any:
@@ -32,12 +38,18 @@ def __getattr__(name: str) -> Any:
         from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
         from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
         from keras_distribute.common.fully_sharded import fully_sharded
+        from keras_distribute.planning.layout_check import Finding
+        from keras_distribute.planning.layout_check import LayoutCheck
+        from keras_distribute.planning.layout_check import check_layout
         from keras_distribute.planning.layout_planner import LayoutPlan
         from keras_distribute.planning.layout_planner import PlannedVariable
         from keras_distribute.planning.layout_planner import plan_layout
 
         loaded = {"DEFAULT_MIN_SIZE": DEFAULT_MIN_SIZE,
+                  "Finding": Finding,
                   "FullyShardedLayoutMap": FullyShardedLayoutMap,
+                  "LayoutCheck": LayoutCheck,
+                  "check_layout": check_layout,
                   "LayoutPlan": LayoutPlan,
                   "PlannedVariable": PlannedVariable,
                   "fully_sharded": fully_sharded,

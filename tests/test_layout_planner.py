@@ -212,3 +212,100 @@ def test_jax_fit_under_the_plan_matches_one_device():
 def test_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call(mesh((2, 4)))
+
+
+# ---------------------------------------------- kd.layouts.check_layout
+
+
+def embedding_model():
+    return keras.Sequential([keras.Input((4,), dtype="int32"),
+                             keras.layers.Embedding(1000, 64, name="emb"),
+                             keras.layers.Dense(16, name="proj")],
+                            name="emb_model")
+
+
+def layout_map(entries, shape=(2, 4)):
+    result = keras.distribution.LayoutMap(mesh(shape))
+    for key, axes in entries.items():
+        result[key] = axes
+    return result
+
+
+MISCONFIGURED = {
+    "a mistyped key": (
+        {"mlp/upp/kernel": (None, "model")}, {}, "unmatched_key"),
+    "a keras-hub-style pattern that misses": (
+        {".*(query|key|value)/kernal": ("model", None)}, {},
+        "unmatched_key"),
+    "two keys for one variable": (
+        {".*up/kernel": (None, "model"), ".*/up/.*kernel": ("model", None)},
+        {}, "several_keys"),
+    "a layout of the wrong rank": (
+        {"mlp/up/kernel": ("model",)}, {}, "rank"),
+    "an indivisible shard": (
+        {"mlp/head/kernel": (None, "model")}, {}, "indivisible"),
+    "an indivisible shard over the batch axis": (
+        {"mlp/head/kernel": ("model", "batch")}, {}, "indivisible"),
+    "a global batch the replicas do not divide": (
+        {}, {"global_batch_size": 33}, "batch_size"),
+    "more than a device holds": (
+        {}, {"device_memory": 4096}, "memory"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISCONFIGURED))
+def test_check_layout_finds_each_misconfiguration(name):
+    entries, kwargs, kind = MISCONFIGURED[name]
+    check = kd.layouts.check_layout(layout_map(entries), uncompiled,
+                                    **kwargs)
+    assert [finding.kind for finding in check.findings] == [kind]
+    assert not check.ok
+    assert kind in check.table()
+    with pytest.raises(ValueError, match="does not fit the model"):
+        check.raise_if_any()
+
+
+def test_check_layout_finds_a_replicated_giant_and_passes_good_maps():
+    # An embedding table left replicated on a mesh that could split it.
+    check = kd.layouts.check_layout(layout_map({}), embedding_model,
+                                    giant_bytes=100_000)
+    assert [(f.kind, f.subject) for f in check.findings] == [
+        ("replicated_giant", "emb_model/emb/embeddings")]
+    # What the planner proposes, FSDP in one line and a correct map by
+    # hand: nothing found, and the memory per device adds up.
+    planned = kd.layouts.plan_layout(uncompiled, mesh((2, 4)),
+                                     min_shard_size=0, fsdp_min_size=512)
+    for good in (planned.layout_map,
+                 kd.layouts.fully_sharded(mesh((2, 4)), min_size=512),
+                 layout_map({"mlp/up/kernel": (None, "model"),
+                             "mlp/down/kernel": ("model", None)})):
+        check = kd.layouts.check_layout(good, uncompiled,
+                                        global_batch_size=64,
+                                        device_memory=2**20)
+        assert check.ok, check.table()
+    check = kd.layouts.check_layout(planned.layout_map, uncompiled,
+                                    optimizer_slots=2)
+    assert check.bytes_per_device == planned.bytes_per_device
+    assert check.training_bytes_per_device == 4 * planned.bytes_per_device
+    assert "no problem found" in check.table()
+
+
+def test_check_layout_passes_keras_hubs_own_gemma_map():
+    keras_hub = keras_hub_or_skip()
+    device_mesh = mesh((2, 4))
+    check = kd.layouts.check_layout(
+        keras_hub.models.GemmaBackbone.get_layout_map(device_mesh),
+        tiny_gemma, global_batch_size=8)
+    assert check.ok, check.table()
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: kd.layouts.check_layout("map", uncompiled), TypeError,
+     "Expected a keras.distribution.LayoutMap.*Received: layout_map='map'"),
+    (lambda: kd.layouts.check_layout(layout_map({}), uncompiled,
+                                     device_memory=-1), ValueError,
+     "device_memory must be a non-negative int.*device_memory=-1"),
+], ids=["layout_map", "device_memory"])
+def test_check_layout_bad_inputs(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

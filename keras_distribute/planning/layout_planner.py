@@ -100,12 +100,12 @@ class LayoutPlan:
     @property
     def replicated_bytes(self) -> int:
         """The bytes one device would hold with every variable replicated."""
-        return sum(_nbytes(row.shape, row.dtype) for row in self.variables)
+        return sum(nbytes_of(row.shape, row.dtype) for row in self.variables)
 
     def table(self) -> str:
         """The report as a text table, heaviest variables first."""
         rows = [(row.path, str(row.shape), str(row.axes),
-                 _human(row.bytes_per_device), row.reason)
+                 human_bytes(row.bytes_per_device), row.reason)
                 for row in sorted(self.variables,
                                   key=lambda r: -r.bytes_per_device)]
         header = ("variable", "shape", "layout", "bytes/device", "why")
@@ -114,8 +114,8 @@ class LayoutPlan:
                            + [row[4]]).rstrip()
                  for row in [header] + rows]
         lines.append(
-            f"per device: {_human(self.bytes_per_device)} of variables "
-            f"(replicated: {_human(self.replicated_bytes)}), mesh "
+            f"per device: {human_bytes(self.bytes_per_device)} of variables "
+            f"(replicated: {human_bytes(self.replicated_bytes)}), mesh "
             f"{dict(zip(self.mesh.axis_names, self.mesh.shape))}")
         return "\n".join(lines)
 
@@ -202,7 +202,7 @@ def plan_layout(model: Any, mesh: DeviceMesh, *,
         raise ValueError(
             "model_axis and batch_axis must differ (one splits variables, "
             f"the other the batch). Received: both {model_axis!r}.")
-    variables = _variables_of(model, keras)
+    variables = variables_of(model, keras)
     sizes = dict(zip(names, (int(s) for s in mesh.shape)))
     rules = _Rules(model_axis, sizes.get(model_axis, 1) if model_axis
                    else 1, min_shard_size)
@@ -219,13 +219,13 @@ def plan_layout(model: Any, mesh: DeviceMesh, *,
         shards = math.prod(sizes[a] for a in axes if a is not None)
         planned.append(PlannedVariable(
             path, shape, dtype, tuple(axes),
-            _nbytes(shape, dtype) // shards, reason))
+            nbytes_of(shape, dtype) // shards, reason))
         if any(a is not None for a in axes):
             layout_map["^" + re.escape(path) + "$"] = tuple(axes)
     return LayoutPlan(layout_map, planned, mesh)
 
 
-def _variables_of(model: Any, keras: Any) -> List[Any]:
+def variables_of(model: Any, keras: Any) -> List[Any]:
     """The variables of `model` (built in a `StatelessScope` when it is a
     function), each once."""
     if not isinstance(model, keras.layers.Layer):
@@ -341,7 +341,7 @@ def _add_batch_axis(axes: List[Optional[str]], reason: str,
     return axes, f"{reason}; FSDP: dimension {dim} over {axis}"
 
 
-def _nbytes(shape: Sequence[int], dtype: str) -> int:
+def nbytes_of(shape: Sequence[int], dtype: str) -> int:
     import numpy as np
 
     try:
@@ -351,7 +351,7 @@ def _nbytes(shape: Sequence[int], dtype: str) -> int:
     return int(math.prod(shape)) * itemsize
 
 
-def _human(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return (f"{nbytes:.0f} {unit}" if unit == "B"

@@ -1,0 +1,227 @@
+"""`kd.layouts.check_layout`: a layout map checked against a model before
+the job starts, every finding with its fix.
+
+What Keras lets pass, or raises only on the real hosts once the variables
+are made: a key that matches no variable (what it meant to shard stays
+replicated, keras-team/keras-hub#2806), a variable two keys match, a layout
+of the wrong rank, a shard the axis does not divide, a large variable
+left replicated on a mesh that could split it, a global batch the replicas
+do not divide, and variables (with their gradients and optimizer slots)
+over a device's memory. The model is built
+without values (`kd.layouts.plan_layout` does the same), so a model far
+larger than this machine is checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+from typing import List
+from typing import Optional
+
+from keras_distribute.common.layouts import axis_names
+from keras_distribute.common.layouts import axis_size
+from keras_distribute.common.layouts import variable_layout
+from keras_distribute.planning.layout_planner import human_bytes
+from keras_distribute.planning.layout_planner import nbytes_of
+from keras_distribute.planning.layout_planner import variables_of
+
+# A replicated variable at least this large, on a mesh whose axes could
+# split it, is reported (an embedding table a key missed, say).
+DEFAULT_GIANT_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem `check_layout` found.
+
+    Attributes:
+        kind: `"unmatched_key"`, `"several_keys"`, `"rank"`,
+            `"indivisible"`, `"replicated_giant"`, `"batch_size"` or
+            `"memory"`.
+        subject: The key, variable path or argument it is about.
+        message: What is wrong and how to fix it.
+    """
+
+    kind: str
+    subject: str
+    message: str
+
+
+@dataclasses.dataclass
+class LayoutCheck:
+    """What `check_layout` returns.
+
+    Attributes:
+        findings: The problems found (none: the layout fits the model).
+        bytes_per_device: The variables' bytes on the most loaded device.
+        training_bytes_per_device: With their gradients and optimizer slots.
+    """
+
+    findings: List[Finding]
+    bytes_per_device: int
+    training_bytes_per_device: int
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing was found."""
+        return not self.findings
+
+    def table(self) -> str:
+        """The verdict: one line per finding, then the memory line."""
+        lines = [f"{f.kind:<17} {f.subject}: {f.message}"
+                 for f in self.findings] or ["no problem found"]
+        lines.append(
+            f"per device: {human_bytes(self.bytes_per_device)} of variables, "
+            f"{human_bytes(self.training_bytes_per_device)} with gradients and "
+            "optimizer slots (activations not included)")
+        return "\n".join(lines)
+
+    def raise_if_any(self) -> None:
+        """Raises `ValueError` listing every finding, if there is one."""
+        if self.findings:
+            raise ValueError("The layout does not fit the model:\n"
+                             + self.table())
+
+
+def check_layout(layout_map: Any, model: Any, *,
+                 global_batch_size: Optional[int] = None,
+                 device_memory: Optional[int] = None,
+                 optimizer_slots: int = 2,
+                 giant_bytes: int = DEFAULT_GIANT_BYTES) -> LayoutCheck:
+    """Checks a `LayoutMap` against a model, before anything is launched.
+
+    Args:
+        layout_map: A `keras.distribution.LayoutMap` (a
+            `kd.layouts.fully_sharded` one included).
+        model: A built Keras model, or a function that builds one (built
+            without values, as `kd.layouts.plan_layout` does).
+        global_batch_size: The batch `fit` will be given: checked against
+            the data-parallel replicas (the mesh's first axis).
+        device_memory: Bytes a device has: checked against the variables,
+            their gradients and optimizer slots per device.
+        optimizer_slots: The optimizer's variables per trainable variable
+            (Adam: 2, SGD with momentum: 1, SGD: 0).
+        giant_bytes: A replicated variable at least this large is reported
+            when the mesh could split it.
+
+    Returns:
+        A `LayoutCheck`: `.findings` (each with its fix), `.ok`,
+        `.table()`, `.raise_if_any()`.
+
+    Raises:
+        TypeError: if `layout_map` is not a `LayoutMap`, or `model` is
+            neither a Keras layer nor a function that builds one.
+        ValueError: for a negative size or count.
+
+    Example:
+
+    ```python
+    check = kd.layouts.check_layout(layout_map, make_model,
+                                    global_batch_size=256,
+                                    device_memory=16 * 2**30)
+    print(check.table())
+    check.raise_if_any()
+    ```
+    """
+    import keras
+    from keras.distribution import LayoutMap
+
+    if not isinstance(layout_map, LayoutMap):
+        raise TypeError(
+            "Expected a keras.distribution.LayoutMap. Received: layout_map="
+            f"{layout_map!r} of type {type(layout_map).__name__}.")
+    for name, value in (("global_batch_size", global_batch_size),
+                        ("device_memory", device_memory),
+                        ("optimizer_slots", optimizer_slots),
+                        ("giant_bytes", giant_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, int) or value < 0):
+            raise ValueError(
+                f"{name} must be a non-negative int. Received: "
+                f"{name}={value!r}.")
+    mesh = layout_map.device_mesh
+    variables = variables_of(model, keras)
+    findings: List[Finding] = []
+    keys = list(layout_map.keys())  # (Keras refuses unknown axes)
+    paths = [v.path for v in variables]
+    for key in keys:
+        if not any(key == p or re.search(key, p) for p in paths) and not (
+                key.endswith("/output")):
+            findings.append(Finding(
+                "unmatched_key", key,
+                "matches none of the model's variables, so it lays out "
+                f"nothing. Paths look like {paths[:2]}: write the path, or "
+                "a pattern that matches it (e.g. '.*dense.*kernel')."))
+    sizes = dict(zip(mesh.axis_names, (int(s) for s in mesh.shape)))
+    splittable = math.prod(sizes.values()) > 1
+    per_device = 0
+    trainable_per_device = 0
+    for variable in variables:
+        path, shape = variable.path, tuple(int(s) for s in variable.shape)
+        nbytes = nbytes_of(shape, str(variable.dtype))
+        matched = [k for k in keys if k == path or re.search(k, path)]
+        if len(matched) > 1 and path not in matched:
+            findings.append(Finding(
+                "several_keys", path,
+                f"is matched by {len(matched)} keys {matched}: Keras "
+                "refuses that when the variable is made. Make the patterns "
+                "exclusive (anchor them: '^...$')."))
+            layout = None
+        else:
+            layout = variable_layout(layout_map, path, shape)
+        shards = 1
+        if layout is not None:
+            problem = _fit_problem(layout.axes, shape, sizes)
+            if problem is not None:
+                findings.append(Finding(problem[0], path, problem[1]))
+            else:
+                shards = math.prod(axis_size(mesh, a) for a in layout.axes
+                                   if a is not None)
+        elif splittable and nbytes >= giant_bytes:
+            findings.append(Finding(
+                "replicated_giant", path,
+                f"{human_bytes(nbytes)} {shape} is replicated on every device. "
+                "Give it a layout (kd.layouts.plan_layout proposes one), or "
+                "use kd.layouts.fully_sharded."))
+        per_device += nbytes // shards
+        if variable.trainable:
+            trainable_per_device += nbytes // shards
+    training = per_device + trainable_per_device * (1 + optimizer_slots)
+    batch_axis = mesh.axis_names[0]
+    replicas = sizes[batch_axis]
+    if global_batch_size is not None and global_batch_size % replicas:
+        nearest = replicas * max(1, global_batch_size // replicas)
+        findings.append(Finding(
+            "batch_size", "global_batch_size",
+            f"{global_batch_size} does not divide over the {replicas} "
+            f"replicas of mesh axis {batch_axis!r}. Use a multiple of "
+            f"{replicas} (e.g. {nearest})."))
+    if device_memory is not None and training > device_memory:
+        findings.append(Finding(
+            "memory", "device_memory",
+            f"the variables with their gradients and {optimizer_slots} "
+            f"optimizer slot(s) take {human_bytes(training)} per device, "
+            f"over the {human_bytes(device_memory)} a device has "
+            "(activations come on top). Shard more (a larger model axis, "
+            "kd.layouts.fully_sharded), or use more devices."))
+    return LayoutCheck(findings, per_device, training)
+
+
+def _fit_problem(axes: Any, shape: tuple, sizes: dict) -> Optional[tuple]:
+    if len(axes) != len(shape):
+        return ("rank", f"its layout {tuple(axes)} has rank {len(axes)}, "
+                f"the variable {shape} rank {len(shape)}. Give one mesh "
+                "axis (or None) per dimension.")
+    for dim, (size, axis) in enumerate(zip(shape, axes)):
+        names = [n for n in axis_names(axis) if n in sizes]
+        parts = math.prod(sizes[n] for n in names)
+        if parts > 1 and size % parts:
+            return ("indivisible",
+                    f"dimension {dim} (size {size}) does not divide over "
+                    f"the {parts} devices of {axis!r}: layout "
+                    f"{tuple(axes)}. Shard another dimension, or pick sizes "
+                    f"divisible by {parts}.")
+    return None
