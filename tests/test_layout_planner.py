@@ -9,6 +9,7 @@ inputs.
 """
 
 import math
+import os
 
 import keras
 import numpy as np
@@ -309,3 +310,38 @@ def test_check_layout_passes_keras_hubs_own_gemma_map():
 def test_check_layout_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_check_layout_checks_the_checkpoint_directory(tmp_path):
+    directory = tmp_path / "run"
+    # Absent but creatable, then holding this model's checkpoint: fine.
+    assert kd.layouts.check_layout(layout_map({}), uncompiled,
+                                   checkpoint_directory=str(directory)).ok
+    kd.checkpoint.ShardedCheckpoint(model=uncompiled()).save(
+        str(directory / "ckpt"))
+    assert kd.layouts.check_layout(layout_map({}), uncompiled,
+                                   checkpoint_directory=str(directory)).ok
+
+    def wider():
+        return keras.Sequential([keras.Input((16,)),
+                                 keras.layers.Dense(128, name="up"),
+                                 keras.layers.Dense(16, name="down"),
+                                 keras.layers.LayerNormalization(name="norm"),
+                                 keras.layers.Dense(3, name="head")],
+                                name="mlp")
+
+    check = kd.layouts.check_layout(layout_map({}), wider,
+                                    checkpoint_directory=str(directory))
+    assert [f.kind for f in check.findings] == ["checkpoint"]
+    assert "mlp/up/kernel (16, 128): saved model/0 (16, 64)" in (
+        check.findings[0].message)
+    # Under a file, and in object storage: no checkpoint can go there.
+    (tmp_path / "file").write_text("x")
+    for bad, match in ((str(tmp_path / "file" / "run"), "is not a "
+                        "directory this process can write into"),
+                       ("s3://bucket/run", "names s3:// storage")):
+        check = kd.layouts.check_layout(layout_map({}), uncompiled,
+                                        checkpoint_directory=bad)
+        assert [f.kind for f in check.findings] == ["checkpoint"]
+        assert match in check.findings[0].message
+    assert sorted(os.listdir(directory)) == ["ckpt-1"]  # nothing written

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any
 from typing import List
@@ -24,6 +25,7 @@ from typing import Optional
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import axis_size
 from keras_distribute.common.layouts import variable_layout
+from keras_distribute.planning.layout_planner import built_model
 from keras_distribute.planning.layout_planner import human_bytes
 from keras_distribute.planning.layout_planner import nbytes_of
 from keras_distribute.planning.layout_planner import variables_of
@@ -39,8 +41,8 @@ class Finding:
 
     Attributes:
         kind: `"unmatched_key"`, `"several_keys"`, `"rank"`,
-            `"indivisible"`, `"replicated_giant"`, `"batch_size"` or
-            `"memory"`.
+            `"indivisible"`, `"replicated_giant"`, `"batch_size"`,
+            `"memory"` or `"checkpoint"`.
         subject: The key, variable path or argument it is about.
         message: What is wrong and how to fix it.
     """
@@ -90,7 +92,9 @@ def check_layout(layout_map: Any, model: Any, *,
                  global_batch_size: Optional[int] = None,
                  device_memory: Optional[int] = None,
                  optimizer_slots: int = 2,
-                 giant_bytes: int = DEFAULT_GIANT_BYTES) -> LayoutCheck:
+                 giant_bytes: int = DEFAULT_GIANT_BYTES,
+                 checkpoint_directory: Optional[str] = None,
+                 checkpoint_object: str = "model") -> LayoutCheck:
     """Checks a `LayoutMap` against a model, before anything is launched.
 
     Args:
@@ -106,6 +110,13 @@ def check_layout(layout_map: Any, model: Any, *,
             (Adam: 2, SGD with momentum: 1, SGD: 0).
         giant_bytes: A replicated variable at least this large is reported
             when the mesh could split it.
+        checkpoint_directory: Where the job keeps its checkpoints: it must
+            be a local or mounted directory that can be created or written,
+            and its latest checkpoint (if any) must hold this model's
+            variables with the same shapes (it restores onto any mesh).
+            Read only; nothing is written there.
+        checkpoint_object: The name the model is saved under in those
+            checkpoints (`ShardedCheckpoint(model=...)`: `"model"`).
 
     Returns:
         A `LayoutCheck`: `.findings` (each with its fix), `.ok`,
@@ -143,7 +154,8 @@ def check_layout(layout_map: Any, model: Any, *,
                 f"{name} must be a non-negative int. Received: "
                 f"{name}={value!r}.")
     mesh = layout_map.device_mesh
-    variables = variables_of(model, keras)
+    model = built_model(model, keras)
+    variables = variables_of(model)
     findings: List[Finding] = []
     keys = list(layout_map.keys())  # (Keras refuses unknown axes)
     paths = [v.path for v in variables]
@@ -207,7 +219,63 @@ def check_layout(layout_map: Any, model: Any, *,
             f"over the {human_bytes(device_memory)} a device has "
             "(activations come on top). Shard more (a larger model axis, "
             "kd.layouts.fully_sharded), or use more devices."))
+    if checkpoint_directory is not None:
+        findings += _checkpoint_findings(checkpoint_directory, model,
+                                         checkpoint_object)
     return LayoutCheck(findings, per_device, training)
+
+
+def _checkpoint_findings(directory: Any, model: Any,
+                         object_name: str) -> List[Finding]:
+    """The checkpoint directory: usable, and its latest checkpoint one this
+    model can restore (keys `<object>/<position>`, shapes equal)."""
+    from keras_distribute.checkpoint.storage import committed
+    from keras_distribute.checkpoint.storage import paths
+    from keras_distribute.checkpoint.storage.format import CheckpointError
+
+    try:
+        directory = paths.local_path(directory, "checkpoint_directory")
+    except (TypeError, ValueError) as error:
+        return [Finding("checkpoint", str(directory), str(error))]
+    existing = os.path.abspath(directory)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing,
+                                                    os.W_OK | os.X_OK):
+        return [Finding(
+            "checkpoint", directory,
+            f"{existing!r} is not a directory this process can write "
+            "into, so no checkpoint can be saved there. Pass a writable "
+            "(shared, for several hosts) directory.")]
+    latest = committed.latest_checkpoint(directory) if os.path.isdir(
+        directory) else None
+    if latest is None:
+        return []
+    try:
+        saved = dict(committed.list_variables(latest))
+    except CheckpointError as error:
+        return [Finding(
+            "checkpoint", latest,
+            f"the latest checkpoint cannot be read ({error}); a resumed job "
+            "would fail. Move it aside or pass another directory.")]
+    differ: List[str] = []
+    seen: set = set()
+    for variable in model.variables:
+        if id(variable) in seen:
+            continue
+        key = f"{object_name}/{len(seen)}"
+        seen.add(id(variable))
+        shape = tuple(int(s) for s in variable.shape)
+        if saved.get(key) != shape:
+            differ.append(f"{variable.path} {shape}: saved {key} "
+                          f"{saved.get(key, 'absent')}")
+    if differ:
+        return [Finding(
+            "checkpoint", latest,
+            f"the latest checkpoint does not hold this model's variables "
+            f"(e.g. {differ[:3]}): a resumed job would refuse it. Build the "
+            "architecture it was saved from, or pass another directory.")]
+    return []
 
 
 def _fit_problem(axes: Any, shape: tuple, sizes: dict) -> Optional[tuple]:

@@ -202,7 +202,7 @@ def plan_layout(model: Any, mesh: DeviceMesh, *,
         raise ValueError(
             "model_axis and batch_axis must differ (one splits variables, "
             f"the other the batch). Received: both {model_axis!r}.")
-    variables = variables_of(model, keras)
+    variables = variables_of(built_model(model, keras))
     sizes = dict(zip(names, (int(s) for s in mesh.shape)))
     rules = _Rules(model_axis, sizes.get(model_axis, 1) if model_axis
                    else 1, min_shard_size)
@@ -225,9 +225,9 @@ def plan_layout(model: Any, mesh: DeviceMesh, *,
     return LayoutPlan(layout_map, planned, mesh)
 
 
-def variables_of(model: Any, keras: Any) -> List[Any]:
-    """The variables of `model` (built in a `StatelessScope` when it is a
-    function), each once."""
+def built_model(model: Any, keras: Any) -> Any:
+    """`model`, or what the function `model` builds, built without values
+    (the backend's `build_without_values`)."""
     if not isinstance(model, keras.layers.Layer):
         if not callable(model):
             raise TypeError(
@@ -242,6 +242,11 @@ def variables_of(model: Any, keras: Any) -> List[Any]:
                 "The function given as `model` must return a Keras model "
                 f"or layer. It returned {type(built).__name__}.")
         model = built
+    return model
+
+
+def variables_of(model: Any) -> List[Any]:
+    """The weights of a built `model`, each once."""
     seen, variables = set(), []
     for variable in model.weights:
         if id(variable) not in seen:
