@@ -251,6 +251,8 @@ MISCONFIGURED = {
         {}, {"global_batch_size": 33}, "batch_size"),
     "more than a device holds": (
         {}, {"device_memory": 4096}, "memory"),
+    "a mesh that is not the job's devices": (
+        {}, {"devices": 16}, "mesh"),
 }
 
 
@@ -282,7 +284,7 @@ def test_check_layout_finds_a_replicated_giant_and_passes_good_maps():
                              "mlp/down/kernel": ("model", None)})):
         check = kd.layouts.check_layout(good, uncompiled,
                                         global_batch_size=64,
-                                        device_memory=2**20)
+                                        device_memory=2**20, devices=8)
         assert check.ok, check.table()
     check = kd.layouts.check_layout(planned.layout_map, uncompiled,
                                     optimizer_slots=2)

@@ -42,7 +42,7 @@ class Finding:
     Attributes:
         kind: `"unmatched_key"`, `"several_keys"`, `"rank"`,
             `"indivisible"`, `"replicated_giant"`, `"batch_size"`,
-            `"memory"` or `"checkpoint"`.
+            `"memory"`, `"mesh"` or `"checkpoint"`.
         subject: The key, variable path or argument it is about.
         message: What is wrong and how to fix it.
     """
@@ -94,7 +94,8 @@ def check_layout(layout_map: Any, model: Any, *,
                  optimizer_slots: int = 2,
                  giant_bytes: int = DEFAULT_GIANT_BYTES,
                  checkpoint_directory: Optional[str] = None,
-                 checkpoint_object: str = "model") -> LayoutCheck:
+                 checkpoint_object: str = "model",
+                 devices: Optional[int] = None) -> LayoutCheck:
     """Checks a `LayoutMap` against a model, before anything is launched.
 
     Args:
@@ -117,6 +118,8 @@ def check_layout(layout_map: Any, model: Any, *,
             Read only; nothing is written there.
         checkpoint_object: The name the model is saved under in those
             checkpoints (`ShardedCheckpoint(model=...)`: `"model"`).
+        devices: The devices the job will have (hosts x devices per
+            host): the mesh must span exactly them.
 
     Returns:
         A `LayoutCheck`: `.findings` (each with its fix), `.ok`,
@@ -147,7 +150,8 @@ def check_layout(layout_map: Any, model: Any, *,
     for name, value in (("global_batch_size", global_batch_size),
                         ("device_memory", device_memory),
                         ("optimizer_slots", optimizer_slots),
-                        ("giant_bytes", giant_bytes)):
+                        ("giant_bytes", giant_bytes),
+                        ("devices", devices)):
         if value is not None and (isinstance(value, bool) or not isinstance(
                 value, int) or value < 0):
             raise ValueError(
@@ -219,6 +223,18 @@ def check_layout(layout_map: Any, model: Any, *,
             f"over the {human_bytes(device_memory)} a device has "
             "(activations come on top). Shard more (a larger model axis, "
             "kd.layouts.fully_sharded), or use more devices."))
+    mesh_size = math.prod(sizes.values())
+    if devices is not None and devices != mesh_size:
+        others = mesh_size // replicas  # the devices of one replica
+        hint = (f" (e.g. {(devices // others, others)} over "
+                f"{list(mesh.axis_names)})" if len(sizes) > 1
+                and devices % others == 0 else "")
+        findings.append(Finding(
+            "mesh", "devices",
+            f"the mesh {dict(sizes)} spans {mesh_size} devices, the job "
+            f"will have {devices}: a larger mesh cannot be made there, a "
+            "smaller one leaves devices unused. Reshape the mesh to "
+            f"{devices} devices{hint}."))
     if checkpoint_directory is not None:
         findings += _checkpoint_findings(checkpoint_directory, model,
                                          checkpoint_object)
