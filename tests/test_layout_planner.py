@@ -347,3 +347,19 @@ def test_check_layout_checks_the_checkpoint_directory(tmp_path):
         assert [f.kind for f in check.findings] == ["checkpoint"]
         assert match in check.findings[0].message
     assert sorted(os.listdir(directory)) == ["ckpt-1"]  # nothing written
+
+
+def test_a_plan_draws_itself_as_html():
+    def named():
+        return keras.Sequential([keras.Input((16,)),
+                                 keras.layers.Dense(64, name="up<b>"),
+                                 keras.layers.Dense(16, name="down")],
+                                name="m")
+
+    plan = kd.layouts.plan_layout(named, mesh((2, 4)), min_shard_size=0)
+    page = plan.to_html(top=3)
+    assert plan._repr_html_() == plan.to_html()  # what Jupyter shows
+    assert page.count(">device ") == 8  # one cell per device of the mesh
+    assert "batch 2 × model 4" in page
+    assert "up&lt;b&gt;" in page and "up<b>" not in page  # escaped
+    assert page.count("background:#4285f4") == 3  # the 3 heaviest

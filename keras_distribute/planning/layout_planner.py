@@ -122,6 +122,63 @@ class LayoutPlan:
     def __str__(self) -> str:
         return self.table()
 
+    def to_html(self, top: int = 8) -> str:
+        """The plan drawn as HTML: the mesh, one cell per device with the
+        bytes it holds, and the `top` heaviest variables as bars of their
+        bytes per device with their layout (Jupyter shows it for a plan
+        that ends a cell).
+
+        Args:
+            top: How many variables to draw.
+
+        Returns:
+            A self-contained HTML fragment (names escaped).
+
+        Example:
+
+        ```python
+        with open("plan.html", "w") as f:
+            f.write(plan.to_html())
+        ```
+        """
+        import html
+
+        names, shape = list(self.mesh.axis_names), list(self.mesh.shape)
+        rows, columns = (shape[0], shape[1]) if len(shape) > 1 else (
+            1, shape[0])
+        per_device = human_bytes(self.bytes_per_device)
+        cell = ("<td style='border:1px solid #888;padding:6px 10px;"
+                "text-align:center;background:#e8f0fe'>{}</td>")
+        grid = "".join(
+            "<tr>" + "".join(cell.format(
+                f"device {r * columns + c}<br><b>{per_device}</b>")
+                for c in range(columns)) + "</tr>"
+            for r in range(rows))
+        heaviest = sorted(self.variables, key=lambda v: -v.bytes_per_device)
+        largest = max([v.bytes_per_device for v in heaviest[:top]] + [1])
+        bars = "".join(
+            "<tr><td style='font-family:monospace;padding-right:8px'>"
+            f"{html.escape(v.path)}</td><td>"
+            f"<div style='background:#4285f4;height:10px;width:"
+            f"{max(1, round(200 * v.bytes_per_device / largest))}px'>"
+            f"</div></td><td style='padding-left:8px'>"
+            f"{human_bytes(v.bytes_per_device)}</td>"
+            f"<td style='font-family:monospace;padding-left:8px'>"
+            f"{html.escape(str(v.axes))}</td></tr>"
+            for v in heaviest[:top])
+        axes = " × ".join(f"{html.escape(str(n))} {s}"
+                          for n, s in zip(names, shape))
+        return (
+            f"<div><p><b>Layout plan</b> on a mesh of {axes}: "
+            f"{per_device} of variables per device (replicated: "
+            f"{human_bytes(self.replicated_bytes)})</p>"
+            f"<table style='border-collapse:collapse'>{grid}</table>"
+            f"<p>The {min(top, len(heaviest))} heaviest variables, bytes "
+            f"per device:</p><table>{bars}</table></div>")
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
 
 def plan_layout(model: Any, mesh: DeviceMesh, *,
                 model_axis: Optional[str] = None,
