@@ -292,6 +292,7 @@ def test_manager_keeps_the_best_n_by_a_metric(tmp_path, async_save):
     manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2,
                                      best_metric="val_loss")
     assert manager.best_checkpoint is None and manager.best_value is None
+    assert not manager.would_keep({"val_loss": float("nan")})  # even empty
     losses = {1: 0.5, 2: 0.3, 3: 0.9, 4: float("nan"), 5: 0.4, 6: 0.4}
     written = {}
     for number, loss in losses.items():

@@ -33,7 +33,7 @@ class CheckpointManager:
 
     With `best_metric`, the `max_to_keep` kept are the best by that entry
     of each save's `metadata` (lower is better with `best_mode="min"`,
-    higher with `"max"`; a NaN ranks last), not the latest: a save that
+    higher with `"max"`; a NaN is never kept), not the latest: a save that
     would not be among them is not written (`save` returns `None`), and
     when a better one is committed the worst is deleted. Checkpoints
     already in the directory without that entry are not managed.

@@ -76,9 +76,10 @@ class KeepBest(Retention):
     """Keeps the `max_to_keep` checkpoints with the best `metric`.
 
     `metric` names an entry of each save's metadata. Lower is better with
-    `mode="min"`, higher with `"max"`; a NaN ranks last; of equal values
-    the older checkpoint ranks first (a new save must be strictly better
-    than the worst kept to be kept, as `ModelCheckpoint` requires).
+    `mode="min"`, higher with `"max"`; a save whose value is NaN is never
+    kept (one already there ranks last); of equal values the older
+    checkpoint ranks first (a new save must be strictly better than the
+    worst kept to be kept, as `ModelCheckpoint` requires).
 
     Args:
         max_to_keep: How many to keep; `None` keeps all.
@@ -143,10 +144,10 @@ class KeepBest(Retention):
     def would_keep(self, value: Optional[float],
                    checkpoints: Sequence[str],
                    values: Mapping[str, float]) -> bool:
-        if self.max_to_keep is None or len(checkpoints) < self.max_to_keep:
-            return True
         if value is None or math.isnan(value):
             return False
+        if self.max_to_keep is None or len(checkpoints) < self.max_to_keep:
+            return True
         worst = self.ranked(checkpoints, values)[self.max_to_keep - 1]
         return self._sort_key(value) < self._sort_key(values[worst])
 
