@@ -97,6 +97,25 @@ def test_a_compiled_model_is_planned_where_the_build_is_traced():
             kd.layouts.plan_layout(mlp, mesh((2, 4)))
 
 
+def test_a_square_projection_is_row_parallel_when_named_as_an_output():
+    # Llama's attention: q/k/v_proj split the heads (column parallel),
+    # o_proj joins them (row parallel), all square.
+    def attention():
+        x = keras.Input((8, 32))
+        q = keras.layers.Dense(32, name="q_proj")(x)
+        k = keras.layers.Dense(32, name="k_proj")(x)
+        out = keras.layers.Dense(32, name="o_proj")(q + k)
+        return keras.Model(x, keras.layers.Dense(32, name="fc2")(out),
+                           name="attn")
+
+    plan = kd.layouts.plan_layout(attention, mesh((1, 4)), min_shard_size=0)
+    axes = {row.path: row.axes for row in plan.variables}
+    assert axes["q_proj/kernel"] == axes["k_proj/kernel"] == (None, "model")
+    assert axes["o_proj/kernel"] == axes["fc2/kernel"] == ("model", None)
+    assert axes["q_proj/bias"] == ("model",)
+    assert axes["o_proj/bias"] == (None,)
+
+
 def test_a_plan_never_holds_an_indivisible_shard():
     # Widths the model axis (3) does not divide: the other dimension, or
     # replicated, each said in the report.

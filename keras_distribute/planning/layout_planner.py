@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 # row parallel (its input is what the column-parallel one before it split).
 _OUTPUT_NAMES = re.compile(
     r"(^|[/_])(out|output|o_proj|out_proj|down|down_proj|fc2|wo|"
-    r"attention_output|ffw_linear|proj|c_proj|dense_2)(_\d+)?(/|$)")
+    r"attention_output|ffw_linear|c_proj)(_\d+)?(/|$)")
 _EMBEDDING_NAMES = ("embeddings", "embedding")
 _KERNEL_NAMES = ("kernel",)
 _BIAS_NAMES = ("bias",)
