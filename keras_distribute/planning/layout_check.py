@@ -18,9 +18,11 @@ import dataclasses
 import math
 import os
 import re
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
 from typing import Optional
+from typing import Sequence
 
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import axis_size
@@ -29,6 +31,12 @@ from keras_distribute.planning.layout_planner import built_model
 from keras_distribute.planning.layout_planner import human_bytes
 from keras_distribute.planning.layout_planner import nbytes_of
 from keras_distribute.planning.layout_planner import variables_of
+
+if TYPE_CHECKING:
+    from keras import Layer
+    from keras.distribution import LayoutMap
+
+    from keras_distribute.planning.layout_planner import ModelOrBuilder
 
 # A replicated variable at least this large, on a mesh whose axes could
 # split it, is reported (an embedding table a key missed, say).
@@ -88,7 +96,7 @@ class LayoutCheck:
                              + self.table())
 
 
-def check_layout(layout_map: Any, model: Any, *,
+def check_layout(layout_map: LayoutMap, model: ModelOrBuilder, *,
                  global_batch_size: Optional[int] = None,
                  device_memory: Optional[int] = None,
                  optimizer_slots: int = 2,
@@ -241,7 +249,7 @@ def check_layout(layout_map: Any, model: Any, *,
     return LayoutCheck(findings, per_device, training)
 
 
-def _checkpoint_findings(directory: Any, model: Any,
+def _checkpoint_findings(directory: str, model: Layer,
                          object_name: str) -> List[Finding]:
     """The checkpoint directory: usable, and its latest checkpoint one this
     model can restore (keys `<object>/<position>`, shapes equal)."""
@@ -294,7 +302,8 @@ def _checkpoint_findings(directory: Any, model: Any,
     return []
 
 
-def _fit_problem(axes: Any, shape: tuple, sizes: dict) -> Optional[tuple]:
+def _fit_problem(axes: Sequence[Any], shape: tuple,
+                 sizes: dict) -> Optional[tuple]:
     if len(axes) != len(shape):
         return ("rank", f"its layout {tuple(axes)} has rank {len(axes)}, "
                 f"the variable {shape} rank {len(shape)}. Give one mesh "

@@ -34,14 +34,23 @@ import dataclasses
 import math
 import re
 from typing import TYPE_CHECKING
-from typing import Any
+from typing import Callable
 from typing import List
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
+from typing import Union
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from keras import Layer
+    from keras import Variable
     from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
+
+    # A built model or layer, or a function that builds one.
+    ModelOrBuilder = Union[Layer, Callable[[], Layer]]
 
 # A square projection whose layer name says it is an output projection is
 # row parallel (its input is what the column-parallel one before it split).
@@ -88,9 +97,9 @@ class LayoutPlan:
         mesh: The `DeviceMesh` planned for.
     """
 
-    layout_map: Any
+    layout_map: LayoutMap
     variables: List[PlannedVariable]
-    mesh: Any
+    mesh: DeviceMesh
 
     @property
     def bytes_per_device(self) -> int:
@@ -180,7 +189,7 @@ class LayoutPlan:
         return self.to_html()
 
 
-def plan_layout(model: Any, mesh: DeviceMesh, *,
+def plan_layout(model: ModelOrBuilder, mesh: DeviceMesh, *,
                 model_axis: Optional[str] = None,
                 batch_axis: Optional[str] = None,
                 fsdp: bool = True,
@@ -282,7 +291,7 @@ def plan_layout(model: Any, mesh: DeviceMesh, *,
     return LayoutPlan(layout_map, planned, mesh)
 
 
-def built_model(model: Any, keras: Any) -> Any:
+def built_model(model: ModelOrBuilder, keras: ModuleType) -> Layer:
     """`model`, or what the function `model` builds, built without values
     (the backend's `build_without_values`)."""
     if not isinstance(model, keras.layers.Layer):
@@ -302,7 +311,7 @@ def built_model(model: Any, keras: Any) -> Any:
     return model
 
 
-def variables_of(model: Any) -> List[Any]:
+def variables_of(model: Layer) -> List[Variable]:
     """The weights of a built `model`, each once."""
     seen, variables = set(), []
     for variable in model.weights:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Callable
 
 from keras_distribute.backend import interface
 from keras_distribute.backend.jax.checkpoint import checkpoint_assign  # noqa: F401
@@ -56,7 +57,7 @@ def set_host_rng_state(state: Any) -> None:
     """Nothing to set (see `host_rng_state`)."""
 
 
-def build_without_values(build: Any) -> Any:
+def build_without_values(build: Callable[[], Any]) -> Any:
     """Builds under `jax.eval_shape`: every value the build computes (each
     variable's, each symbolic call's) is abstract, so a model of any size
     builds in seconds and holds no memory; `compile()` may be part of it.

@@ -34,13 +34,13 @@ class AttachedList(list):
         super().__init__(items)
         self._checkpoint, self._name = checkpoint, name
 
-    def _added(self, index: int, item: Any) -> None:
+    def _added(self, index: int, item: object) -> None:
         saved_objects.check_object(str(index), item,
                                    type(self._checkpoint),
                                    f"{self._name}/")
         self._checkpoint._restore_attached(f"{self._name}/", str(index), item)
 
-    def append(self, item: Any) -> None:
+    def append(self, item: object) -> None:
         super().append(item)
         self._added(len(self) - 1, item)
 
@@ -55,7 +55,7 @@ class AttachedList(list):
         self.extend(items)
         return self
 
-    def insert(self, index: SupportsIndex, item: Any) -> None:
+    def insert(self, index: SupportsIndex, item: object) -> None:
         if operator.index(index) < len(self):
             raise TypeError(
                 "A list attached to a restored checkpoint restores items by "
@@ -77,7 +77,7 @@ class AttachedDict(dict):
         super().__init__(items)
         self._checkpoint, self._name = checkpoint, name
 
-    def __setitem__(self, key: str, item: Any) -> None:
+    def __setitem__(self, key: str, item: object) -> None:
         if not isinstance(key, str):
             raise ValueError(
                 f"Dict keys of saved objects must be strings. Received: "

@@ -17,6 +17,7 @@ from typing import Callable
 from typing import Dict
 from typing import Optional
 from typing import Set
+from typing import cast
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class HostStateKind(abc.ABC):
     whose state is host values."""
 
     @abc.abstractmethod
-    def holds(self, obj: Any) -> bool:
+    def holds(self, obj: object) -> bool:
         """Whether `obj` is of this kind."""
 
     @abc.abstractmethod
@@ -77,7 +78,7 @@ class HostStateKind(abc.ABC):
         """
 
     @abc.abstractmethod
-    def snapshot(self, obj: Any) -> Callable[[], None]:
+    def snapshot(self, obj: object) -> Callable[[], None]:
         """`put_back()`: gives `obj` its current state again (a restore
         that fails later leaves it as it was)."""
 
@@ -85,7 +86,7 @@ class HostStateKind(abc.ABC):
 class InputIterators(HostStateKind):
     """Input iterators: each process's position, signed (`iterator_state`)."""
 
-    def holds(self, obj: Any) -> bool:
+    def holds(self, obj: object) -> bool:
         return iterator_state.is_data_iterator(obj)
 
     def entries(self, objects: Dict[str, Any],
@@ -98,14 +99,14 @@ class InputIterators(HostStateKind):
         return iterator_state.restore_all(path, saved, objects, process_id,
                                           process_count, trusted=trusted)
 
-    def snapshot(self, obj: Any) -> Callable[[], None]:
+    def snapshot(self, obj: object) -> Callable[[], None]:
         return iterator_state.snapshot(obj)
 
 
 class HostArrays(HostStateKind):
     """`HostArrayHolder`s: arrays the same in every process."""
 
-    def holds(self, obj: Any) -> bool:
+    def holds(self, obj: object) -> bool:
         return isinstance(obj, HostArrayHolder)
 
     def entries(self, objects: Dict[str, Any],
@@ -133,17 +134,18 @@ class HostArrays(HostStateKind):
             consumed |= set(keys)
         return consumed
 
-    def snapshot(self, obj: Any) -> Callable[[], None]:
+    def snapshot(self, obj: object) -> Callable[[], None]:
+        holder = cast(HostArrayHolder, obj)
         arrays = {key: np.array(array, copy=True)
-                  for key, array in obj.host_arrays().items()}
-        return lambda: obj.restore_host_arrays(arrays)
+                  for key, array in holder.host_arrays().items()}
+        return lambda: holder.restore_host_arrays(arrays)
 
 
 # Every kind, in the order their state is written and restored.
 KINDS = (InputIterators(), HostArrays())
 
 
-def kind_of(obj: Any) -> Optional[HostStateKind]:
+def kind_of(obj: object) -> Optional[HostStateKind]:
     """The kind of host state `obj` is, or `None` (it holds variables)."""
     for kind in KINDS:
         if kind.holds(obj):

@@ -9,14 +9,15 @@ checkpoint path enters (`local_path`). Framework-free.
 
 import os
 import re
-from typing import Any
+from typing import Union
 
 # `<scheme>:/`, as RFC 3986 spells a scheme (`s3`, `gs`, `hdfs`, `file`;
 # `pathlib` turns `s3://b` into `s3:/b`); one letter is a Windows drive.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]+):/")
 
 
-def local_path(path: Any, argument: str = "path") -> str:
+def local_path(path: Union[str, "os.PathLike[str]"],
+               argument: str = "path") -> str:
     """`path` as a `str`, refused if it names a storage scheme.
 
     Args:
