@@ -148,3 +148,40 @@ def test_workers_given_different_clusters_are_refused(change, match):
 
 def test_a_taken_port_is_named_before_the_job_starts():
     assert_taken_port_is_named()
+
+
+EXIT_PROGRAM = r'''
+import atexit, sys, time
+from keras_distribute.backend.tensorflow import cluster
+cluster.EXIT_AFTER_LOSS_S = 2.0
+if sys.argv[1] == "hangs":
+    atexit.register(time.sleep, 120)  # runs after kd's (LIFO): a stuck exit
+cluster._bound_the_exit("process 1 of 2 lost process 0 at 10.0.0.1")
+cluster._bound_the_exit("again")  # once is enough
+raise SystemExit(3)
+'''
+
+
+@pytest.mark.parametrize("shutdown", ["hangs", "ends"])
+def test_a_process_that_lost_a_worker_exits_within_a_bound(tmp_path,
+                                                           shutdown):
+    # TensorFlow's shutdown after a lost peer can wait without end in
+    # native code (seen in CI: a partitioned worker raised WorkerLostError
+    # and never ended); a watcher started at exit ends it, saying why. A
+    # process whose exit completes is left alone (its own exit code).
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", EXIT_PROGRAM, shutdown],
+                          capture_output=True, text=True, timeout=100,
+                          cwd=tmp_path)
+    took = time.monotonic() - started
+    if shutdown == "hangs":
+        assert done.returncode == -9 and took < 60, (done.returncode, took)
+        assert ("TensorFlow did not shut down within 2 s after process 1 of "
+                "2 lost process 0 at 10.0.0.1") in done.stderr
+    else:
+        assert done.returncode == 3, done.stderr
+        assert "did not shut down" not in done.stderr

@@ -54,6 +54,8 @@ def naming_a_lost_worker(
         count = resolver.num_processes
         rank = resolver.process_id
         address = resolver.addresses[lost]
+        _bound_the_exit(f"process {rank} of {count} lost process {lost} "
+                        f"at {address}")
         via = ("its collective with it failed"
                if lost != 0 or rank == 0 else
                "the job's coordination service, which it hosts, stopped "
@@ -65,6 +67,41 @@ def naming_a_lost_worker(
             "cut). Check that process's own log; a restart resumes from the "
             "last checkpoint (BackupAndRestore). TensorFlow said: "
             f"{_first_line(error)}", lost) from error
+
+
+# How long this process may take to exit after it lost a worker.
+EXIT_AFTER_LOSS_S = 20.0
+_exit_bounded = False
+
+
+def _bound_the_exit(what: str) -> None:
+    """After a lost worker, bounds how long this process takes to exit.
+
+    TensorFlow's own shutdown (its coordination service agent's) waits on
+    the lost peer in native code, holding the interpreter: a worker cut off
+    by a network partition raised its error and then never ended. At exit,
+    a watcher process (as for the join) ends it if it has not ended within
+    `EXIT_AFTER_LOSS_S`, saying why; a process that goes on living (a
+    notebook that caught the error) is left alone until it exits.
+    """
+    global _exit_bounded
+    if _exit_bounded:
+        return
+    _exit_bounded = True
+    import atexit
+
+    message = (f"TensorFlow did not shut down within {EXIT_AFTER_LOSS_S:.0f}"
+               f" s after {what} (its shutdown waits on the lost peer), so "
+               "keras_distribute ended this process")
+
+    def watch_the_exit() -> None:
+        # Never waited for: it ends when this process does (its stdin
+        # closes) or ends this process when the time is up.
+        subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()),
+                          str(EXIT_AFTER_LOSS_S), message],
+                         stdin=subprocess.PIPE)
+
+    atexit.register(watch_the_exit)
 
 
 def _first_line(error: BaseException) -> str:
