@@ -81,11 +81,9 @@ class FullyShardedLayoutMap(LayoutMap):
                 or int(_product(shape)) < self.min_size
                 or any(self.batch_axis in axis_names(axis) for axis in axes)):
             return entry
-        free = [dim for dim, size in enumerate(shape)
-                if axes[dim] is None and size % self._batch_size == 0]
-        if not free:
+        dim = largest_free_dimension(shape, axes, self._batch_size)
+        if dim is None:
             return entry
-        dim = max(free, key=lambda d: (shape[d], -d))  # largest, then first
         axes[dim] = self.batch_axis
         return TensorLayout(axes, self.device_mesh)
 
@@ -144,6 +142,16 @@ def fully_sharded(mesh_or_layout_map: Any, *,
         f"{mesh_or_layout_map!r} of type {type(mesh_or_layout_map).__name__}"
         ". Build one with keras.distribution.DeviceMesh((n,), ['batch'], "
         "devices).")
+
+
+def largest_free_dimension(shape: Sequence[int],
+                           axes: Sequence[Any], size: int) -> Optional[int]:
+    """The dimension FSDP shards over an axis of `size` devices: the
+    largest (then the first) that `axes` leaves unsharded and `size`
+    divides; `None` when there is none."""
+    free = [dim for dim, extent in enumerate(shape)
+            if axes[dim] is None and extent % size == 0]
+    return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
 def _product(shape: Sequence[int]) -> int:

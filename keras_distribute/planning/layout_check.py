@@ -19,13 +19,11 @@ import math
 import os
 import re
 from typing import TYPE_CHECKING
-from typing import Any
 from typing import List
 from typing import Optional
-from typing import Sequence
 
-from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import axis_size
+from keras_distribute.common.layouts import check_layout_fits
 from keras_distribute.common.layouts import variable_layout
 from keras_distribute.planning.layout_planner import built_model
 from keras_distribute.planning.layout_planner import human_bytes
@@ -198,9 +196,12 @@ def check_layout(layout_map: LayoutMap, model: ModelOrBuilder, *,
             layout = variable_layout(layout_map, path, shape)
         shards = 1
         if layout is not None:
-            problem = _fit_problem(layout.axes, shape, sizes)
-            if problem is not None:
-                findings.append(Finding(problem[0], path, problem[1]))
+            try:
+                check_layout_fits(layout, path, shape)
+            except ValueError as error:
+                kind = ("rank" if len(layout.axes) != len(shape)
+                        else "indivisible")
+                findings.append(Finding(kind, path, str(error)))
             else:
                 shards = math.prod(axis_size(mesh, a) for a in layout.axes
                                    if a is not None)
@@ -300,21 +301,3 @@ def _checkpoint_findings(directory: str, model: Layer,
             f"(e.g. {differ[:3]}): a resumed job would refuse it. Build the "
             "architecture it was saved from, or pass another directory.")]
     return []
-
-
-def _fit_problem(axes: Sequence[Any], shape: tuple,
-                 sizes: dict) -> Optional[tuple]:
-    if len(axes) != len(shape):
-        return ("rank", f"its layout {tuple(axes)} has rank {len(axes)}, "
-                f"the variable {shape} rank {len(shape)}. Give one mesh "
-                "axis (or None) per dimension.")
-    for dim, (size, axis) in enumerate(zip(shape, axes)):
-        names = [n for n in axis_names(axis) if n in sizes]
-        parts = math.prod(sizes[n] for n in names)
-        if parts > 1 and size % parts:
-            return ("indivisible",
-                    f"dimension {dim} (size {size}) does not divide over "
-                    f"the {parts} devices of {axis!r}: layout "
-                    f"{tuple(axes)}. Shard another dimension, or pick sizes "
-                    f"divisible by {parts}.")
-    return None

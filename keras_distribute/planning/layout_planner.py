@@ -402,11 +402,11 @@ def _add_batch_axis(axes: List[Optional[str]], reason: str,
     """FSDP: the batch axis on the largest free dimension it divides."""
     if math.prod(shape) < min_size:
         return axes, reason
-    free = [d for d, s in enumerate(shape)
-            if axes[d] is None and s % size == 0]
-    if not free:
+    from keras_distribute.common.fully_sharded import largest_free_dimension
+
+    dim = largest_free_dimension(shape, axes, size)
+    if dim is None:
         return axes, reason
-    dim = max(free, key=lambda d: (shape[d], -d))
     axes = list(axes)
     axes[dim] = axis
     return axes, f"{reason}; FSDP: dimension {dim} over {axis}"
