@@ -97,9 +97,7 @@ def _bound_the_exit(what: str) -> None:
     def watch_the_exit() -> None:
         # Never waited for: it ends when this process does (its stdin
         # closes) or ends this process when the time is up.
-        subprocess.Popen([sys.executable, "-c", _WATCHER, str(os.getpid()),
-                          str(EXIT_AFTER_LOSS_S), message],
-                         stdin=subprocess.PIPE)
+        _start_watcher(EXIT_AFTER_LOSS_S, message)
 
     atexit.register(watch_the_exit)
 
@@ -185,6 +183,14 @@ if not ready:
 """
 
 
+def _start_watcher(timeout_s: float, message: str) -> subprocess.Popen:
+    """Starts `_WATCHER` over this process: it ends this process after
+    `timeout_s`, saying `message`, unless its stdin closes first."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _WATCHER, str(os.getpid()), str(timeout_s),
+         message], stdin=subprocess.PIPE)
+
+
 class _JoinWatchdog:
     """Ends this process after `timeout_s` unless `joined()` is called first,
     saying why on stderr and in the note its launcher reports."""
@@ -193,9 +199,7 @@ class _JoinWatchdog:
         from keras_distribute.job import process_notes
 
         process_notes.write(message)
-        self._watcher = subprocess.Popen(
-            [sys.executable, "-c", _WATCHER, str(os.getpid()),
-             str(timeout_s), message], stdin=subprocess.PIPE)
+        self._watcher = _start_watcher(timeout_s, message)
 
     def joined(self) -> None:
         from keras_distribute.job import process_notes
