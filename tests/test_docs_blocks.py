@@ -1,7 +1,8 @@
 """Every Python block of README.md and docs/ runs, as a reader would run it.
 
-The blocks of one page run in order, in one fresh interpreter (as pasted
-into one script or notebook), on each backend the page names, in a scratch
+The blocks of one page run in order, as one script in a fresh interpreter
+(as pasted into one script or notebook; forked from one that imported Keras
+only, tests/program_runner.py), on each backend the page names, in a scratch
 directory. A page states its context in its own blocks (no hidden `x, y`).
 An HTML comment right before a block (invisible on the rendered page)
 narrows it:
@@ -18,11 +19,10 @@ say to; TensorFlow and torch run their one local replica.
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import BACKEND
+from program_runner import run_program
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -92,9 +92,7 @@ def test_every_python_block_of_the_page_runs(page, tmp_path):
                PYTHONPATH=os.pathsep.join(
                    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("KD_RECORD_BAD_INPUTS", None)
-    result = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "page.py"], cwd=tmp_path,
-        env=env, capture_output=True, text=True, timeout=600)
+    result = run_program(["page.py"], cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, (
         f"{page.name} on {BACKEND}: a block failed.\n" + "\n".join(where)
         + f"\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")

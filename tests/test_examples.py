@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BACKEND
+from program_runner import run_program
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 300
@@ -34,11 +35,13 @@ def run_example(name, args, launch=False):
                    str(EXAMPLES.parent), os.environ.get("PYTHONPATH")])))
     env.pop("XLA_FLAGS", None)  # each example sets its own device count
     env.pop("KD_RECORD_BAD_INPUTS", None)
-    launcher = [sys.executable, "-m", "keras_distribute.launch", "--nproc",
-                "2"] if launch else [sys.executable]
     with tempfile.TemporaryDirectory(prefix="kd-example-") as directory:
+        if not launch:  # forked from a Keras imported once, as python runs it
+            return run_program([str(EXAMPLES / name), *args], cwd=directory,
+                               env=env, timeout=TIMEOUT)
         return subprocess.run(
-            [*launcher, str(EXAMPLES / name), *args], env=env, cwd=directory,
+            [sys.executable, "-m", "keras_distribute.launch", "--nproc", "2",
+             str(EXAMPLES / name), *args], env=env, cwd=directory,
             capture_output=True, text=True, timeout=TIMEOUT)
 
 
