@@ -75,12 +75,34 @@ LONGEST_FIRST = (
 )
 
 
+# The next-Keras stack (scripts/test.sh sets KD_KERAS_STACK=next) runs every
+# in-process test and, of the files that start jobs of several processes,
+# the runs that compare a whole job with one process (their names say
+# "matches", "train(s)_like" or "same_in_every"): what Keras does in each
+# process is what its in-process tests run; the rest of those files tests
+# kd's own work between processes (saves, preemption, the launcher), which
+# a Keras version does not change, on the release stack (CI's budget: 30
+# minutes on 2 cores).
+CROSS_PROCESS_FILES = ("test_jax_multiprocess.py", "test_tf_multiworker.py",
+                       "test_torch_multiprocess.py")
+NEXT_STACK_CROSS_PROCESS_RUNS = ("matches", "trains_like", "train_like",
+                                 "same_in_every")
+on_the_release_stack_only = pytest.mark.skip(
+    reason="the next-Keras stack runs the whole-job comparisons of this "
+    "file; the rest runs on the release stack (tests/conftest.py)")
+
+
 def pytest_collection_modifyitems(config, items):
+    next_stack = os.environ.get("KD_KERAS_STACK") == "next"
     for item in items:
         if "strategy" in item.fixturenames or item.get_closest_marker(
             "needs_strategy"
         ):
             item.add_marker(requires_strategy)
+        if (next_stack and item.path.name in CROSS_PROCESS_FILES
+                and not any(word in item.name
+                            for word in NEXT_STACK_CROSS_PROCESS_RUNS)):
+            item.add_marker(on_the_release_stack_only)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)),

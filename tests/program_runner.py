@@ -51,14 +51,26 @@ class _Server:
     """One server process (started by this process; stopped at its exit)."""
 
     def __init__(self, env):
+        # What the server itself prints (its imports' warnings) goes here,
+        # not into the tests' output; its replies come on its stdout.
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [sys.executable, "-X", "faulthandler", os.path.abspath(__file__),
              "--serve"], env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
-        ready = self.process.stdout.readline()
-        if ready.strip() != "ready":
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            cwd=tempfile.gettempdir())
+        if self._reply() != "ready":
             self.process.kill()
-            raise RuntimeError(f"the program server did not start: {ready!r}")
+            self.process.wait()
+            raise RuntimeError(self._died("did not start"))
+
+    def _reply(self):
+        return self.process.stdout.readline().strip()
+
+    def _died(self, what):
+        self.log.seek(0)
+        return (f"the program server (tests/program_runner.py) {what}; its "
+                f"output:\n{self.log.read()[-4000:]}")
 
     def run(self, argv, cwd, env, timeout):
         with tempfile.TemporaryDirectory(prefix="kd-program-") as streams:
@@ -67,17 +79,22 @@ class _Server:
                 "argv": list(argv), "cwd": str(cwd), "env": dict(env),
                 "stdout": out, "stderr": err}) + "\n")
             self.process.stdin.flush()
-            pid = json.loads(self.process.stdout.readline())["pid"]
+            started = self._reply()
+            if not started:
+                raise RuntimeError(self._died("ended before the program"))
+            pid = json.loads(started)["pid"]
             finished = []
             reader = threading.Thread(target=lambda: finished.append(
-                json.loads(self.process.stdout.readline())), daemon=True)
+                self._reply()), daemon=True)
             reader.start()
             reader.join(timeout)
             timed_out = reader.is_alive()
             if timed_out:
                 os.kill(pid, signal.SIGKILL)  # the program this call started
                 reader.join()
-            status = finished[0]["status"]
+            if not finished[0]:
+                raise RuntimeError(self._died("ended during the program"))
+            status = json.loads(finished[0])["status"]
             with open(out, errors="replace") as file:
                 stdout = file.read()
             with open(err, errors="replace") as file:
@@ -93,8 +110,9 @@ class _Server:
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.process.kill()  # the server this process started
             self.process.wait()
+        self.log.close()
 
 
 def _stop_servers():
@@ -201,11 +219,14 @@ def _program(request):
 
 
 def _serve():
+    # Replies go to the client on a copy of stdout; stdout itself goes to
+    # the server's log, so that nothing an import prints reads as a reply.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     import keras  # noqa: F401
 
     import keras_distribute  # noqa: F401
 
-    replies = sys.stdout
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
