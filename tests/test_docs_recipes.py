@@ -10,7 +10,6 @@ two processes, and must end with every process exiting 0. JAX processes get
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -28,9 +27,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    # Below the ephemeral range: see free_port's docstring.
+    from keras_distribute.launch.processes import free_port
+
+    return free_port()
 
 
 def _recipe(start: str) -> str:

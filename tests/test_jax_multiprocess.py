@@ -162,16 +162,15 @@ def test_torchrun_launches_a_jax_job(tmp_path):
     # Regression (docs/multi_worker.md: torchrun on any backend): JAX's
     # coordinator tried MASTER_PORT, which torchrun's own store holds.
     import json
-    import socket
     import subprocess
     import sys
+
+    from keras_distribute.launch.processes import free_port
 
     pytest.importorskip("torch")
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # below the ephemeral range (its docstring)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
          "2", "--master_addr", "127.0.0.1", "--master_port", str(port),

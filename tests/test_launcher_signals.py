@@ -297,3 +297,25 @@ def test_cluster_agreement_names_a_difference_a_twin_and_a_silent_peer():
 
     with pytest.raises(TimeoutError, match="Process 1 did not publish"):
         agreement.check_same_cluster(_MemoryStore(), 0, 2, two, timeout_s=0)
+
+
+def test_a_jobs_free_port_is_outside_the_kernels_ephemeral_range(
+        monkeypatch, tmp_path):
+    # CI: a torch job's coordinator port, picked by bind(0), was taken
+    # before process 0 bound it ("already in use"): ports the kernel picks
+    # come from the range it also gives outgoing connections.
+    import socket
+
+    from keras_distribute.launch import processes
+
+    low, high = (int(v) for v in open(
+        "/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = [processes.free_port() for _ in range(20)]
+    assert all(max(1024, low - processes.PORT_SEARCH_SPAN) <= port < low
+               for port in ports), (ports, low, high)
+    with socket.socket() as sock:  # and it is free
+        sock.bind(("127.0.0.1", ports[0]))
+    # Where the range is unknown (not Linux), the kernel picks one.
+    monkeypatch.setattr(processes, "_EPHEMERAL_RANGE",
+                        str(tmp_path / "missing"))
+    assert 0 < processes.free_port() < 65536
