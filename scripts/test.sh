@@ -15,6 +15,10 @@ fail() { status=1; failed_stages+=("$current"); }
 logs=$(mktemp -d)
 bash scripts/setup_env.sh || exit 1
 export TF_CPP_MIN_LOG_LEVEL=2
+# The suite starts hundreds of Python processes: let them keep the bytecode
+# of kd's and the tests' modules (git ignores __pycache__) rather than
+# compile them again in each one, where the environment says not to write it.
+unset PYTHONDONTWRITEBYTECODE
 status=0
 backends=${KD_BACKENDS:-jax tensorflow torch}
 # Two test files at a time (pytest-xdist; a file's tests stay together, so
