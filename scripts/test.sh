@@ -77,7 +77,8 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # the examples and the notebooks run on the release stack only: programs
   # over the code paths the tests below run, kept off this stack for CI's
   # budget (30 min on 2 cores). The files that import no Keras (the
-  # launcher's signals, the cluster resolvers) cannot change with it. Ray
+  # launcher's signals, the cluster resolvers, the package's import layers)
+  # cannot change with it. Ray
   # Train (test_ray_train.py) runs BackupAndRestore's paths, which the next
   # stack runs in its own tests; under the budget it runs on the release one,
   # as the soak (test_soak.py) does, and the GPU tier's command on a CPU
@@ -98,6 +99,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
     $parallel --ignore=tests/test_notebooks.py --ignore=tests/test_examples.py \
     --ignore=tests/test_launcher_signals.py \
     --ignore=tests/test_cluster_resolver.py --ignore=tests/test_ray_train.py \
+    --ignore=tests/test_import_layers.py \
     --ignore=tests/test_soak.py --ignore=tests/test_gpu_tier_script.py \
     --ignore=tests/test_several_hosts.py \
     -k "not lost_worker and not never_joins and not frozen_rank and not hung and not started_by_hand and not torchrun_launches and not launch_module_runs and not listens_on_loopback and not taken_port and not different_clusters and not another_backend" \
