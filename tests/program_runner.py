@@ -33,11 +33,10 @@ import sys
 import tempfile
 import threading
 
-# What imports read (as kd.launch's fork server decides whether its imports
-# are stale): a server serves only programs whose values of these match.
-IMPORT_TIME_PREFIXES = ("KERAS", "JAX", "XLA", "TF_", "TORCH", "PYTORCH",
-                        "CUDA", "NCCL", "OMP_", "MKL", "OPENBLAS", "PYTHON",
-                        "LD_", "TPU", "GRPC")
+# What imports read: a server serves only programs whose values of these
+# match (kd.launch's fork server decides by the same list).
+from keras_distribute.launch.starting import IMPORT_TIME_PREFIXES
+
 _servers = {}
 _lock = threading.Lock()
 
