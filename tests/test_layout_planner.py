@@ -360,7 +360,7 @@ def test_check_layout_checks_the_checkpoint_directory(tmp_path):
     (tmp_path / "file").write_text("x")
     for bad, match in ((str(tmp_path / "file" / "run"), "is not a "
                         "directory this process can write into"),
-                       ("s3://bucket/run", "names s3:// storage")):
+                       ("hdfs://namenode/run", "names hdfs:// storage")):
         check = kd.layouts.check_layout(layout_map({}), uncompiled,
                                         checkpoint_directory=bad)
         assert [f.kind for f in check.findings] == ["checkpoint"]

@@ -7,8 +7,9 @@ import numpy as np
 def spread_writes(strategy, directory):
     """Each process: a `ShardedCheckpoint` of a model whose replicated
     variables are spread over the writers (`SPREAD_BYTES` lowered so small
-    ones count), read back into a new model."""
-    import os
+    ones count), read back into a new model. `directory` may be an
+    `s3://` prefix (each process then uploads its own shard file)."""
+    import posixpath
 
     import keras
 
@@ -28,7 +29,7 @@ def spread_writes(strategy, directory):
     try:
         model = make(1)
         path = kd.checkpoint.ShardedCheckpoint(model=model).write(
-            os.path.join(directory, "spread"))
+            posixpath.join(directory, "spread"))
     finally:
         saved_objects.SPREAD_BYTES = spread
     restored = make(2)
@@ -45,8 +46,16 @@ def check_spread_writes(results):
     import json
     import os
 
-    with open(os.path.join(results[0]["path"], "index.json")) as f:
-        index = json.load(f)
+    path = results[0]["path"]
+    if path.startswith("s3://"):
+        from keras_distribute.checkpoint.storage import remote_checkpoints
+
+        index = remote_checkpoints.read_index(path)
+        assert sorted(index["object_store"]["files"]) == [
+            "shards-00000.h5", "shards-00001.h5"]
+    else:
+        with open(os.path.join(path, "index.json")) as f:
+            index = json.load(f)
     files = sorted(piece["file"] for entry in index["variables"].values()
                    for piece in entry["pieces"])
     assert set(files) == {"shards-00000.h5", "shards-00001.h5"}, files

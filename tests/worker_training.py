@@ -400,6 +400,8 @@ def training_features(strategy, directory):
         "horovod": horovod_helpers(strategy),
         "preemption": preemption(strategy, os.path.join(directory, "fit")),
         "spread": worker_checkpoint.spread_writes(strategy, directory),
+        "spread_s3": worker_checkpoint.spread_writes(
+            strategy, os.environ["KD_TEST_S3_PREFIX"]),
         "leased": worker_checkpoint.directory_held_by_another_job(
             strategy, directory),
     }
@@ -407,10 +409,30 @@ def training_features(strategy, directory):
 
 def launch_training_features(workers, directory, timeout):
     """Runs `workers.training_features` on 2 processes and checks each."""
+    import os
+    import uuid
+
+    import s3_server
+
     import keras_distribute as kd
 
-    results = kd.launch(workers.training_features, num_processes=2,
-                        args=(directory,), timeout=timeout)
+    # Each process also writes its own shards to a real S3-API server (#47).
+    with s3_server.s3_server() as endpoint:
+        s3_server.make_bucket(endpoint, "kd-test")
+        saved = dict(os.environ)
+        os.environ.update(s3_server.environment(endpoint),
+                          KD_TEST_S3_PREFIX=f"s3://kd-test/{uuid.uuid4().hex}")
+        try:
+            results = kd.launch(workers.training_features, num_processes=2,
+                                args=(directory,), timeout=timeout)
+            worker_checkpoint.check_spread_writes(
+                [r["spread_s3"] for r in results])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            from keras_distribute.checkpoint.storage import object_store
+
+            object_store.forget_stores()
     check_gradient_accumulation([r["accumulation"] for r in results])
     check_horovod_helpers([r["horovod"] for r in results])
     check_preemption([r["preemption"] for r in results])

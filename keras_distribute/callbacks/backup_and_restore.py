@@ -22,7 +22,9 @@ from keras_distribute.checkpoint.checkpoint_manager import CheckpointManager
 from keras_distribute.checkpoint.sharded_checkpoint import (
     ShardedCheckpoint as _Checkpoint,
 )
+from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import ownership
+from keras_distribute.checkpoint.storage import remote_checkpoints
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 from keras_distribute.checkpoint.storage.committed import read_metadata
 from keras_distribute.checkpoint.storage.format import CheckpointError
@@ -157,7 +159,10 @@ class BackupAndRestore(TrainingStateCallback):
             except CheckpointError as error:
                 failures.append(f"{path}: {error}")
                 self._backups.forget(path)
-                if self._state.resolve_engine().process_id == 0:
+                if self._state.resolve_engine().process_id == 0 and (
+                        not object_store.is_remote(path)):
+                    # (an object store cannot rename: it stays where it is,
+                    # and the next backup is numbered after it)
                     ckpt_writing.move_aside(path, _CORRUPT)
                 continue
             if failures:
@@ -261,5 +266,8 @@ class BackupAndRestore(TrainingStateCallback):
         for path in ownership.owned_checkpoints(
                 self.directory, BACKUP_STEM, BACKUP_OWNER,
                 moved_aside=_CORRUPT):
-            ckpt_writing.remove(path)
+            if object_store.is_remote(path):
+                remote_checkpoints.remove(path)
+            else:
+                ckpt_writing.remove(path)
         ownership.remove_directory(self.directory, BACKUP_OWNER)

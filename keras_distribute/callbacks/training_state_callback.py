@@ -36,6 +36,7 @@ from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import (
     ShardedCheckpoint as _Checkpoint,
 )
+from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.integration import training as integration_training
 
@@ -61,8 +62,9 @@ class TrainingStateCallback(keras.callbacks.Callback):
                 "directory must name a directory for the checkpoints. "
                 f"Received: directory={directory!r}.")
         _check_save_freq(save_freq)
-        self.directory = os.path.abspath(
-            ckpt_paths.local_path(directory, "directory"))
+        self.directory = ckpt_paths.checkpoint_path(directory, "directory")
+        if not object_store.is_remote(self.directory):
+            self.directory = os.path.abspath(self.directory)
         self.save_freq = save_freq
         self.async_save = bool(async_save)
         self._checkpoint: Optional[_Checkpoint] = None

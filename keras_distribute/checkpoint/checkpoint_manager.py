@@ -12,8 +12,12 @@ from keras_distribute.checkpoint import retention
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from keras_distribute.checkpoint.storage import lease
+from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import ownership
 from keras_distribute.checkpoint.storage import paths as ckpt_paths
+from keras_distribute.checkpoint.storage import remote_checkpoints
+from keras_distribute.checkpoint.storage import remote_lease
+from keras_distribute.checkpoint.storage import remote_writing
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 from keras_distribute.checkpoint.storage.committed import checkpoints_in
 from keras_distribute.checkpoint.storage.committed import read_metadata
@@ -158,8 +162,10 @@ class CheckpointManager:
         self._last_saved_step: Optional[int] = None
         # (path, tracking before it, its future) of a background save.
         self._in_flight: Optional[tuple] = None
-        self.directory = os.path.abspath(
-            ckpt_paths.local_path(directory, "directory"))
+        self.directory = ckpt_paths.checkpoint_path(directory, "directory")
+        self._remote = object_store.is_remote(self.directory)
+        if not self._remote:
+            self.directory = os.path.abspath(self.directory)
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.checkpoint_name = checkpoint_name
@@ -168,7 +174,9 @@ class CheckpointManager:
         self._lease: Optional[Any] = None
         self._closed = False
         self._take_lease()
-        if self._is_chief:
+        if self._is_chief and self._remote:
+            remote_checkpoints.clean_unfinished(self.directory, self.owner)
+        elif self._is_chief:
             ckpt_writing.clean_unfinished(self.directory)
         existing = [p for p in checkpoints_in(self.directory)
                     if os.path.basename(p).rsplit("-", 1)[0]
@@ -201,7 +209,13 @@ class CheckpointManager:
         every process learns the verdict), before anything is touched."""
         engine = self.checkpoint.resolve_engine()
         refusal = ""
-        if self._is_chief:
+        if self._is_chief and self._remote:
+            try:
+                key = remote_lease.take(self.directory)
+                self._lease = _RemoteLease(self, key)
+            except lease.DirectoryInUseError as error:
+                refusal = str(error)
+        elif self._is_chief:
             os.makedirs(self.directory, exist_ok=True)
             try:
                 path = lease.take(self.directory)
@@ -425,10 +439,21 @@ class CheckpointManager:
         kept_before = (list(self._checkpoints), self._last_kept_for_good)
         to_delete = self._track(path, value)
         delete = self._deleter(to_delete)
-        source = os.path.abspath(ckpt_paths.local_path(source, "source"))
+        source = ckpt_paths.checkpoint_path(source, "source")
+        if object_store.is_remote(source) != self._remote:
+            self._checkpoints, self._last_kept_for_good = kept_before
+            raise ValueError(
+                "save_link keeps a checkpoint in the store it was saved to: "
+                f"source={source!r} and directory={self.directory!r} must be "
+                "both local or both in object storage. Save into this "
+                "manager's directory instead (manager.save()).")
+        if not self._remote:
+            source = os.path.abspath(source)
 
         def link_then_delete() -> None:
-            if self._is_chief:
+            if self._is_chief and self._remote:
+                remote_writing.copy_committed(source, path, self.owner)
+            elif self._is_chief:
                 ckpt_writing.link_committed(source, path, owner=self.owner)
             delete()
 
@@ -524,3 +549,19 @@ class CheckpointManager:
 
 def _number(path: str) -> int:
     return int(os.path.basename(path).rsplit("-", 1)[1])
+
+
+class _RemoteLease:
+    """A manager's hold on an object-store lease (`remote_lease`), let go
+    by `close()` or when the manager is collected: the local lease's
+    `release_when_collected` handle, for `s3://` / `gs://` directories."""
+
+    def __init__(self, manager: CheckpointManager, key: str):
+        import weakref
+
+        self._finalizer = weakref.finalize(manager, remote_lease.release, key)
+
+    def detach(self) -> None:
+        """Lets go now (once); returns `None`: nothing is left to release."""
+        self._finalizer()
+        return None

@@ -11,6 +11,8 @@ and committed is `writing`'s.
 
 import concurrent.futures
 import os
+import shutil
+import tempfile
 import time
 import weakref
 from typing import Any
@@ -25,6 +27,9 @@ from keras_distribute.checkpoint import progress
 from keras_distribute.checkpoint.objects import saved_objects
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import remote_checkpoints
+from keras_distribute.checkpoint.storage import remote_writing
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 from keras_distribute.checkpoint.storage.format import CheckpointError
 
@@ -58,7 +63,8 @@ class Checkpointer:
 
     def write(self, engine: ReplicaEngine, path: str, gather: Gather,
               options: CheckpointOptions,
-              started: Optional[float] = None) -> str:
+              started: Optional[float] = None,
+              owner: Optional[str] = None) -> str:
         """Writes a checkpoint at `path`, every process of `engine` taking
         part (`then` runs a function once it is committed).
 
@@ -73,6 +79,8 @@ class Checkpointer:
                 verbose).
             started: When the save began (`time.perf_counter()`), for the
                 progress line.
+            owner: The writer recorded in the index (and, in object
+                storage, in the save's generation marker).
 
         Returns:
             The path written (with `enable_async`, being written).
@@ -84,10 +92,14 @@ class Checkpointer:
         if started is None:
             started = time.perf_counter()
         self.sync()  # one save at a time; re-raises a failed background one
-        path = os.path.abspath(path)
         process_id, process_count = engine.process_id, engine.process_count
+        if not object_store.is_remote(path):
+            path = os.path.abspath(path)
         if process_count > 1:
             path = chief_path(engine, path)
+        if object_store.is_remote(path):
+            return self._write_remote(engine, path, gather, options, started,
+                                      owner)
         if process_id == 0:
             ckpt_writing.prepare(path)
         engine.barrier("keras_distribute.checkpoint.prepare")
@@ -103,6 +115,12 @@ class Checkpointer:
             _finish_save(path, entries, process_id, process_count,
                          index_metadata, options, started)
 
+        self._run(finish, options)
+        return path
+
+    def _run(self, finish: Callable[[], None],
+             options: CheckpointOptions) -> None:
+        """Runs `finish` now, or with `enable_async` on the save thread."""
         if options.enable_async:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -111,6 +129,54 @@ class Checkpointer:
             _in_flight.add(self)
         else:
             finish()
+
+    def _write_remote(self, engine: ReplicaEngine, path: str,
+                      gather: Gather, options: CheckpointOptions,
+                      started: float, owner: Optional[str]) -> str:
+        """`write` into object storage (`remote_checkpoints`): the chief
+        starts a generation and tells every process its name (or why it
+        refused), each uploads its own files, the chief commits."""
+        process_id, process_count = engine.process_id, engine.process_count
+        generation, heartbeat, refusal = "", None, None
+        if process_id == 0:
+            try:
+                generation, heartbeat = remote_writing.prepare(path,
+                                                                   owner)
+            except Exception as error:  # noqa: BLE001 - every process raises
+                refusal = error
+        if process_count > 1:
+            told = engine.broadcast_text(
+                generation if refusal is None else f"!{refusal}")
+            if told.startswith("!") and refusal is None:
+                raise CheckpointError(f"Saving {path!r} was refused by the "
+                                      f"chief (process 0): {told[1:]}")
+            generation = told
+        if refusal is not None:
+            raise refusal
+        buffers = None
+        try:
+            if options.enable_async:
+                buffers = self.host_buffers
+                buffers.begin()
+            entries, index_metadata = gather(buffers)
+            if buffers is not None:
+                buffers.end()
+        except BaseException:
+            if heartbeat is not None:
+                heartbeat.stop()
+                remote_checkpoints.remove_generation(path, generation)
+            raise
+
+        def finish() -> None:
+            try:
+                _finish_remote_save(path, generation, entries, process_id,
+                                    process_count, index_metadata, options,
+                                    started)
+            finally:
+                if heartbeat is not None:
+                    heartbeat.stop()
+
+        self._run(finish, options)
         return path
 
     def then(self, fn: Callable[[], None]
@@ -150,7 +216,7 @@ def chief_path(engine: ReplicaEngine, path: str) -> str:
     tutorials delete it after each save).
     """
     chief = engine.broadcast_text(path)
-    if chief != path:
+    if chief != path and not object_store.is_remote(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     return chief
 
@@ -177,6 +243,38 @@ def _finish_save(path: str, entries: dict, process_id: int,
             raise CheckpointError(
                 f"Saving {path!r} failed on the chief (process 0); see its "
                 "error. The previous checkpoint is kept.")
+    progress.report(options.verbose, "saved", path, sum(
+        array.nbytes for entry in entries.values() for _, array in entry[3]),
+        started, process_id, process_count)
+
+
+def _finish_remote_save(path: str, generation: str, entries: dict,
+                        process_id: int, process_count: int,
+                        metadata: dict, options: CheckpointOptions,
+                        started: float) -> None:
+    """Writes this process's shards into a private staging directory and
+    uploads them; the chief then commits (`remote_checkpoints`)."""
+    timeout_s = options.timeout_seconds
+    staging = tempfile.mkdtemp(prefix="kd-staging-")
+    try:
+        try:
+            ckpt_writing.write_process_shards(staging, entries, process_id)
+            remote_writing.upload_process_files(path, generation,
+                                                    staging, process_id)
+        except BaseException as error:
+            remote_writing.report_failure(path, generation, process_id,
+                                              error)
+            if process_id == 0:
+                remote_checkpoints.remove_generation(path, generation)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if process_id == 0:
+        remote_writing.commit(path, generation, process_count, metadata,
+                                  timeout_s)
+    else:
+        remote_writing.wait_committed(path, generation, timeout_s,
+                                          process_id)
     progress.report(options.verbose, "saved", path, sum(
         array.nbytes for entry in entries.values() for _, array in entry[3]),
         started, process_id, process_count)

@@ -21,9 +21,11 @@ from keras_distribute.checkpoint.objects import object_paths
 from keras_distribute.checkpoint.objects import saved_objects
 from keras_distribute.checkpoint.options import CheckpointOptions
 from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import ownership
 from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage import remote_reading
 from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.input.iterator import DistributedIterator
 
@@ -248,10 +250,11 @@ class ShardedCheckpoint:
         Raises:
             CheckpointError: if another process failed to write its shards;
                 with `enable_async`, raised by the next call instead.
-            ValueError: for a path with a scheme (`s3://`, `gs://`): kd
-                checkpoints need a local or mounted directory.
+            ValueError: for a path with a scheme other than `s3://` and
+                `gs://` (object storage, through the `[s3]` / `[gcs]`
+                extras).
         """
-        path = ckpt_paths.local_path(path)
+        path = ckpt_paths.checkpoint_path(path)
         started = time.perf_counter()
         options = options or CheckpointOptions()
         ckpt_format.check_metadata(metadata)
@@ -289,7 +292,7 @@ class ShardedCheckpoint:
             return entries, index_metadata
 
         return self._checkpointer.write(engine, path, gather, options,
-                                        started)
+                                        started, owner)
 
     def save(self, file_prefix: str,
              options: Optional[CheckpointOptions] = None,
@@ -311,9 +314,12 @@ class ShardedCheckpoint:
         return self._save(file_prefix, options, metadata)
 
     def _save(self, file_prefix: str, options, metadata) -> str:
-        file_prefix = ckpt_paths.local_path(file_prefix, "file_prefix")
+        file_prefix = ckpt_paths.checkpoint_path(file_prefix, "file_prefix")
         self.sync()
-        directory, stem = os.path.split(os.path.abspath(file_prefix))
+        if object_store.is_remote(file_prefix):
+            directory, stem = object_store.split(file_prefix)
+        else:
+            directory, stem = os.path.split(os.path.abspath(file_prefix))
         counter = self.save_counter
         self.save_counter = self._next_number(directory, stem)
         try:
@@ -407,7 +413,7 @@ class ShardedCheckpoint:
         self.sync()
         if path is None:
             return InitializationOnlyStatus()
-        path = reading.locate(os.path.abspath(ckpt_paths.local_path(path)))
+        path = _local_copy(path)
         index = reading.read_index(path)
         saved, paths = index["variables"], index.get("object_paths", {})
         self._bytes_read = 0
@@ -548,6 +554,16 @@ class ShardedCheckpoint:
         status = self.read(save_path, options)
         if save_path is None:
             return status
-        index = reading.read_index(reading.locate(save_path))
+        index = reading.read_index(_local_copy(save_path))
         self.save_counter = int(index.get("save_counter", 0))
         return status
+
+
+def _local_copy(path: str) -> str:
+    """Where to read the committed checkpoint `path`: the directory (or
+    where an interrupted commit left it), or for `s3://` / `gs://` a local
+    copy downloaded for this process (`remote_reading.download`)."""
+    path = ckpt_paths.checkpoint_path(path)
+    if object_store.is_remote(path):
+        return remote_reading.download(path)
+    return reading.locate(os.path.abspath(path))

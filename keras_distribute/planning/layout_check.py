@@ -256,12 +256,22 @@ def _checkpoint_findings(directory: str, model: Layer,
     model can restore (keys `<object>/<position>`, shapes equal)."""
     from keras_distribute.checkpoint.storage import committed
     from keras_distribute.checkpoint.storage import paths
-    from keras_distribute.checkpoint.storage.format import CheckpointError
 
     try:
-        directory = paths.local_path(directory, "checkpoint_directory")
+        directory = paths.checkpoint_path(directory, "checkpoint_directory")
     except (TypeError, ValueError) as error:
         return [Finding("checkpoint", str(directory), str(error))]
+    if directory.startswith(("s3://", "gs://")):
+        try:
+            latest = committed.latest_checkpoint(directory)
+        except (ImportError, OSError) as error:
+            return [Finding(
+                "checkpoint", directory,
+                f"the object store cannot be listed ({type(error).__name__}: "
+                f"{error}); no checkpoint could be saved there. Check the "
+                "credentials, the endpoint and the bucket's name.")]
+        return [] if latest is None else _checkpoint_fits(
+            latest, model, object_name)
     existing = os.path.abspath(directory)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
@@ -276,6 +286,16 @@ def _checkpoint_findings(directory: str, model: Layer,
         directory) else None
     if latest is None:
         return []
+    return _checkpoint_fits(latest, model, object_name)
+
+
+def _checkpoint_fits(latest: str, model: Layer,
+                     object_name: str) -> List[Finding]:
+    """Whether `model` can restore the checkpoint `latest` (its index read
+    only)."""
+    from keras_distribute.checkpoint.storage import committed
+    from keras_distribute.checkpoint.storage.format import CheckpointError
+
     try:
         saved = dict(committed.list_variables(latest))
     except CheckpointError as error:

@@ -11,9 +11,15 @@ In layers, lowest first (each module uses only the ones before it):
   explicit recovery of an interrupted commit, removal of what kd wrote only;
   `lease`: one job per checkpoint directory; `ownership`: who wrote which
   checkpoint.
+- `object_store`: `s3://` / `gs://` through fsspec (bounded, retried calls);
+  `remote_checkpoints`, `remote_writing`, `remote_reading`, `remote_lease`:
+  the same checkpoint in object storage, committed by its index written last
+  (no rename), read through a checked local copy; `paths`: which paths a
+  checkpoint argument takes.
 - `committed`: the committed checkpoints of a directory and their values
   (`CheckpointReader`, `latest_checkpoint`, `load_variable`, ...).
 
-Imports no Keras, no framework and no engine: NumPy, h5py and the standard
-library, and `backend.interface`'s `whole_region` (a tuple of slices).
+Imports no Keras, no framework and no engine: NumPy, h5py, the standard
+library (s3fs or gcsfs only when such a path is used)
+and `backend.interface`'s `whole_region` (a tuple of slices).
 """

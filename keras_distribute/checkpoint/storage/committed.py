@@ -11,8 +11,11 @@ from typing import Optional
 import numpy as np
 
 from keras_distribute.checkpoint.storage import format as ckpt_format
+from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import reading
+from keras_distribute.checkpoint.storage import remote_checkpoints
+from keras_distribute.checkpoint.storage import remote_reading
 from keras_distribute.checkpoint.storage.format import numpy_dtype
 
 
@@ -49,9 +52,11 @@ def checkpoints_in(directory: str) -> List[str]:
         Their paths, by number; unfinished saves are not among them.
 
     Raises:
-        ValueError: for a path with a scheme (`s3://`, `gs://`).
+        ValueError: for a path with another scheme than `s3://`, `gs://`.
     """
-    directory = ckpt_paths.local_path(directory, "directory")
+    directory = ckpt_paths.checkpoint_path(directory, "directory")
+    if object_store.is_remote(directory):
+        return remote_checkpoints.checkpoints_in(directory)
     if not os.path.isdir(directory):
         return []
     found = []
@@ -68,10 +73,31 @@ def checkpoints_in(directory: str) -> List[str]:
     return [path for _, path in sorted(set(found))]
 
 
+def _remote_resolve(path: str) -> str:
+    """An object-store `path`, or for a prefix of numbered checkpoints its
+    latest one."""
+    store = object_store.store_for(path)
+    if not store.exists(object_store.join(path, ckpt_format.INDEX)):
+        latest = latest_checkpoint(path)
+        path = latest if latest is not None else path
+    return path
+
+
+def _read_index(path: str) -> dict:
+    """The checked index of `path` (or of a directory's latest checkpoint);
+    in object storage only the index is read."""
+    path = ckpt_paths.checkpoint_path(path)
+    if object_store.is_remote(path):
+        return remote_checkpoints.read_index(_remote_resolve(path))
+    return reading.read_index(_resolve(path))
+
+
 def _resolve(path: str) -> str:
     """`path`, or for a directory of numbered checkpoints (as
     `tf.train.list_variables` accepts) its latest one."""
-    path = ckpt_paths.local_path(path)
+    path = ckpt_paths.checkpoint_path(path)
+    if object_store.is_remote(path):  # a local copy to read
+        return remote_reading.download(_remote_resolve(path))
     if os.path.isfile(os.path.join(path, ckpt_format.INDEX)):
         return path
     latest = latest_checkpoint(path)
@@ -93,7 +119,7 @@ def read_metadata(path: str) -> Dict[str, Any]:
     Raises:
         CheckpointError: if `path` is not a committed checkpoint.
     """
-    index = reading.read_index(_resolve(path))
+    index = _read_index(path)
     return dict(index.get("metadata", {}),
                 save_counter=index.get("save_counter", 0),
                 backend=index.get("backend"),
@@ -118,7 +144,7 @@ def list_variables(path: str) -> List[tuple]:
         print(key, shape)
     ```
     """
-    variables = reading.read_index(_resolve(path))["variables"]
+    variables = _read_index(path)["variables"]
     return [(key, tuple(record["shape"]))
             for key, record in sorted(variables.items())]
 

@@ -44,6 +44,7 @@ TEMPORARY_MARKER = ".keras_distribute-temporary"
 # A larger index.json is not read (a real one holds ~230 bytes per piece:
 # this is over a million pieces).
 _MAX_INDEX_BYTES = 1 << 28
+MAX_INDEX_BYTES = _MAX_INDEX_BYTES  # (the bound, for readers of bytes)
 # Parsing may take at most this many times the index's bytes, plus a little
 # (`parsing_cost`); kd's own indexes take about 6 (12 written compactly).
 _MAX_PARSE_FACTOR = 16
@@ -209,15 +210,26 @@ def load_index_json(index_path: str) -> Any:
         raise CheckpointError(
             f"The index {index_path!r} cannot be read ({error.strerror}). "
             "Restore an earlier checkpoint.") from None
+    return parse_index_bytes(raw, index_path)
+
+
+def parse_index_bytes(raw: bytes, where: str) -> Any:
+    """The parsed JSON of an index's bytes `raw` (read from `where`, at
+    most `_MAX_INDEX_BYTES` + 1 of them), within `load_index_json`'s bounds.
+
+    Raises:
+        CheckpointError: for bytes that are too many, too dense to parse
+            within those bounds, or not JSON.
+    """
     if len(raw) > _MAX_INDEX_BYTES:
         raise CheckpointError(
-            f"The index {index_path!r} is more than the {_MAX_INDEX_BYTES} "
+            f"The index {where!r} is more than the {_MAX_INDEX_BYTES} "
             "bytes this reader accepts: it is not an index keras_distribute "
             "wrote.")
     cost = parsing_cost(raw)
     if cost > _MAX_PARSE_FACTOR * len(raw) + _PARSE_ALLOWANCE:
         raise CheckpointError(
-            f"The index {index_path!r} ({len(raw)} bytes) would take about "
+            f"The index {where!r} ({len(raw)} bytes) would take about "
             f"{cost} bytes of memory to parse, more than {_MAX_PARSE_FACTOR} "
             "times its size: it is dense with empty objects, lists or tiny "
             "values, not an index keras_distribute wrote. Restore an "
@@ -226,5 +238,5 @@ def load_index_json(index_path: str) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError) as error:
         raise CheckpointError(
-            f"The index {index_path!r} is corrupt ({type(error).__name__}: "
+            f"The index {where!r} is corrupt ({type(error).__name__}: "
             f"{str(error)[:200]}). Restore an earlier checkpoint.") from None

@@ -55,6 +55,12 @@ def _new_job_after_fork() -> None:
     _registered_in = None
 
 
+def job_token() -> str:
+    """This job's token (the same for every writer of this process; a new
+    one in a forked child)."""
+    return _TOKEN
+
+
 class DirectoryInUseError(RuntimeError):
     """Another live job holds the checkpoint directory's lease.
 

@@ -23,6 +23,8 @@ from typing import Optional
 
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import lease
+from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import remote_checkpoints
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
 # Written into a directory kd created for checkpoints; names its owner.
@@ -34,6 +36,8 @@ def owner_of(path: str) -> Optional[str]:
     (no checkpoint there, an unreadable index, or one written without an
     owner, e.g. by `ShardedCheckpoint.write` or an older keras_distribute).
     """
+    if object_store.is_remote(path):
+        return remote_checkpoints.owner_of(path)
     if not ckpt_format.is_checkpoint(path):
         return None
     try:
@@ -48,6 +52,8 @@ def owner_of(path: str) -> Optional[str]:
 def numbered_entries(directory: str, stem: str) -> List[tuple]:
     """`(number, path)` of every direct child of `directory` named
     `<stem>-<number>` (checkpoint or not), by number."""
+    if object_store.is_remote(directory):
+        return remote_checkpoints.numbered_entries(directory, stem)
     if not os.path.isdir(directory):
         return []
     pattern = re.compile(re.escape(stem) + r"-(\d{1,18})")
@@ -75,7 +81,8 @@ def owned_checkpoints(directory: str, stem: str, owner: str,
     such as `".corrupt"`), also the `<stem>-<number><suffix>[-<n>]` ones
     its writer moved aside."""
     paths = [path for _, path in numbered_entries(directory, stem)]
-    if moved_aside and os.path.isdir(directory):
+    if moved_aside and not object_store.is_remote(directory) and (
+            os.path.isdir(directory)):
         pattern = re.compile(re.escape(stem) + r"-\d{1,18}"
                              + re.escape(moved_aside) + r"(-\d{1,18})?")
         paths += sorted(os.path.join(directory, name)
@@ -92,6 +99,9 @@ def remove_owned(path: str, owner: str) -> bool:
     """
     if owner_of(path) != owner:
         return False
+    if object_store.is_remote(path):
+        remote_checkpoints.remove(path)
+        return True
     ckpt_writing.remove(path)
     return True
 
@@ -99,8 +109,9 @@ def remove_owned(path: str, owner: str) -> bool:
 def make_directory(directory: str, owner: str) -> None:
     """Creates `directory` for `owner`'s checkpoints; a directory created
     here holds `DIRECTORY_MARKER` (so `remove_directory` may remove it
-    later), one that existed is left as it is."""
-    if os.path.isdir(directory):
+    later), one that existed is left as it is; in object storage, where
+    a directory is only a prefix, nothing is made."""
+    if object_store.is_remote(directory) or os.path.isdir(directory):
         return
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, DIRECTORY_MARKER), "w") as f:
@@ -114,6 +125,8 @@ def remove_directory(directory: str, owner: str) -> bool:
     Returns:
         Whether it was removed.
     """
+    if object_store.is_remote(directory):
+        return False  # (no directory was made: `make_directory`)
     marker = os.path.join(directory, DIRECTORY_MARKER)
     if os.path.islink(directory) or not os.path.isfile(marker):
         return False

@@ -1,15 +1,19 @@
-"""The checkpoint paths kd takes: local (or mounted) directories only.
+"""The checkpoint paths kd takes: local (or mounted) directories, and
+`s3://` / `gs://` object storage where a checkpoint path enters
+(`checkpoint_path`).
 
-A path such as `s3://bucket/run` names object storage. Handed to `os`, it
-is a relative path: a save would "succeed" into a local directory named
-`s3:` in the working directory, a checkpoint that vanishes with the
-machine. Until kd writes to object stores, such a path is refused where a
-checkpoint path enters (`local_path`). Framework-free.
+Any other scheme (`hdfs://`, `file://`, ...) is refused, and so is object
+storage where an argument takes only a local path (`local_path`): handed to
+`os`, `s3://bucket/run` is a relative path, and a save would "succeed" into
+a local directory named `s3:` in the working directory, a checkpoint that
+vanishes with the machine. Framework-free.
 """
 
 import os
 import re
 from typing import Union
+
+from keras_distribute.checkpoint.storage import object_store
 
 # `<scheme>:/`, as RFC 3986 spells a scheme (`s3`, `gs`, `hdfs`, `file`;
 # `pathlib` turns `s3://b` into `s3:/b`); one letter is a Windows drive.
@@ -50,12 +54,41 @@ def local_path(path: Union[str, "os.PathLike[str]"],
     match = _SCHEME.match(text)
     if match:
         scheme = match.group(1)
+        where = ("kd checkpoints take s3:// and gs:// paths, but this "
+                 "argument needs a file system" if scheme in
+                 object_store.REMOTE_SCHEMES else
+                 "kd checkpoints take local or mounted directories and "
+                 "s3:// or gs:// paths")
         raise ValueError(
-            f"{argument}={text!r} names {scheme}:// storage, which kd "
-            "checkpoints cannot use yet (they need a file system: os would "
-            f"take it for a local directory named '{scheme}:' in the "
-            "working directory). Pass a local or mounted directory: a "
-            "shared file system, or the bucket mounted (gcsfuse, "
-            "mountpoint-s3, s3fs-fuse); or save locally and copy the "
-            "committed checkpoint to the bucket.")
+            f"{argument}={text!r} names {scheme}:// storage, which is not "
+            f"usable here ({where}: os would take it for a local directory "
+            f"named '{scheme}:' in the working directory). Pass a local or "
+            "mounted directory (a shared file system, or the bucket mounted "
+            "with gcsfuse, mountpoint-s3 or s3fs-fuse).")
     return text
+
+
+def checkpoint_path(path: Union[str, "os.PathLike[str]"],
+                    argument: str = "path") -> str:
+    """A checkpoint path: `s3://` / `gs://` (checked, see
+    `object_store.normalize`), or a local path as `local_path` takes it.
+
+    Args:
+        path: A `str` or `os.PathLike`.
+        argument: The argument's name, for the error message.
+
+    Returns:
+        The path as a `str` (a remote one without a trailing `/`).
+
+    Raises:
+        TypeError: if `path` is not a `str` or `os.PathLike`.
+        ValueError: for another scheme, or a malformed bucket path.
+
+    Example:
+
+    >>> checkpoint_path("s3://bucket/run/")
+    's3://bucket/run'
+    """
+    if object_store.is_remote(path):
+        return object_store.normalize(str(path), argument)
+    return local_path(path, argument)

@@ -1,0 +1,320 @@
+"""Object storage (`s3://`, `gs://`) as kd's checkpoints use it.
+
+Paths with these schemes go through fsspec's `s3fs` and `gcsfs` (the
+`keras-distribute[s3]` and `[gcs]` extras), imported only when such a path
+is used. Credentials, regions and endpoints come from each store's standard
+environment (`AWS_*` variables and `~/.aws` for S3, `AWS_ENDPOINT_URL` for an
+S3-API server that is not AWS; Google's application default credentials
+and `STORAGE_EMULATOR_HOST` for GCS); kd never logs or writes them.
+
+Every call is bounded: connection and read timeouts, the store client's
+retries of throttling and 5xx answers (botocore's "standard" mode for S3,
+gcsfs' own for GCS), and around each of kd's calls a few more tries with
+backoff for errors of the network, never for a missing object or a denied
+request. Listings are never cached: a checkpoint written by another process
+is seen at once. Framework-free.
+"""
+
+import os
+import random
+import re
+import threading
+import time
+from typing import Any
+from typing import Callable
+from typing import Dict
+from typing import List
+from typing import Tuple
+
+# scheme -> (the fsspec package serving it, the extra that installs it)
+REMOTE_SCHEMES: Dict[str, Tuple[str, str]] = {
+    "s3": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+}
+_REMOTE = re.compile(r"(s3|gs)://(.*)", re.DOTALL)
+# A bucket name, as S3 and GCS allow them (3-222 characters).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]")
+# Tries of one call when the network fails (the client retried already).
+_TRIES = 4
+_BACKOFF_S = 0.5
+
+
+def is_remote(path: Any) -> bool:
+    """Whether `path` names object storage kd writes to (`s3://`, `gs://`).
+
+    Args:
+        path: Anything; only a `str` can be remote.
+
+    Returns:
+        `True` for `s3://...` and `gs://...`.
+
+    Example:
+
+    >>> is_remote("s3://bucket/run")
+    True
+    >>> is_remote("/tmp/run")
+    False
+    """
+    return isinstance(path, str) and _REMOTE.match(path) is not None
+
+
+def normalize(path: str, argument: str = "path") -> str:
+    """`path` as `<scheme>://<bucket>/<key>`, checked.
+
+    Args:
+        path: An `s3://` or `gs://` path.
+        argument: The argument's name, for the error message.
+
+    Returns:
+        The path without a trailing `/`.
+
+    Raises:
+        ValueError: for a path with no bucket, a bucket name the stores
+            refuse, or an empty, `.` or `..` segment in its key (a key
+            that would name another object than it seems to).
+
+    Example:
+
+    >>> normalize("s3://bucket/run/")
+    's3://bucket/run'
+    """
+    match = _REMOTE.match(path)
+    if match is None:
+        raise ValueError(f"{argument}={path!r} is not an s3:// or gs:// "
+                         "path.")
+    scheme, rest = match.group(1), match.group(2).rstrip("/")
+    bucket, _, key = rest.partition("/")
+    segments = key.split("/") if key else []
+    if not _BUCKET.fullmatch(bucket) or any(
+            s in ("", ".", "..") for s in segments) or "\\" in rest or any(
+            ord(c) < 32 for c in rest):
+        raise ValueError(
+            f"{argument}={path!r} is not a usable {scheme}:// path: expected "
+            f"{scheme}://<bucket>/<prefix>, with a bucket name of 3 to 222 "
+            "lowercase letters, digits, '.', '-' or '_', and no empty, '.' "
+            "or '..' segment. Received: "
+            f"bucket={bucket!r}, prefix={key!r}.")
+    return f"{scheme}://{rest}"
+
+
+def join(base: str, *names: str) -> str:
+    """`base/name/...` for object keys (always `/`)."""
+    return "/".join([base.rstrip("/"), *names])
+
+
+def split(path: str) -> Tuple[str, str]:
+    """`(parent, name)` of a remote path (`("s3://b/run", "ckpt-1")`)."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    return parent, name
+
+
+def _retryable(error: BaseException) -> bool:
+    """A failure of the network or the server, worth another try; never a
+    missing object, a refused request or kd's own error."""
+    if isinstance(error, (FileNotFoundError, PermissionError,
+                          FileExistsError, IsADirectoryError,
+                          NotADirectoryError, ValueError, TypeError)):
+        return False
+    name = type(error).__name__
+    return isinstance(error, (OSError, TimeoutError, ConnectionError)) or (
+        name in ("ClientError", "ClientOSError", "ServerDisconnectedError",
+                 "EndpointConnectionError", "ReadTimeoutError",
+                 "ConnectTimeoutError", "HttpError"))
+
+
+class Store:
+    """One object store (one scheme), through its fsspec file system.
+
+    Args:
+        scheme: `"s3"` or `"gs"`.
+
+    Raises:
+        ImportError: if the scheme's fsspec package is not installed (the
+            message names the extra to install).
+
+    Example:
+
+    >>> store = store_for("s3://bucket/run")
+    >>> store.write_bytes("s3://bucket/run/a.json", b"{}")
+    """
+
+    def __init__(self, scheme: str):
+        package, extra = REMOTE_SCHEMES[scheme]
+        self.scheme = scheme
+        try:
+            module = __import__(package)
+        except ImportError:
+            raise ImportError(
+                f"{scheme}:// checkpoint paths need the `{package}` package. "
+                f"Install it with `pip install keras-distribute[{extra}]` "
+                f"(or `pip install {package}`).") from None
+        if scheme == "s3":
+            self.fs = module.S3FileSystem(
+                use_listings_cache=False, skip_instance_cache=True,
+                config_kwargs={"retries": {"max_attempts": 8,
+                                           "mode": "standard"},
+                               "connect_timeout": 20, "read_timeout": 120})
+        else:
+            self.fs = module.GCSFileSystem(
+                use_listings_cache=False, skip_instance_cache=True,
+                timeout=120)
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any,
+             **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, tried again with backoff (up to `_TRIES`
+        times) when the network or the server fails.
+
+        Raises:
+            OSError: the last failure, naming `what`.
+        """
+        for attempt in range(_TRIES):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - sorted below
+                if not _retryable(error) or attempt == _TRIES - 1:
+                    if _retryable(error):
+                        raise OSError(
+                            f"{what} failed {_TRIES} times; the last error: "
+                            f"{type(error).__name__}: {error}") from error
+                    raise
+                time.sleep(_BACKOFF_S * (2 ** attempt)
+                           * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def exists(self, key: str) -> bool:
+        """Whether an object `key` exists."""
+        try:
+            self.call(f"Looking up {key}", self.fs.info, key)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def read_bytes(self, key: str, limit: int) -> bytes:
+        """The bytes of object `key`, at most `limit` + 1 read (a caller
+        that gets more than `limit` refuses the object).
+
+        Raises:
+            FileNotFoundError: if there is no such object.
+        """
+        return bytes(self.call(f"Reading {key}", self.fs.cat_file, key,
+                               start=0, end=limit + 1))
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Writes object `key` (replacing one there, atomically for a
+        reader: it sees the old object or the new one)."""
+        self.call(f"Writing {key}", self.fs.pipe_file, key, data)
+
+    def put(self, local: str, key: str) -> None:
+        """Uploads the file `local` to `key` (multipart when large, parts
+        in parallel), then checks the object's size.
+
+        Raises:
+            OSError: if the stored object is not the file's size.
+        """
+        self.call(f"Uploading {local} to {key}", self.fs.put_file, local,
+                  key)
+        stored, size = self.size(key), os.path.getsize(local)
+        if stored != size:
+            raise OSError(f"Uploading {local} to {key}: the store holds "
+                          f"{stored} bytes, the file has {size}.")
+
+    def get(self, key: str, local: str, size: int) -> None:
+        """Downloads `key` to the file `local`, refused unless it is exactly
+        `size` bytes (the size a checkpoint's index claims for it).
+
+        Raises:
+            ValueError: if the object's size is not `size` (nothing more
+                than `size` bytes is read).
+        """
+        found = self.size(key)
+        if found != size:
+            raise ValueError(
+                f"{key} is {found} bytes, but the checkpoint's index "
+                f"records {size}: it was changed or replaced after the save.")
+        self.call(f"Downloading {key}", self.fs.get_file, key, local)
+        if os.path.getsize(local) != size:
+            raise ValueError(f"{key} changed while it was downloaded.")
+
+    def size(self, key: str) -> int:
+        """The size of object `key` in bytes."""
+        return int(self.call(f"Looking up {key}", self.fs.info, key)["size"])
+
+    def children(self, prefix: str) -> Dict[str, bool]:
+        """`name -> is a "directory"` of the direct children of `prefix`
+        (objects `prefix/name`, and `prefix/name/...` as directories);
+        empty when there are none."""
+        try:
+            entries = self.call(f"Listing {prefix}", self.fs.ls, prefix,
+                                detail=True)
+        except FileNotFoundError:
+            return {}
+        found = {}
+        stripped = prefix.split("://", 1)[-1].rstrip("/")
+        for entry in entries:
+            name = entry["name"].rstrip("/")
+            if name == stripped:
+                continue  # `prefix` is itself an object
+            found[name.rpartition("/")[2]] = entry["type"] == "directory"
+        return found
+
+    def files_under(self, prefix: str) -> Dict[str, int]:
+        """`relative key -> size` of every object under `prefix/`."""
+        try:
+            found = self.call(f"Listing {prefix}", self.fs.find, prefix,
+                              detail=True)
+        except FileNotFoundError:
+            return {}
+        stripped = prefix.split("://", 1)[-1].rstrip("/") + "/"
+        return {name[len(stripped):]: int(info.get("size") or 0)
+                for name, info in found.items()
+                if name.startswith(stripped)}
+
+    def is_object(self, key: str) -> bool:
+        """Whether `key` itself is an object (not only a prefix)."""
+        try:
+            info = self.call(f"Looking up {key}", self.fs.info, key)
+        except FileNotFoundError:
+            return False
+        return bool(info.get("type") == "file")
+
+    def remove(self, keys: List[str]) -> None:
+        """Deletes the objects `keys` (absent ones are no error)."""
+        for start in range(0, len(keys), 1000):
+            batch = keys[start:start + 1000]
+            try:
+                self.call(f"Deleting {batch[:3]}...", self.fs.rm, batch)
+            except FileNotFoundError:
+                for key in batch:
+                    try:
+                        self.call(f"Deleting {key}", self.fs.rm_file, key)
+                    except FileNotFoundError:
+                        pass
+
+
+_stores: Dict[str, Store] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(path: str) -> Store:
+    """The `Store` of `path`'s scheme (one per process and scheme)."""
+    scheme = path.split("://", 1)[0]
+    with _stores_lock:
+        if scheme not in _stores:
+            _stores[scheme] = Store(scheme)
+        return _stores[scheme]
+
+
+def forget_stores() -> None:
+    """Drops the stores made so far (a test that changes the endpoint, or a
+    forked child: an fsspec client holds its parent's event loop)."""
+    with _stores_lock:
+        _stores.clear()
+
+
+def _after_fork() -> None:
+    # A forked child's fsspec client would use its parent's event loop.
+    _stores.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,142 @@
+"""One prefix, one job, in object storage: the lease of `lease`, without
+`O_EXCL`.
+
+An object store has no exclusive create that every S3-API server honours,
+so the lease is the object `<directory>/.keras_distribute-lease`, naming the
+job (`lease.job_token()`), its host and process id and a heartbeat the
+holder rewrites every `HEARTBEAT_S`. A job takes it when there is none, when
+it is its own, or when the holder's heartbeat stopped (`STALE_AFTER_S`, by
+this host's clock); it then writes it and reads it back after a moment: two
+jobs that wrote it at once both read the last writer's, and the other one
+is refused. Another job's live lease makes `take` raise
+`lease.DirectoryInUseError`, which names the holder. Framework-free.
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Dict
+from typing import Optional
+
+from keras_distribute.checkpoint.storage import lease
+from keras_distribute.checkpoint.storage import object_store
+
+LEASE = lease.LEASE
+HEARTBEAT_S = 5.0
+STALE_AFTER_S = 60.0
+# How long a writer waits before reading its lease back.
+SETTLE_S = 1.0
+
+_held: Dict[str, "_Held"] = {}
+_lock = threading.Lock()
+
+
+class _Held:
+    """A lease this process holds: its users and its heartbeat."""
+
+    def __init__(self, key: str, record: dict):
+        self.key, self.record, self.users = key, record, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True,
+                                       name="kd-lease-heartbeat")
+        self.thread.start()
+
+    def _beat(self) -> None:
+        store = object_store.store_for(self.key)
+        while not self.stop.wait(HEARTBEAT_S):
+            self.record["beat"] = time.time()
+            try:
+                store.write_bytes(self.key, json.dumps(self.record).encode())
+            except Exception:  # noqa: BLE001 - the next beat tries again
+                pass
+
+
+def _read(key: str) -> Optional[dict]:
+    try:
+        raw = object_store.store_for(key).read_bytes(key, 1 << 16)
+        record = json.loads(raw)
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _refusal(directory: str, holder: dict) -> lease.DirectoryInUseError:
+    return lease.DirectoryInUseError(
+        f"Another job saves checkpoints into {directory!r}: its lease "
+        f"{object_store.join(directory, LEASE)!r} names host "
+        f"{holder.get('host')!r}, process {holder.get('pid')!r}, and its "
+        f"heartbeat is live. Two jobs saving into one prefix would delete "
+        "each other's checkpoints. Give this job its own directory, or "
+        "stop the other job (its lease is taken over "
+        f"{STALE_AFTER_S:.0f} s after its heartbeat stops).")
+
+
+def take(directory: str) -> str:
+    """Takes (or joins, for this job) the lease of `directory`.
+
+    Returns:
+        The lease's key (pass it to `release`).
+
+    Raises:
+        lease.DirectoryInUseError: if another live job holds it.
+    """
+    key = object_store.join(directory, LEASE)
+    with _lock:
+        held = _held.get(key)
+        if held is not None:
+            held.users += 1
+            return key
+    holder = _read(key)
+    if holder is not None and holder.get("job") != lease.job_token():
+        beat = holder.get("beat")
+        if isinstance(beat, (int, float)) and (
+                time.time() - beat < STALE_AFTER_S):
+            raise _refusal(directory, holder)
+    record = {"job": lease.job_token(), "host": socket.gethostname(),
+              "pid": os.getpid(), "beat": time.time()}
+    store = object_store.store_for(key)
+    store.write_bytes(key, json.dumps(record).encode())
+    time.sleep(SETTLE_S)
+    holder = _read(key)
+    if holder is None or holder.get("job") != lease.job_token():
+        raise _refusal(directory, holder or {})
+    with _lock:
+        held = _held.get(key)
+        if held is None:
+            held = _held[key] = _Held(key, record)
+        held.users += 1
+    return key
+
+
+def release(key: str) -> None:
+    """Lets go of a lease `take` returned; the last user of this job
+    deletes it (if it is still this job's)."""
+    with _lock:
+        held = _held.get(key)
+        if held is None:
+            return
+        held.users -= 1
+        if held.users > 0:
+            return
+        del _held[key]
+    held.stop.set()
+    held.thread.join(timeout=HEARTBEAT_S + 30)
+    try:
+        holder = _read(key)
+        if holder is not None and holder.get("job") == lease.job_token():
+            object_store.store_for(key).remove([key])
+    except Exception:  # noqa: BLE001 - stale in STALE_AFTER_S anyway
+        pass
+
+
+def _after_fork() -> None:
+    # A forked child is a job of its own (`lease`): it holds nothing.
+    global _lock
+    _held.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,119 @@
+"""Reading a checkpoint in object storage: a local copy of it, downloaded
+within what its index may claim, then read as a checkpoint on disk is
+(`reading`, `validation`). Framework-free."""
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+import threading
+from typing import Dict
+from typing import Tuple
+
+from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import validation
+from keras_distribute.checkpoint.storage.format import INDEX
+from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.remote_checkpoints import generation_of
+from keras_distribute.checkpoint.storage.remote_checkpoints import read_index
+
+_downloads: Dict[str, Tuple[str, str]] = {}  # path -> (generation, local)
+_downloads_lock = threading.Lock()
+_KEPT_DOWNLOADS = 2
+
+
+def download(path: str) -> str:
+    """A local copy of the committed checkpoint at `path`, to read.
+
+    Downloads the index, then each file it names, into a private
+    temporary directory (removed when the process exits; the last
+    `_KEPT_DOWNLOADS` are kept for reads of the same checkpoint). A file
+    is fetched only if its size is the one the index records; the local
+    reader then checks the rest (format, checksums).
+
+    Returns:
+        The local directory.
+
+    Raises:
+        CheckpointError: if `path` holds no committed checkpoint, or it
+            is malformed or changed while being read.
+    """
+    for attempt in range(3):
+        index = read_index(path)
+        generation = generation_of(index, path)
+        with _downloads_lock:
+            cached = _downloads.get(path)
+        if cached is not None and cached[0] == generation and os.path.isdir(
+                cached[1]):
+            return cached[1]
+        try:
+            local = _fetch(path, index, generation)
+        except FileNotFoundError:
+            # Replaced by a newer save while it was read: read the new one.
+            if attempt == 2:
+                raise CheckpointError(
+                    f"{path!r} changed three times while it was read; try "
+                    "again once its writer is done.") from None
+            continue
+        with _downloads_lock:
+            _downloads[path] = (generation, local)
+            while len(_downloads) > _KEPT_DOWNLOADS:
+                oldest = next(iter(_downloads))
+                shutil.rmtree(_downloads.pop(oldest)[1], ignore_errors=True)
+        return local
+    raise AssertionError("unreachable")
+
+
+def _fetch(path: str, index: dict, generation: str) -> str:
+    files = index["object_store"].get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and validation.SHARD_FILE.fullmatch(name)
+            and isinstance(size, int) and not isinstance(size, bool)
+            and size >= 0 for name, size in files.items()):
+        raise CheckpointError(
+            f"The index of {path!r} lists its files wrongly (expected "
+            "'shards-NNNNN.h5' -> a size in bytes); not read.")
+    named = {str(piece.get("file")) for record in index.get(
+        "variables", {}).values() if isinstance(record, dict)
+        for piece in record.get("pieces", []) if isinstance(piece, dict)}
+    unlisted = sorted(str(name) for name in named - set(files))
+    if unlisted:
+        raise CheckpointError(
+            f"The index of {path!r} names files it does not list with a "
+            f"size ({unlisted[:3]}); not read.")
+    local = tempfile.mkdtemp(prefix="kd-checkpoint-")
+    try:
+        with open(os.path.join(local, INDEX), "w") as f:
+            json.dump(index, f)
+        store = object_store.store_for(path)
+        for name in sorted(named):
+            try:
+                store.get(object_store.join(path, generation, name),
+                          os.path.join(local, name), files[name])
+            except ValueError as error:
+                raise CheckpointError(
+                    f"Not reading {path!r}: {error}") from None
+    except BaseException:
+        shutil.rmtree(local, ignore_errors=True)
+        raise
+    return local
+
+
+def _forget_downloads_after_fork() -> None:
+    # The parent's copies are the parent's: a child's exit leaves them.
+    global _downloads_lock
+    _downloads.clear()
+    _downloads_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_downloads_after_fork)
+
+
+@atexit.register
+def _remove_downloads() -> None:
+    with _downloads_lock:
+        for _, local in _downloads.values():
+            shutil.rmtree(local, ignore_errors=True)
+        _downloads.clear()

@@ -1,0 +1,350 @@
+"""Checkpoints in object storage (#47), against a real S3-API server.
+
+moto's server (`moto[server]`) runs on 127.0.0.1 in its own process for
+this module, started and stopped here; a proxy in front of it answers some
+requests with 503 SlowDown, slowly. Every backend runs these: what a
+backend gives the storage layer (each process's host arrays) is the same
+as on disk; the kill -9 test runs a child program on JAX only (the storage
+layer it tests imports no framework).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distribute as kd
+from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import remote_checkpoints
+from keras_distribute.checkpoint.storage import remote_lease
+
+pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
+pytest.importorskip("moto", reason="moto[server] is not installed")
+
+import s3_server  # noqa: E402
+
+BUCKET = "kd-test"
+CheckpointError = kd.checkpoint.CheckpointError
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    saved = {key: os.environ.get(key) for key in
+             s3_server.environment("").keys()}
+    with s3_server.s3_server() as url:
+        os.environ.update(s3_server.environment(url))
+        object_store.forget_stores()
+        s3_server.make_bucket(url, BUCKET)
+        try:
+            yield url
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            object_store.forget_stores()
+
+
+@pytest.fixture
+def prefix(endpoint, monkeypatch):
+    """A fresh `s3://kd-test/<random>` for one test (seconds-long lease
+    settling cut for tests)."""
+    monkeypatch.setattr(remote_lease, "SETTLE_S", 0.05)
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def _fs():
+    return object_store.store_for("s3://x").fs
+
+
+def _objects(prefix):
+    return sorted(object_store.store_for(prefix).files_under(prefix))
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    x = np.random.default_rng(seed).normal(size=(16, 5)).astype("float32")
+    model.fit(x, x[:, :3], epochs=1, batch_size=8, verbose=0)
+    return model
+
+
+def _weights(model):
+    return [np.array(w) for w in model.weights] + [
+        np.array(v) for v in model.optimizer.variables]
+
+
+def _scramble(model):
+    for variable in list(model.weights) + list(model.optimizer.variables):
+        variable.assign(np.full(variable.shape, 7, variable.dtype))
+
+
+def test_a_checkpoint_saved_to_s3_restores_bit_exactly(prefix, tmp_path,
+                                                       monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = _model()
+    saved = _weights(model)
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=model.optimizer)
+    path = checkpoint.save(prefix + "/ckpt", metadata={"epoch": 3})
+    assert path == prefix + "/ckpt-1"
+    assert os.listdir(tmp_path) == []  # no local "s3:" directory
+    # One generation, committed by its index; nothing else.
+    names = _objects(path)
+    generation = names[0].split("/")[0]
+    assert names == [f"{generation}/generation.json",
+                     f"{generation}/shards-00000.h5", "index.json"]
+    _scramble(model)
+    checkpoint.save_counter = 0
+    checkpoint.restore(path).assert_consumed()
+    for a, b in zip(saved, _weights(model)):
+        np.testing.assert_array_equal(a, b)
+    assert checkpoint.save_counter == 1
+    assert kd.checkpoint.latest_checkpoint(prefix) == path
+    assert kd.checkpoint.read_metadata(prefix)["epoch"] == 3
+    keys = dict(kd.checkpoint.list_variables(path))
+    key = next(k for k, shape in keys.items() if shape == (5, 8))
+    np.testing.assert_array_equal(kd.checkpoint.load_variable(path, key),
+                                  saved[0])
+    # A background save, then overwritten in place by write(): readers
+    # see the new one, the old generation is gone.
+    options = kd.checkpoint.CheckpointOptions(enable_async=True)
+    second = checkpoint.save(prefix + "/ckpt", options=options)
+    checkpoint.sync()
+    model.layers[0].kernel.assign(np.ones((5, 8), "float32"))
+    checkpoint.write(second)
+    assert len([n for n in _objects(second) if n.endswith(".h5")]) == 1
+    fresh = _model(seed=5)
+    kd.checkpoint.ShardedCheckpoint(model=fresh).read(second)
+    np.testing.assert_array_equal(np.array(fresh.layers[0].kernel),
+                                  np.ones((5, 8), "float32"))
+
+
+def test_a_manager_on_s3_keeps_its_own_and_never_touches_the_rest(prefix):
+    store = object_store.store_for(prefix)
+    # Someone else's objects: a file beside, and a name the manager would
+    # use (it numbers after it and never deletes it).
+    store.write_bytes(prefix + "/notes.txt", b"mine")
+    store.write_bytes(prefix + "/ckpt-2/data.csv", b"1,2")
+    model = _model()
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=model.optimizer)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix + "/",
+                                              max_to_keep=2)
+    paths = [manager.save(metadata={"step": i}) for i in range(3)]
+    assert paths == [f"{prefix}/ckpt-{n}" for n in (3, 4, 5)]
+    assert manager.checkpoints == paths[1:]
+    assert _objects(paths[0]) == []  # deleted: it was this manager's
+    assert store.read_bytes(prefix + "/notes.txt", 100) == b"mine"
+    assert store.read_bytes(prefix + "/ckpt-2/data.csv", 100) == b"1,2"
+    assert kd.checkpoint.checkpoints_in(prefix) == paths[1:]
+    # Another job cannot use the directory while this one holds it.
+    other = dict(json.loads(store.read_bytes(
+        prefix + "/.keras_distribute-lease", 1 << 16)))
+    assert other["pid"] == os.getpid()
+    manager.close()
+    assert not store.exists(prefix + "/.keras_distribute-lease")
+    saved = _weights(model)
+    _scramble(model)
+    resumed = kd.checkpoint.CheckpointManager(checkpoint, prefix,
+                                              max_to_keep=2)
+    assert resumed.restore_or_initialize() == paths[-1]
+    for a, b in zip(saved, _weights(model)):
+        np.testing.assert_array_equal(a, b)
+    resumed.close()
+
+
+def test_two_jobs_on_one_prefix_are_refused(prefix, monkeypatch):
+    store = object_store.store_for(prefix)
+    import time
+
+    lease_key = prefix + "/.keras_distribute-lease"
+    store.write_bytes(lease_key, json.dumps({
+        "job": "another-job", "host": "node-7", "pid": 12,
+        "beat": time.time()}).encode())
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=_model())
+    with pytest.raises(kd.checkpoint.DirectoryInUseError,
+                       match="node-7.*own directory"):
+        kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    # Its heartbeat stopped: the lease is taken over.
+    monkeypatch.setattr(remote_lease, "STALE_AFTER_S", 0.0)
+    kd.checkpoint.CheckpointManager(checkpoint, prefix).close()
+    # A save in progress of another job at the same path is refused too.
+    target = prefix + "/shared"
+    store.write_bytes(target + "/g-" + "a" * 32 + "/generation.json",
+                      json.dumps({"job": "another-job", "host": "node-7",
+                                  "pid": 12, "owner": None,
+                                  "beat": time.time()}).encode())
+    with pytest.raises(CheckpointError, match="another job is writing"):
+        checkpoint.write(target)
+    # Foreign objects at a checkpoint path are never replaced.
+    store.write_bytes(prefix + "/theirs/data.csv", b"1,2")
+    with pytest.raises(CheckpointError, match="did not write.*data.csv"):
+        checkpoint.write(prefix + "/theirs")
+    assert store.read_bytes(prefix + "/theirs/data.csv", 100) == b"1,2"
+
+
+def test_a_throttling_slow_server_loses_nothing(prefix, endpoint):
+    model = _model()
+    saved = _weights(model)
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=model.optimizer)
+    with s3_server.FlakyProxy(endpoint, fail_every=7,
+                              delay_s=0.01) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+        object_store.forget_stores()
+        try:
+            manager = kd.checkpoint.CheckpointManager(checkpoint, prefix,
+                                                      max_to_keep=1)
+            path = manager.save()
+            _scramble(model)
+            checkpoint.restore(path).assert_consumed()
+            manager.close()
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+            object_store.forget_stores()
+    assert proxy.failed >= 3, (proxy.failed, proxy.requests)
+    for a, b in zip(saved, _weights(model)):
+        np.testing.assert_array_equal(a, b)
+    assert kd.checkpoint.checkpoints_in(prefix) == [path]
+
+
+def _tamper(path, change):
+    store = object_store.store_for(path)
+    index = json.loads(store.read_bytes(path + "/index.json", 1 << 24))
+    change(index)
+    store.write_bytes(path + "/index.json", json.dumps(index).encode())
+
+
+@pytest.mark.parametrize("case", [
+    "file_size", "generation_outside", "unlisted_file", "file_name",
+    "shard_replaced", "dense_index", "no_index",
+], ids=lambda c: c)
+def test_a_hostile_object_layout_is_refused_and_restores_nothing(prefix,
+                                                                 case):
+    model = _model()
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    path = checkpoint.write(prefix + "/ckpt")
+    store = object_store.store_for(path)
+    generation = _objects(path)[0].split("/")[0]
+    # A secret beside the checkpoint: no tampering makes kd read it.
+    store.write_bytes(prefix + "/secret.h5", b"x" * 64)
+    files = "object_store", "files"
+    if case == "file_size":
+        _tamper(path, lambda i: i[files[0]][files[1]].update(
+            {"shards-00000.h5": 10}))
+        match = "records 10"
+    elif case == "generation_outside":
+        _tamper(path, lambda i: i[files[0]].update(generation="../.."))
+        match = "names no generation"
+    elif case == "unlisted_file":
+        _tamper(path, lambda i: i[files[0]].update(files={}))
+        match = "does not list"
+    elif case == "file_name":
+        _tamper(path, lambda i: i[files[0]][files[1]].update(
+            {"../secret.h5": 64}))
+        match = "lists its files wrongly"
+    elif case == "shard_replaced":
+        store.write_bytes(f"{path}/{generation}/shards-00000.h5",
+                          b"\0" * (1 << 20))
+        match = "changed or replaced"
+    elif case == "dense_index":
+        store.write_bytes(path + "/index.json", b"[" * 100000)
+        match = "dense|corrupt"
+    else:
+        store.remove([path + "/index.json"])
+        match = "not a committed"
+    before = _weights(model)[:4]
+    _scramble(model)
+    scrambled = _weights(model)[:4]
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.read(path)
+    for a, b in zip(scrambled, _weights(model)[:4]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(before[0], scrambled[0])
+
+
+@pytest.mark.parametrize("path", [
+    "s3://b/run", "s3://bucket/../run", "s3://bucket//run", "s3://Bucket/r",
+    "gs://bucket/a/./b",
+], ids=["short_bucket", "dot_dot", "empty_segment", "uppercase",
+        "dot_segment"])
+def test_a_malformed_bucket_path_is_refused(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=_model())
+    with pytest.raises(ValueError, match="not a usable.*Received: bucket="):
+        checkpoint.write(path)
+    assert os.listdir(tmp_path) == []
+
+
+_KILLED_PROGRAM = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import keras
+    import keras_distribute as kd
+    from keras_distribute.checkpoint.storage import object_store
+
+    prefix, out = sys.argv[1], sys.argv[2]
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64)])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    manager.save()
+    np.save(out, np.array(model.layers[0].kernel))
+    model.layers[0].kernel.assign(np.zeros((5, 64), "float32"))
+    write = object_store.Store.write_bytes
+
+    def killed_at_the_part(self, key, data):
+        if key.endswith("part-00000.json"):  # the shards are uploaded
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, key, data)
+
+    object_store.Store.write_bytes = killed_at_the_part
+    manager.save()
+""")
+
+
+def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
+        prefix, endpoint, tmp_path, monkeypatch):
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: its kill -9 "
+                    "test runs on JAX (the parity tests on every backend)")
+    program = tmp_path / "killed.py"
+    program.write_text(_KILLED_PROGRAM)
+    out = str(tmp_path / "saved.npy")
+    done = subprocess.run(
+        [sys.executable, str(program), prefix, out], timeout=180,
+        env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    # The second save's shards are there, uncommitted; readers see the
+    # first checkpoint only.
+    second = [n for n in _objects(prefix + "/ckpt-2")]
+    assert any(n.endswith("shards-00000.h5") for n in second), second
+    assert "index.json" not in second
+    assert kd.checkpoint.latest_checkpoint(prefix) == prefix + "/ckpt-1"
+    # A new run of the same owner: the dead job's lease and unfinished save
+    # (their heartbeats stopped) are taken over and removed; it resumes
+    # from the first checkpoint; the number the dead save never committed
+    # is free again.
+    monkeypatch.setattr(remote_lease, "STALE_AFTER_S", 0.0)
+    monkeypatch.setattr(remote_checkpoints, "STALE_AFTER_S", 0.0)
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64)])
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    assert _objects(prefix + "/ckpt-2") == []
+    assert manager.restore_or_initialize() == prefix + "/ckpt-1"
+    np.testing.assert_array_equal(np.array(model.layers[0].kernel),
+                                  np.load(out))
+    assert manager.save() == prefix + "/ckpt-2"
+    manager.close()
