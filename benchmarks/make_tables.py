@@ -433,6 +433,28 @@ def plan_layout_table():
     return "\n".join(rows)
 
 
+def checkpoint_object_store_table():
+    entry = _load("checkpoint_object_store")
+    r = entry["result"]
+    m = r["median"]
+    return "\n".join([
+        f"{r['megabytes']:,.0f} MB of float32 Keras variables, one JAX "
+        f"process, {r['server']}; median of {r['repeats']} runs; run "
+        f"{_run(entry)} ({entry['machine']}).",
+        "",
+        "| transfer | kd `ShardedCheckpoint` | s3fs, same bytes (the anchor)"
+        " | kd throughput / s3fs's | goal |",
+        "|---|---|---|---|---|",
+        f"| save (`write` / `put_file`) | {m['kd_save_s']:.2f} s, "
+        f"{r['kd_save_mb_s']:.0f} MB/s | {m['s3fs_put_s']:.2f} s, "
+        f"{r['s3fs_put_mb_s']:.0f} MB/s | {1 / r['save_over_put']:.2f}x | "
+        "≥ 0.9x |",
+        f"| restore (`read` / `get_file`) | {m['kd_restore_s']:.2f} s, "
+        f"{r['kd_restore_mb_s']:.0f} MB/s | {m['s3fs_get_s']:.2f} s, "
+        f"{r['s3fs_get_mb_s']:.0f} MB/s | {1 / r['restore_over_get']:.2f}x "
+        "| ≥ 0.9x |"])
+
+
 TABLES = {"fit": fit_table, "memory": memory_table,
           "memory_jax": memory_jax_table, "scaling": scaling_table,
           "soak": soak_table, "checkpoint": checkpoint_table,
@@ -442,7 +464,8 @@ TABLES = {"fit": fit_table, "memory": memory_table,
           "compression": compression_table,
           "compression_jax": compression_jax_table,
           "divergence": divergence_table,
-          "plan_layout": plan_layout_table}
+          "plan_layout": plan_layout_table,
+          "checkpoint_object_store": checkpoint_object_store_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)
 

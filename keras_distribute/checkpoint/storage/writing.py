@@ -115,7 +115,7 @@ def remove_ours(path: str, what: str = "a checkpoint") -> None:
 
 
 def write_process_shards(temporary: str, entries: Dict[str, tuple],
-                         process_id: int) -> None:
+                         process_id: int, durable: bool = True) -> None:
     """Writes this process's unique pieces and its part of the index.
 
     Args:
@@ -124,8 +124,10 @@ def write_process_shards(temporary: str, entries: Dict[str, tuple],
             variable path)`, where `pieces` lists `(global slice, numpy
             array)` unique to this process.
         process_id: This process's id; names its files.
+        durable: Sync the shard file to the disk (`False` for a staging
+            copy that is uploaded, then deleted).
     """
-    part = _write_shards(temporary, entries, process_id)
+    part = _write_shards(temporary, entries, process_id, durable)
     _write_json(os.path.join(temporary, f"part-{process_id:05d}.json"), part)
 
 
@@ -234,7 +236,7 @@ def _write_atomically(file_path: str, text: str) -> None:
 
 
 def _write_shards(directory: str, entries: Dict[str, tuple],
-                  process_id: int) -> dict:
+                  process_id: int, durable: bool = True) -> dict:
     """h5py lays out one contiguous dataset per piece, allocated up front;
     then the bytes go to their offsets in parallel (`parallel_io`), each
     piece hashed on the way, and one fsync."""
@@ -281,7 +283,8 @@ def _write_shards(directory: str, entries: Dict[str, tuple],
     try:
         for offset, stored in placed:
             parallel_io.write_at(fd, stored, offset)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return {"variables": variables}
