@@ -52,9 +52,9 @@ def main() -> None:
 
 def run(args) -> dict:
     import numpy as np
+    from _common import make_checkpoint_state
 
     import keras_distribute as kd
-    from _common import make_checkpoint_state
     from keras_distribute.checkpoint.storage import object_store
 
     model = make_checkpoint_state(args.megabytes, seed=0)
