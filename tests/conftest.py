@@ -72,6 +72,7 @@ LONGEST_FIRST = (
     "test_notebooks.py",
     "test_ecosystem_programs.py",
     "test_keras_versions.py",
+    "test_object_store.py",        # ~30 (jax: a kill -9 and a throttling run)
 )
 
 

@@ -124,9 +124,10 @@ def test_creating_a_strategy_leaves_the_random_streams_alone(tmp_path):
     strategy and building under its scope now draws nothing from Python's,
     numpy's or torch's generators, on every backend."""
     import ast
+    import concurrent.futures
     import os
-    import subprocess
-    import sys
+
+    from program_runner import run_program
 
     script = tmp_path / "seeded.py"
     script.write_text(SEEDED_PROGRAM)
@@ -134,10 +135,17 @@ def test_creating_a_strategy_leaves_the_random_streams_alone(tmp_path):
     env["KERAS_BACKEND"] = BACKEND
     if BACKEND == "jax":
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    outputs = [ast.literal_eval(subprocess.run(
-        [sys.executable, str(script), mode], env=env, capture_output=True,
-        text=True, timeout=300, check=True).stdout.strip().splitlines()[-1])
-        for mode in ("plain", "strategy")]
+
+    def run(mode):
+        # A process of its own that imported nothing of the program yet
+        # (forked from one that imported Keras: tests/program_runner.py).
+        done = run_program([str(script), mode], cwd=tmp_path, env=env,
+                           timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outputs = list(pool.map(run, ("plain", "strategy")))
     (plain_draws, plain_weights), (draws, weights) = outputs
     assert draws == plain_draws
     for a, b in zip(plain_weights, weights):
