@@ -1,7 +1,8 @@
-"""A real S3-API server for the object-storage tests: moto's server mode
-(`moto[server]`), started on 127.0.0.1 in its own process and stopped by
-the test, and a proxy in front of it that answers some requests with 503
-or slowly (a store that throttles)."""
+"""Real object-store servers for the object-storage tests, each started on
+127.0.0.1 in its own process and stopped by the test: moto's server mode
+(`moto[server]`, the S3 API), `gcp-storage-emulator` (GCS's JSON API), and
+a proxy in front of the S3 one that answers some requests with 503 or
+slowly (a store that throttles)."""
 
 import contextlib
 import http.client
@@ -25,23 +26,19 @@ def _wait_for(port: int, process: subprocess.Popen) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"moto's server ended ({process.returncode})")
+            raise RuntimeError(f"the server ended ({process.returncode})")
         try:
             socket.create_connection(("127.0.0.1", port), 0.5).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError("moto's server did not listen within 60 s")
+    raise RuntimeError("the server did not listen within 60 s")
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[str]:
-    """Runs moto's S3 server on loopback; yields its endpoint URL."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-         str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env=dict(os.environ, **CREDENTIALS))
+def _running(process: subprocess.Popen, port: int) -> Iterator[str]:
+    """Waits until `process` listens on `port`, yields its URL, and stops
+    it (this test's own process, by its handle) however the test ends."""
     try:
         _wait_for(port, process)
         yield f"http://127.0.0.1:{port}"
@@ -52,6 +49,33 @@ def s3_server() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """Runs moto's S3 server on loopback; yields its endpoint URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+         str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, **CREDENTIALS))
+    with _running(process, port) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def gcs_server(bucket: str) -> Iterator[str]:
+    """Runs a fake GCS server (`gcp-storage-emulator`, the JSON API gcsfs
+    speaks) on loopback with `bucket`; yields its URL (what
+    `STORAGE_EMULATOR_HOST` names)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host",
+         "127.0.0.1", "--port", str(port), "--in-memory",
+         "--default-bucket", bucket], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    with _running(process, port) as url:
+        yield url
 
 
 def environment(endpoint: str) -> Dict[str, str]:

@@ -130,6 +130,42 @@ def test_a_checkpoint_saved_to_s3_restores_bit_exactly(prefix, tmp_path,
                                   np.ones((5, 8), "float32"))
 
 
+def test_gs_paths_go_through_gcsfs_to_a_gcs_server(tmp_path, monkeypatch):
+    # The same checkpoint through gcsfs, against a fake GCS server (its
+    # JSON API, gcp-storage-emulator): save, restore bit for bit, a manager
+    # that keeps its last one, a hostile index refused.
+    pytest.importorskip("gcsfs", reason="the [gcs] extra is not installed")
+    pytest.importorskip("gcp_storage_emulator",
+                        reason="gcp-storage-emulator is not installed")
+    monkeypatch.setattr(remote_lease, "SETTLE_S", 0.05)
+    with s3_server.gcs_server(BUCKET) as url:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+        object_store.forget_stores()
+        try:
+            prefix = f"gs://{BUCKET}/{uuid.uuid4().hex}"
+            model = _model()
+            saved = _weights(model)
+            checkpoint = kd.checkpoint.ShardedCheckpoint(
+                model=model, optimizer=model.optimizer)
+            manager = kd.checkpoint.CheckpointManager(checkpoint, prefix,
+                                                      max_to_keep=1)
+            first, path = manager.save(), manager.save()
+            assert manager.checkpoints == [path] == (
+                kd.checkpoint.checkpoints_in(prefix))
+            assert _objects(first) == []
+            manager.close()
+            _scramble(model)
+            checkpoint.restore(path).assert_consumed()
+            for a, b in zip(saved, _weights(model)):
+                np.testing.assert_array_equal(a, b)
+            other = checkpoint.write(prefix + "/other")
+            _tamper(other, lambda i: i["object_store"].update(files={}))
+            with pytest.raises(CheckpointError, match="does not list"):
+                kd.checkpoint.ShardedCheckpoint(model=_model(1)).read(other)
+        finally:
+            object_store.forget_stores()
+
+
 def test_a_manager_on_s3_keeps_its_own_and_never_touches_the_rest(prefix):
     store = object_store.store_for(prefix)
     # Someone else's objects: a file beside, and a name the manager would
@@ -232,7 +268,7 @@ def _tamper(path, change):
 
 @pytest.mark.parametrize("case", [
     "file_size", "generation_outside", "unlisted_file", "file_name",
-    "shard_replaced", "dense_index", "no_index",
+    "shard_replaced", "dense_index", "no_index", "file_too_large",
 ], ids=lambda c: c)
 def test_a_hostile_object_layout_is_refused_and_restores_nothing(prefix,
                                                                  case):
@@ -262,6 +298,14 @@ def test_a_hostile_object_layout_is_refused_and_restores_nothing(prefix,
         store.write_bytes(f"{path}/{generation}/shards-00000.h5",
                           b"\0" * (1 << 20))
         match = "changed or replaced"
+    elif case == "file_too_large":
+        # An object the pieces cannot justify is not downloaded, even when
+        # the index claims its size.
+        store.write_bytes(f"{path}/{generation}/shards-00000.h5",
+                          b"\0" * (4 << 20))
+        _tamper(path, lambda i: i[files[0]][files[1]].update(
+            {"shards-00000.h5": 4 << 20}))
+        match = "more than the"
     elif case == "dense_index":
         store.write_bytes(path + "/index.json", b"[" * 100000)
         match = "dense|corrupt"

@@ -5,7 +5,8 @@ Paths with these schemes go through fsspec's `s3fs` and `gcsfs` (the
 is used. Credentials, regions and endpoints come from each store's standard
 environment (`AWS_*` variables and `~/.aws` for S3, `AWS_ENDPOINT_URL` for an
 S3-API server that is not AWS; Google's application default credentials
-and `STORAGE_EMULATOR_HOST` for GCS); kd never logs or writes them.
+for GCS, and `STORAGE_EMULATOR_HOST` for an emulator, which is reached
+without credentials); kd never logs or writes them.
 
 Every call is bounded: connection and read timeouts, the store client's
 retries of throttling and 5xx answers (botocore's "standard" mode for S3,
@@ -155,9 +156,16 @@ class Store:
                                            "mode": "standard"},
                                "connect_timeout": 20, "read_timeout": 120})
         else:
-            self.fs = module.GCSFileSystem(
+            # (gcsfs.core's class: the package's default one first asks a
+            # gRPC service whether the bucket is hierarchical, which an
+            # emulator does not serve)
+            import gcsfs.core
+
+            emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+            self.fs = gcsfs.core.GCSFileSystem(
                 use_listings_cache=False, skip_instance_cache=True,
-                timeout=120)
+                requests_timeout=120,
+                **({"token": "anon"} if emulated else {}))
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any,
              **kwargs: Any) -> Any:

@@ -15,6 +15,7 @@ from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import validation
 from keras_distribute.checkpoint.storage.format import INDEX
 from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import numpy_dtype
 from keras_distribute.checkpoint.storage.remote_checkpoints import generation_of
 from keras_distribute.checkpoint.storage.remote_checkpoints import read_index
 
@@ -65,6 +66,29 @@ def download(path: str) -> str:
     raise AssertionError("unreachable")
 
 
+# What a shard file may hold beyond its pieces' bytes: HDF5's superblock,
+# heaps and one object header per piece (kd's files: ~2 KiB + ~0.7 KiB per
+# piece).
+_FILE_ALLOWANCE = 1 << 16
+_PIECE_ALLOWANCE = 1 << 13
+
+
+def _justified_sizes(index: dict) -> Dict[str, int]:
+    """`file -> the most bytes it may have`: the bytes of the pieces the
+    (validated) index puts in it, plus HDF5's bookkeeping."""
+    sizes: Dict[str, int] = {}
+    for record in index["variables"].values():
+        itemsize = numpy_dtype(record["dtype"]).itemsize
+        for piece in record["pieces"]:
+            count = 1
+            for start, stop in piece["slice"]:
+                count *= max(0, int(stop) - int(start))
+            name = piece["file"]
+            sizes[name] = (sizes.get(name, _FILE_ALLOWANCE) + _PIECE_ALLOWANCE
+                           + count * itemsize)
+    return sizes
+
+
 def _fetch(path: str, index: dict, generation: str) -> str:
     files = index["object_store"].get("files")
     if not isinstance(files, dict) or not all(
@@ -82,6 +106,13 @@ def _fetch(path: str, index: dict, generation: str) -> str:
         raise CheckpointError(
             f"The index of {path!r} names files it does not list with a "
             f"size ({unlisted[:3]}); not read.")
+    justified = _justified_sizes(index)
+    for name in named:
+        if files[name] > justified.get(name, 0):
+            raise CheckpointError(
+                f"The index of {path!r} lists {name} at {files[name]} bytes, "
+                f"more than the {justified.get(name, 0)} its pieces (and "
+                "HDF5's bookkeeping) can take; not downloaded.")
     local = tempfile.mkdtemp(prefix="kd-checkpoint-")
     try:
         with open(os.path.join(local, INDEX), "w") as f:
