@@ -306,7 +306,7 @@ def test_a_jobs_free_port_is_outside_the_kernels_ephemeral_range(
     # come from the range it also gives outgoing connections.
     import socket
 
-    from keras_distribute.launch import processes
+    from keras_distribute.job import ports as processes
 
     low, high = (int(v) for v in open(
         "/proc/sys/net/ipv4/ip_local_port_range").read().split())
