@@ -396,3 +396,64 @@ def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
                                   np.load(out))
     assert manager.save() == prefix + "/ckpt-2"
     manager.close()
+
+
+def test_every_checkpoint_entry_point_takes_an_s3_path(prefix, tmp_path,
+                                                       monkeypatch):
+    # The entry points the refusal of other schemes lists
+    # (test_checkpoint_security.py) take s3://, and make nothing locally.
+    monkeypatch.chdir(tmp_path)
+    model = _model()
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    path = checkpoint.write(prefix + "/w")
+    checkpoint.read(path).assert_consumed()
+    assert checkpoint.save(prefix + "/s") == prefix + "/s-1"
+    checkpoint.restore(prefix + "/s-1").assert_consumed()
+    assert kd.checkpoint.latest_checkpoint(prefix) == prefix + "/s-1"
+    assert kd.checkpoint.checkpoints_in(prefix) == [prefix + "/s-1"]
+    assert kd.checkpoint.read_metadata(path)["save_counter"] == 0
+    assert len(kd.checkpoint.list_variables(path)) == 4
+    assert kd.checkpoint.load_checkpoint(path).has_tensor("model/0")
+    for callback in (kd.callbacks.ShardedCheckpoint(prefix + "/cb"),
+                     kd.callbacks.BackupAndRestore(prefix + "/backup"),
+                     kd.callbacks.PreemptionCheckpoint(prefix + "/pre")):
+        assert callback.directory.startswith(prefix)
+    handler = kd.experimental.PreemptionCheckpointHandler(
+        kd.get_strategy().cluster_resolver, checkpoint, prefix + "/handler")
+    assert object_store.store_for(prefix).exists(
+        prefix + "/handler/.keras_distribute-lease")
+    del handler
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_reader_downloads_only_the_files_it_reads(prefix, tmp_path):
+    # Two processes' files, written and committed through the protocol's
+    # own steps (each process uploads its file and part; the chief
+    # commits); a reader of one variable fetches only the file holding it.
+    from keras_distribute.checkpoint.storage import remote_writing
+    from keras_distribute.checkpoint.storage import writing
+
+    path = prefix + "/two"
+    generation, heartbeat = remote_writing.prepare(path, None)
+    arrays = {"a": np.arange(6.0), "b": np.ones(4)}
+    try:
+        for process_id, key in enumerate(sorted(arrays)):
+            staging = tmp_path / f"process-{process_id}"
+            staging.mkdir()
+            array = arrays[key]
+            writing.write_process_shards(str(staging), {key: (
+                array.shape, "float64", [None],
+                [(((0, len(array)),), array)], key)}, process_id)
+            remote_writing.upload_process_files(path, generation,
+                                                str(staging), process_id)
+        remote_writing.commit(path, generation, 2, {"backend": "none"}, 60)
+    finally:
+        heartbeat.stop()
+    assert sorted(n.split("/")[-1] for n in _objects(path)) == [
+        "generation.json", "index.json", "shards-00000.h5", "shards-00001.h5"]
+    reader = kd.checkpoint.load_checkpoint(path)
+    np.testing.assert_array_equal(reader.get_tensor("b"), arrays["b"])
+    assert sorted(os.listdir(reader.path)) == ["index.json",
+                                               "shards-00001.h5"]
+    np.testing.assert_array_equal(reader.get_tensor("a"), arrays["a"])
+    assert len(os.listdir(reader.path)) == 3

@@ -20,6 +20,7 @@ import math
 import os
 import stat
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import Iterable
 from typing import List
@@ -263,9 +264,34 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
     return out
 
 
+# Local copies whose files are fetched when first read (a checkpoint in
+# object storage: `remote_reading`): real directory -> fetch(name).
+_fetchers: Dict[str, Callable[[str], None]] = {}
+
+
+def fetch_on_first_read(directory: str,
+                        fetch: Optional[Callable[[str], None]]) -> None:
+    """Makes the reads of `directory`'s files call `fetch(name)` first (it
+    puts the file there if it is not yet); `None` ends that.
+
+    Args:
+        directory: A local copy of a checkpoint, its index already there.
+        fetch: Called with a file name the index names, before the file is
+            opened; raises `CheckpointError` for a name it will not fetch.
+    """
+    key = os.path.realpath(directory)
+    if fetch is None:
+        _fetchers.pop(key, None)
+    else:
+        _fetchers[key] = fetch
+
+
 def _check_regular_file(path: str, name: str, entry: str) -> str:
     """`path/name`, refused unless it is a regular file inside `path` (no
     symlink, no path separator: the names come from the index)."""
+    fetch = _fetchers.get(os.path.realpath(path))
+    if fetch is not None and name != INDEX:
+        fetch(name)
     full = os.path.join(path, name)
     try:
         mode = os.lstat(full).st_mode

@@ -1,6 +1,7 @@
-"""Reading a checkpoint in object storage: a local copy of it, downloaded
-within what its index may claim, then read as a checkpoint on disk is
-(`reading`, `validation`). Framework-free."""
+"""Reading a checkpoint in object storage: a local copy of its index, each
+file downloaded when the reader first opens it and only within what the
+index may claim, then read as a checkpoint on disk is (`reading`,
+`validation`). Framework-free."""
 
 import atexit
 import json
@@ -12,6 +13,7 @@ from typing import Dict
 from typing import Tuple
 
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import reading
 from keras_distribute.checkpoint.storage import validation
 from keras_distribute.checkpoint.storage.format import INDEX
 from keras_distribute.checkpoint.storage.format import CheckpointError
@@ -27,43 +29,37 @@ _KEPT_DOWNLOADS = 2
 def download(path: str) -> str:
     """A local copy of the committed checkpoint at `path`, to read.
 
-    Downloads the index, then each file it names, into a private
-    temporary directory (removed when the process exits; the last
-    `_KEPT_DOWNLOADS` are kept for reads of the same checkpoint). A file
-    is fetched only if its size is the one the index records; the local
-    reader then checks the rest (format, checksums).
+    Downloads the index into a private temporary directory (removed when
+    the process exits; the last `_KEPT_DOWNLOADS` are kept for reads of the
+    same checkpoint); each file it names is downloaded when the local
+    reader first opens it (`reading.fetch_on_first_read`), so a process
+    fetches only the files holding pieces it reads. A file is fetched only
+    if its size is the one the index records and its pieces can justify;
+    the local reader then checks the rest (format, checksums).
 
     Returns:
         The local directory.
 
     Raises:
         CheckpointError: if `path` holds no committed checkpoint, or it
-            is malformed or changed while being read.
+            is malformed; a read of a file that a newer save replaced
+            meanwhile raises it too (read the checkpoint again).
     """
-    for attempt in range(3):
-        index = read_index(path)
-        generation = generation_of(index, path)
-        with _downloads_lock:
-            cached = _downloads.get(path)
-        if cached is not None and cached[0] == generation and os.path.isdir(
-                cached[1]):
-            return cached[1]
-        try:
-            local = _fetch(path, index, generation)
-        except FileNotFoundError:
-            # Replaced by a newer save while it was read: read the new one.
-            if attempt == 2:
-                raise CheckpointError(
-                    f"{path!r} changed three times while it was read; try "
-                    "again once its writer is done.") from None
-            continue
-        with _downloads_lock:
-            _downloads[path] = (generation, local)
-            while len(_downloads) > _KEPT_DOWNLOADS:
-                oldest = next(iter(_downloads))
-                shutil.rmtree(_downloads.pop(oldest)[1], ignore_errors=True)
-        return local
-    raise AssertionError("unreachable")
+    index = read_index(path)
+    generation = generation_of(index, path)
+    with _downloads_lock:
+        cached = _downloads.get(path)
+    if cached is not None and cached[0] == generation and os.path.isdir(
+            cached[1]):
+        return cached[1]
+    local = _local_copy(path, index, generation)
+    with _downloads_lock:
+        _downloads[path] = (generation, local)
+        while len(_downloads) > _KEPT_DOWNLOADS:
+            oldest = _downloads.pop(next(iter(_downloads)))[1]
+            reading.fetch_on_first_read(oldest, None)
+            shutil.rmtree(oldest, ignore_errors=True)
+    return local
 
 
 # What a shard file may hold beyond its pieces' bytes: HDF5's superblock,
@@ -89,7 +85,9 @@ def _justified_sizes(index: dict) -> Dict[str, int]:
     return sizes
 
 
-def _fetch(path: str, index: dict, generation: str) -> str:
+def _local_copy(path: str, index: dict, generation: str) -> str:
+    """The checked index in a new private directory, its files fetched
+    when first read."""
     files = index["object_store"].get("files")
     if not isinstance(files, dict) or not all(
             isinstance(name, str) and validation.SHARD_FILE.fullmatch(name)
@@ -114,20 +112,34 @@ def _fetch(path: str, index: dict, generation: str) -> str:
                 f"more than the {justified.get(name, 0)} its pieces (and "
                 "HDF5's bookkeeping) can take; not downloaded.")
     local = tempfile.mkdtemp(prefix="kd-checkpoint-")
-    try:
-        with open(os.path.join(local, INDEX), "w") as f:
-            json.dump(index, f)
-        store = object_store.store_for(path)
-        for name in sorted(named):
+    with open(os.path.join(local, INDEX), "w") as f:
+        json.dump(index, f)
+    store = object_store.store_for(path)
+    lock = threading.Lock()
+
+    def fetch(name: str) -> None:
+        target = os.path.join(local, name)
+        with lock:
+            if os.path.exists(target):
+                return
+            if name not in named:
+                raise CheckpointError(
+                    f"The index of {path!r} names no file {name!r}; not "
+                    "read.")
+            partial = target + ".part"
             try:
-                store.get(object_store.join(path, generation, name),
-                          os.path.join(local, name), files[name])
+                store.get(object_store.join(path, generation, name), partial,
+                          files[name])
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"{path!r} was replaced by a newer save while it was "
+                    f"read (its {name} is gone); read it again.") from None
             except ValueError as error:
                 raise CheckpointError(
                     f"Not reading {path!r}: {error}") from None
-    except BaseException:
-        shutil.rmtree(local, ignore_errors=True)
-        raise
+            os.replace(partial, target)
+
+    reading.fetch_on_first_read(local, fetch)
     return local
 
 
@@ -146,5 +158,6 @@ if hasattr(os, "register_at_fork"):
 def _remove_downloads() -> None:
     with _downloads_lock:
         for _, local in _downloads.values():
+            reading.fetch_on_first_read(local, None)
             shutil.rmtree(local, ignore_errors=True)
         _downloads.clear()
