@@ -44,10 +44,8 @@ def make_multi_worker_engine(resolver: ClusterResolver,
         jax.config.update("jax_enable_preemption_service", False)
         coordinator = resolver.coordinator_address
         if getattr(resolver, "master_port_taken", False):
-            # torchrun's store holds MASTER_PORT: JAX's coordinator takes the
-            # next port, the same on every host (docs/multi_worker.md).
-            host, _, port = coordinator.rpartition(":")
-            coordinator = f"{host}:{int(port) + 1}"
+            coordinator = _coordinator_beside_the_store(resolver,
+                                                        coordinator)
         bind_address = _own_address(coordinator)
         if resolver.process_id == 0 and bind_address is not None:
             from keras_distribute.job import addresses
@@ -278,3 +276,37 @@ def _watch_peers(rank: int, world_size: int, timeout_s: float,
                      note_silent_peers=True)
     atexit.register(peer_board.stop)  # before JAX's own shutdown (LIFO)
 
+
+def _coordinator_beside_the_store(resolver: Any, coordinator: str) -> str:
+    """JAX's coordinator address when a store holds MASTER_PORT.
+
+    Under torchrun, the agent's TCP store listens on MASTER_PORT (a port
+    torchrun took from the kernel's ephemeral range, where the next port
+    may be any connection's source port by the time process 0 binds it):
+    process 0 picks a free port below that range (`job.ports`) and tells
+    the others through the agent's store, under a key of this run and
+    restart. Elsewhere (Ray's TorchTrainer, whose group's store holds the
+    port) the coordinator takes the next port, the same on every host
+    (docs/multi_worker.md).
+    """
+    import datetime
+    import os
+
+    host, _, port = coordinator.rpartition(":")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return f"{host}:{int(port) + 1}"
+    from torch.distributed import TCPStore
+
+    from keras_distribute.job import ports
+
+    store = TCPStore(host.strip("[]"), int(port), is_master=False,
+                     timeout=datetime.timedelta(seconds=120))
+    key = (f"keras_distribute/jax_coordinator_port/{run_id}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if resolver.process_id == 0:
+        chosen = ports.free_port()
+        store.set(key, str(chosen))
+    else:
+        chosen = int(store.get(key))
+    return f"{host}:{chosen}"
