@@ -382,10 +382,16 @@ def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
     assert kd.checkpoint.latest_checkpoint(prefix) == prefix + "/ckpt-1"
     # A new run of the same owner: the dead job's lease and unfinished save
     # (their heartbeats stopped) are taken over and removed; it resumes
-    # from the first checkpoint; the number the dead save never committed
-    # is free again.
+    # from the first checkpoint.
     monkeypatch.setattr(remote_lease, "STALE_AFTER_S", 0.0)
     monkeypatch.setattr(remote_checkpoints, "STALE_AFTER_S", 0.0)
+    # An unfinished save of another owner, also dead: not this manager's to
+    # remove.
+    theirs = prefix + "/ckpt-7/g-" + "b" * 32
+    store = object_store.store_for(prefix)
+    store.write_bytes(theirs + "/generation.json", json.dumps(
+        {"job": "gone", "owner": "someone-else", "beat": 0}).encode())
+    store.write_bytes(theirs + "/shards-00000.h5", b"x")
     keras.utils.set_random_seed(9)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64)])
     checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
@@ -394,7 +400,10 @@ def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
     assert manager.restore_or_initialize() == prefix + "/ckpt-1"
     np.testing.assert_array_equal(np.array(model.layers[0].kernel),
                                   np.load(out))
-    assert manager.save() == prefix + "/ckpt-2"
+    assert _objects(prefix + "/ckpt-7") == [
+        "g-" + "b" * 32 + "/generation.json",
+        "g-" + "b" * 32 + "/shards-00000.h5"]
+    assert manager.save() == prefix + "/ckpt-8"
     manager.close()
 
 
