@@ -27,6 +27,7 @@ Usage (the server side is this file run with `--serve`):
 import atexit
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -62,6 +63,10 @@ class _Server:
             self.process.kill()
             self.process.wait()
             raise RuntimeError(self._died("did not start"))
+        self._requests_lock = threading.Lock()
+        self._replies = {}  # request number -> its queue of replies
+        self._next_id = 0
+        threading.Thread(target=self._dispatch, daemon=True).start()
 
     def _reply(self):
         return self.process.stdout.readline().strip()
@@ -74,26 +79,33 @@ class _Server:
     def run(self, argv, cwd, env, timeout):
         with tempfile.TemporaryDirectory(prefix="kd-program-") as streams:
             out, err = (os.path.join(streams, name) for name in ("out", "err"))
-            self.process.stdin.write(json.dumps({
-                "argv": list(argv), "cwd": str(cwd), "env": dict(env),
-                "stdout": out, "stderr": err}) + "\n")
-            self.process.stdin.flush()
-            started = self._reply()
-            if not started:
-                raise RuntimeError(self._died("ended before the program"))
-            pid = json.loads(started)["pid"]
-            finished = []
-            reader = threading.Thread(target=lambda: finished.append(
-                self._reply()), daemon=True)
-            reader.start()
-            reader.join(timeout)
-            timed_out = reader.is_alive()
-            if timed_out:
-                os.kill(pid, signal.SIGKILL)  # the program this call started
-                reader.join()
-            if not finished[0]:
-                raise RuntimeError(self._died("ended during the program"))
-            status = json.loads(finished[0])["status"]
+            replies = queue.Queue()
+            with self._requests_lock:
+                self._next_id += 1
+                number = self._next_id
+                self._replies[number] = replies
+                self.process.stdin.write(json.dumps({
+                    "id": number, "argv": list(argv), "cwd": str(cwd),
+                    "env": dict(env), "stdout": out, "stderr": err}) + "\n")
+                self.process.stdin.flush()
+            try:
+                started = replies.get()
+                if started is None:
+                    raise RuntimeError(self._died("ended before the program"))
+                try:
+                    finished = replies.get(timeout=timeout)
+                    timed_out = False
+                except queue.Empty:
+                    timed_out = True
+                    # the program this call started
+                    os.kill(started["pid"], signal.SIGKILL)
+                    finished = replies.get()
+                if finished is None:
+                    raise RuntimeError(self._died("ended during the program"))
+            finally:
+                with self._requests_lock:
+                    self._replies.pop(number, None)
+            status = finished["status"]
             with open(out, errors="replace") as file:
                 stdout = file.read()
             with open(err, errors="replace") as file:
@@ -103,6 +115,19 @@ class _Server:
         return subprocess.CompletedProcess(
             [sys.executable, *argv], os.waitstatus_to_exitcode(status),
             stdout, stderr)
+
+    def _dispatch(self):
+        """Hands each reply of the server to the call waiting for it (the
+        server runs several programs at once); at its end, `None` to all."""
+        for line in self.process.stdout:
+            reply = json.loads(line)
+            with self._requests_lock:
+                waiting = self._replies.get(reply["id"])
+            if waiting is not None:
+                waiting.put(reply)
+        with self._requests_lock:
+            for waiting in self._replies.values():
+                waiting.put(None)
 
     def stop(self):
         self.process.stdin.close()
@@ -155,7 +180,46 @@ def run_program(argv, *, cwd, env, timeout):
         server = _servers.get(key)
         if server is None or server.process.poll() is not None:
             server = _servers[key] = _Server(env)
-        return server.run(argv, cwd, env, timeout)
+    return server.run(argv, cwd, env, timeout)  # several at once
+
+
+def run_together(commands, *, cwd, timeout):
+    """Runs every `(argv, env)` of `commands` at once (the processes of one
+    job); returns `[(returncode, stdout + stderr)]` in their order
+    (`returncode` `None` for one that ran past `timeout` and was killed).
+
+    A `python script.py ...` command is forked from the server as
+    `run_program` does; any other (`python -m ...`, torchrun) starts as
+    given.
+
+    Example:
+
+    ```python
+    results = run_together([([sys.executable, "train.py"], env0),
+                            ([sys.executable, "train.py"], env1)],
+                           cwd=directory, timeout=300)
+    ```
+    """
+    import concurrent.futures
+
+    def one(argv, env):
+        try:
+            if argv[0] == sys.executable and len(argv) > 1 and str(
+                    argv[1]).endswith(".py"):
+                done = run_program(list(argv[1:]), cwd=cwd, env=env,
+                                   timeout=timeout)
+            else:
+                done = subprocess.run(argv, cwd=cwd, env=env, text=True,
+                                      capture_output=True, timeout=timeout)
+            return done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as error:
+            output = "".join(
+                part.decode(errors="replace") if isinstance(part, bytes)
+                else part for part in (error.stdout, error.stderr) if part)
+            return None, f"(killed after {timeout} s)\n{output}"
+
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda command: one(*command), commands))
 
 
 # The server side -----------------------------------------------------------
@@ -220,21 +284,43 @@ def _program(request):
 def _serve():
     # Replies go to the client on a copy of stdout; stdout itself goes to
     # the server's log, so that nothing an import prints reads as a reply.
-    replies = os.fdopen(os.dup(1), "w")
+    # One thread only (a fork copies no other thread's held lock): requests
+    # are read and children reaped in one loop, several programs at once.
+    import select
+    import time
+
+    replies = os.dup(1)
     os.dup2(2, 1)
     import keras  # noqa: F401
 
     import keras_distribute  # noqa: F401
 
-    print("ready", file=replies, flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _program(request)
-        print(json.dumps({"pid": pid}), file=replies, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"status": status}), file=replies, flush=True)
+    def reply(message):
+        os.write(replies, (json.dumps(message) + "\n").encode())
+
+    os.write(replies, b"ready\n")
+    running, pending, reading = {}, b"", True  # pid -> request number
+    while reading or running:
+        if reading and select.select([0], [], [], 0.01)[0]:
+            chunk = os.read(0, 1 << 16)
+            reading = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    os.close(replies)
+                    _program(request)
+                running[pid] = request["id"]
+                reply({"id": request["id"], "pid": pid})
+        elif not reading:
+            time.sleep(0.01)
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            reply({"id": running.pop(pid), "status": status})
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:

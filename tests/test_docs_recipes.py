@@ -10,11 +10,11 @@ two processes, and must end with every process exiting 0. JAX processes get
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 from conftest import BACKEND
+from program_runner import run_together
 from test_docs_blocks import ROOT
 from test_docs_blocks import page_blocks
 
@@ -71,27 +71,21 @@ def _env(**extra) -> dict:
 
 
 def _run_together(commands, cwd, refused: str = "") -> list:
-    """Starts every `(argv, env)` at once; all must exit 0 in time (or, with
-    `refused`, all fail saying it). Returns their outputs."""
-    processes = [subprocess.Popen(argv, cwd=cwd, env=env,
-                                  stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
-                 for argv, env in commands]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    codes = [p.returncode for p in processes]
+    """Starts every `(argv, env)` at once (`python train.py` forked from the
+    program server, tests/program_runner.py); all must exit 0 in time (or,
+    with `refused`, all fail saying it). Returns their outputs."""
+    results = run_together(commands, cwd=cwd, timeout=TIMEOUT_S)
+    codes = [code for code, _ in results]
+    outputs = [output for _, output in results]
     if refused:
         assert all(c != 0 and refused in o for c, o in zip(codes, outputs)), (
             "\n".join(f"--- process {i} exited {c}:\n{o[-4000:]}"
                       for i, (c, o) in enumerate(zip(codes, outputs))))
         return outputs
+    assert codes == [0] * len(codes), "\n".join(
+        f"--- process {i} exited {c}:\n{o[-4000:]}"
+        for i, (c, o) in enumerate(zip(codes, outputs)))
+    return outputs
     assert codes == [0] * len(codes), "\n".join(
         f"--- process {i} exited {c}:\n{o[-4000:]}"
         for i, (c, o) in enumerate(zip(codes, outputs)))

@@ -138,7 +138,8 @@ def test_creating_a_strategy_leaves_the_random_streams_alone(tmp_path):
 
     def run(mode):
         # A process of its own that imported nothing of the program yet
-        # (forked from one that imported Keras: tests/program_runner.py).
+        # (forked from one that imported Keras: tests/program_runner.py,
+        # which runs the two at once).
         done = run_program([str(script), mode], cwd=tmp_path, env=env,
                            timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
