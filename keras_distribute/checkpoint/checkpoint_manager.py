@@ -212,7 +212,7 @@ class CheckpointManager:
         if self._is_chief and self._remote:
             try:
                 key = remote_lease.take(self.directory)
-                self._lease = _RemoteLease(self, key)
+                self._lease = remote_lease.ReleaseWhenCollected(self, key)
             except lease.DirectoryInUseError as error:
                 refusal = str(error)
         elif self._is_chief:
@@ -549,19 +549,3 @@ class CheckpointManager:
 
 def _number(path: str) -> int:
     return int(os.path.basename(path).rsplit("-", 1)[1])
-
-
-class _RemoteLease:
-    """A manager's hold on an object-store lease (`remote_lease`), let go
-    by `close()` or when the manager is collected: the local lease's
-    `release_when_collected` handle, for `s3://` / `gs://` directories."""
-
-    def __init__(self, manager: CheckpointManager, key: str):
-        import weakref
-
-        self._finalizer = weakref.finalize(manager, remote_lease.release, key)
-
-    def detach(self) -> None:
-        """Lets go now (once); returns `None`: nothing is left to release."""
-        self._finalizer()
-        return None

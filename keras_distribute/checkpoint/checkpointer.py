@@ -103,13 +103,7 @@ class Checkpointer:
         if process_id == 0:
             ckpt_writing.prepare(path)
         engine.barrier("keras_distribute.checkpoint.prepare")
-        buffers = None
-        if options.enable_async:  # training goes on while it writes
-            buffers = self.host_buffers
-            buffers.begin()
-        entries, index_metadata = gather(buffers)
-        if buffers is not None:
-            buffers.end()
+        entries, index_metadata = self._gather(gather, options)
 
         def finish() -> None:
             _finish_save(path, entries, process_id, process_count,
@@ -117,6 +111,20 @@ class Checkpointer:
 
         self._run(finish, options)
         return path
+
+    def _gather(self, gather: Gather, options: CheckpointOptions
+                ) -> Tuple[Dict[str, tuple], Dict[str, Any]]:
+        """This process's entries and the index metadata; for a background
+        save copied into the host buffers (training goes on while it
+        writes)."""
+        buffers = None
+        if options.enable_async:
+            buffers = self.host_buffers
+            buffers.begin()
+        entries, index_metadata = gather(buffers)
+        if buffers is not None:
+            buffers.end()
+        return entries, index_metadata
 
     def _run(self, finish: Callable[[], None],
              options: CheckpointOptions) -> None:
@@ -153,14 +161,8 @@ class Checkpointer:
             generation = told
         if refusal is not None:
             raise refusal
-        buffers = None
         try:
-            if options.enable_async:
-                buffers = self.host_buffers
-                buffers.begin()
-            entries, index_metadata = gather(buffers)
-            if buffers is not None:
-                buffers.end()
+            entries, index_metadata = self._gather(gather, options)
         except BaseException:
             if heartbeat is not None:
                 heartbeat.stop()

@@ -32,6 +32,7 @@ checkpoint on disk (`reading`, `validation`). Framework-free.
 
 import json
 import re
+import threading
 import time
 from typing import Dict
 from typing import List
@@ -55,16 +56,20 @@ HEARTBEAT_S = 5.0
 STALE_AFTER_S = 60.0
 
 
-def marker_of(path: str, generation: str) -> Optional[dict]:
-    """The generation's marker, or `None` (absent or unreadable)."""
-    store = object_store.store_for(path)
+def read_record(key: str) -> Optional[dict]:
+    """The small JSON object at `key` (a marker, a lease), or `None` when
+    it is absent, larger than `_MARKER_BYTES` or not a JSON object."""
     try:
-        raw = store.read_bytes(object_store.join(path, generation, MARKER),
-                               _MARKER_BYTES)
-        marker = json.loads(raw) if len(raw) <= _MARKER_BYTES else None
+        raw = object_store.store_for(key).read_bytes(key, _MARKER_BYTES)
+        record = json.loads(raw) if len(raw) <= _MARKER_BYTES else None
     except (FileNotFoundError, ValueError):
         return None
-    return marker if isinstance(marker, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def marker_of(path: str, generation: str) -> Optional[dict]:
+    """The generation's marker, or `None` (absent or unreadable)."""
+    return read_record(object_store.join(path, generation, MARKER))
 
 
 def index_of(path: str) -> Optional[dict]:
@@ -124,10 +129,43 @@ def generation_of(index: dict, path: str) -> str:
     return generation
 
 
-def is_live(marker: Optional[dict]) -> bool:
-    beat = marker.get("beat") if marker else None
-    return isinstance(beat, (int, float)) and (
-        time.time() - beat < STALE_AFTER_S)
+def is_live(record: Optional[dict],
+            stale_after_s: Optional[float] = None) -> bool:
+    """Whether a marker's (or a lease's) heartbeat is younger than
+    `stale_after_s` (default `STALE_AFTER_S`) by this host's clock."""
+    beat = record.get("beat") if record else None
+    limit = STALE_AFTER_S if stale_after_s is None else stale_after_s
+    return isinstance(beat, (int, float)) and time.time() - beat < limit
+
+
+class Heartbeat:
+    """Writes the JSON object `key` (`record` with a fresh `"beat"`) now,
+    then every `HEARTBEAT_S` until stopped: a generation's marker while its
+    save runs, a lease while its job holds it."""
+
+    def __init__(self, key: str, record: dict):
+        self._key, self._record = key, dict(record)
+        self._stop = threading.Event()
+        self._store = object_store.store_for(key)
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="kd-checkpoint-heartbeat")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._record["beat"] = time.time()
+        self._store.write_bytes(self._key, json.dumps(self._record).encode())
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the next beat tries again
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=HEARTBEAT_S + 30)
 
 
 def refuse_foreign(path: str) -> Dict[str, bool]:

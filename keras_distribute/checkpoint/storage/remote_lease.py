@@ -4,12 +4,13 @@
 An object store has no exclusive create that every S3-API server honours,
 so the lease is the object `<directory>/.keras_distribute-lease`, naming the
 job (`lease.job_token()`), its host and process id and a heartbeat the
-holder rewrites every `HEARTBEAT_S`. A job takes it when there is none, when
-it is its own, or when the holder's heartbeat stopped (`STALE_AFTER_S`, by
-this host's clock); it then writes it and reads it back after a moment: two
-jobs that wrote it at once both read the last writer's, and the other one
-is refused. Another job's live lease makes `take` raise
-`lease.DirectoryInUseError`, which names the holder. Framework-free.
+holder rewrites (`remote_checkpoints.Heartbeat`). A job takes it when
+there is none, when it is its own, or when the holder's heartbeat stopped
+(`STALE_AFTER_S`, by this host's clock); it then writes it and reads it
+back after a moment: two jobs that wrote it at once both read the last
+writer's, and the other one is refused. Another job's live lease makes
+`take` raise `lease.DirectoryInUseError`, which names the holder.
+Framework-free.
 """
 
 import json
@@ -17,14 +18,14 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Dict
-from typing import Optional
 
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import remote_checkpoints
 
 LEASE = lease.LEASE
-HEARTBEAT_S = 5.0
 STALE_AFTER_S = 60.0
 # How long a writer waits before reading its lease back.
 SETTLE_S = 1.0
@@ -37,29 +38,8 @@ class _Held:
     """A lease this process holds: its users and its heartbeat."""
 
     def __init__(self, key: str, record: dict):
-        self.key, self.record, self.users = key, record, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True,
-                                       name="kd-lease-heartbeat")
-        self.thread.start()
-
-    def _beat(self) -> None:
-        store = object_store.store_for(self.key)
-        while not self.stop.wait(HEARTBEAT_S):
-            self.record["beat"] = time.time()
-            try:
-                store.write_bytes(self.key, json.dumps(self.record).encode())
-            except Exception:  # noqa: BLE001 - the next beat tries again
-                pass
-
-
-def _read(key: str) -> Optional[dict]:
-    try:
-        raw = object_store.store_for(key).read_bytes(key, 1 << 16)
-        record = json.loads(raw)
-    except (FileNotFoundError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+        self.users = 0
+        self.heartbeat = remote_checkpoints.Heartbeat(key, record)
 
 
 def _refusal(directory: str, holder: dict) -> lease.DirectoryInUseError:
@@ -88,18 +68,16 @@ def take(directory: str) -> str:
         if held is not None:
             held.users += 1
             return key
-    holder = _read(key)
-    if holder is not None and holder.get("job") != lease.job_token():
-        beat = holder.get("beat")
-        if isinstance(beat, (int, float)) and (
-                time.time() - beat < STALE_AFTER_S):
-            raise _refusal(directory, holder)
+    holder = remote_checkpoints.read_record(key)
+    if holder is not None and holder.get("job") != lease.job_token() and (
+            remote_checkpoints.is_live(holder, STALE_AFTER_S)):
+        raise _refusal(directory, holder)
     record = {"job": lease.job_token(), "host": socket.gethostname(),
               "pid": os.getpid(), "beat": time.time()}
     store = object_store.store_for(key)
     store.write_bytes(key, json.dumps(record).encode())
     time.sleep(SETTLE_S)
-    holder = _read(key)
+    holder = remote_checkpoints.read_record(key)
     if holder is None or holder.get("job") != lease.job_token():
         raise _refusal(directory, holder or {})
     with _lock:
@@ -121,14 +99,27 @@ def release(key: str) -> None:
         if held.users > 0:
             return
         del _held[key]
-    held.stop.set()
-    held.thread.join(timeout=HEARTBEAT_S + 30)
+    held.heartbeat.stop()
     try:
-        holder = _read(key)
+        holder = remote_checkpoints.read_record(key)
         if holder is not None and holder.get("job") == lease.job_token():
             object_store.store_for(key).remove([key])
     except Exception:  # noqa: BLE001 - stale in STALE_AFTER_S anyway
         pass
+
+
+class ReleaseWhenCollected:
+    """A writer's hold on a lease `take` returned, let go by `detach()` or
+    when the writer is collected (as `lease.release_when_collected`)."""
+
+    def __init__(self, writer: object, key: str):
+        self._finalizer = weakref.finalize(writer, release, key)
+
+    def detach(self) -> None:
+        """Lets go now (once). Returns `None`: nothing is left to
+        release."""
+        self._finalizer()
+        return None
 
 
 def _after_fork() -> None:

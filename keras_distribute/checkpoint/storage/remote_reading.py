@@ -96,10 +96,10 @@ def _local_copy(path: str, index: dict, generation: str) -> str:
         raise CheckpointError(
             f"The index of {path!r} lists its files wrongly (expected "
             "'shards-NNNNN.h5' -> a size in bytes); not read.")
-    named = {str(piece.get("file")) for record in index.get(
-        "variables", {}).values() if isinstance(record, dict)
-        for piece in record.get("pieces", []) if isinstance(piece, dict)}
-    unlisted = sorted(str(name) for name in named - set(files))
+    # (`read_index` validated the variables and their pieces)
+    named = {piece["file"] for record in index["variables"].values()
+             for piece in record["pieces"]}
+    unlisted = sorted(named - set(files))
     if unlisted:
         raise CheckpointError(
             f"The index of {path!r} names files it does not list with a "

@@ -7,7 +7,6 @@ import os
 import re
 import secrets
 import socket
-import threading
 import time
 from typing import Any
 from typing import Dict
@@ -17,12 +16,12 @@ from typing import Tuple
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
-from keras_distribute.checkpoint.storage import remote_checkpoints
 from keras_distribute.checkpoint.storage import validation
 from keras_distribute.checkpoint.storage.format import INDEX
 from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.checkpoint.storage.remote_checkpoints import GENERATION
 from keras_distribute.checkpoint.storage.remote_checkpoints import MARKER
+from keras_distribute.checkpoint.storage.remote_checkpoints import Heartbeat
 from keras_distribute.checkpoint.storage.remote_checkpoints import generation_of
 from keras_distribute.checkpoint.storage.remote_checkpoints import index_of
 from keras_distribute.checkpoint.storage.remote_checkpoints import is_live
@@ -36,36 +35,6 @@ from keras_distribute.checkpoint.storage.remote_checkpoints import (
 
 _PART = re.compile(r"part-(\d{5})\.json")
 _FAILED = re.compile(r"failed-(\d{5})\.txt")
-
-
-class Heartbeat:
-    """Rewrites a generation's marker every `HEARTBEAT_S` (of
-    `remote_checkpoints`) until stopped."""
-
-    def __init__(self, path: str, generation: str, marker: dict):
-        self._key = object_store.join(path, generation, MARKER)
-        self._marker = dict(marker)
-        self._stop = threading.Event()
-        self._store = object_store.store_for(path)
-        self._beat()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="kd-checkpoint-heartbeat")
-        self._thread.start()
-
-    def _beat(self) -> None:
-        self._marker["beat"] = time.time()
-        self._store.write_bytes(self._key, json.dumps(self._marker).encode())
-
-    def _run(self) -> None:
-        while not self._stop.wait(remote_checkpoints.HEARTBEAT_S):
-            try:
-                self._beat()
-            except Exception:  # noqa: BLE001 - the next beat tries again
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=remote_checkpoints.HEARTBEAT_S + 30)
 
 
 def prepare(path: str, owner: Optional[str]) -> Tuple[str, Heartbeat]:
@@ -101,7 +70,7 @@ def prepare(path: str, owner: Optional[str]) -> Tuple[str, Heartbeat]:
                 "jobs must not write one checkpoint path: give each job its "
                 "own directory.")
     generation = "g-" + secrets.token_hex(16)
-    heartbeat = Heartbeat(path, generation, {
+    heartbeat = Heartbeat(object_store.join(path, generation, MARKER), {
         "path": path, "owner": owner, "job": lease.job_token(),
         "host": socket.gethostname(), "pid": os.getpid(),
         "started": time.time()})
