@@ -455,6 +455,25 @@ def checkpoint_object_store_table():
         "| ≥ 0.9x |"])
 
 
+def memory_estimate_table():
+    entry = _load("memory_estimate")
+    r = entry["result"]
+    rows = ["| backend | model | estimated (MiB) | real (MiB) | "
+            "estimated / real | the estimate's peak from |",
+            "|---|---|---|---|---|---|"]
+    for backend, models in r["by_backend"].items():
+        for model, m in models.items():
+            rows.append(
+                f"| {backend} | {model} | "
+                f"{_mib(m['estimated_transient_bytes'])} | "
+                f"{_mib(m['real_transient_bytes'])} | {m['ratio']:.2f} | "
+                f"{m['method']} |")
+    rows.append("")
+    rows.append(f"Goal: {r['goal']}. Keras {r['keras']}; run {_run(entry)} "
+                f"({entry['machine']}).")
+    return "\n".join(rows)
+
+
 TABLES = {"fit": fit_table, "memory": memory_table,
           "memory_jax": memory_jax_table, "scaling": scaling_table,
           "soak": soak_table, "checkpoint": checkpoint_table,
@@ -465,6 +484,7 @@ TABLES = {"fit": fit_table, "memory": memory_table,
           "compression_jax": compression_jax_table,
           "divergence": divergence_table,
           "plan_layout": plan_layout_table,
+          "memory_estimate": memory_estimate_table,
           "checkpoint_object_store": checkpoint_object_store_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)

@@ -7,7 +7,9 @@ planned from the model's variable shapes (tensor parallel on the model
 axis, FSDP on the batch axis), with a report (see
 `keras_distribute.planning.layout_planner`). `check_layout(layout_map,
 model)`: a map checked against a model before the launch, each finding
-with its fix.
+with its fix. `estimate_memory(model, layout_map, batch_size=...)`: the
+bytes a device holds at the peak of a train step (see
+`keras_distribute.planning.memory_estimate`).
 
 Its names are loaded on first use: the layout maps subclass Keras'
 `LayoutMap`, and `import keras_distribute` imports no Keras (the script
@@ -27,10 +29,12 @@ if TYPE_CHECKING:
     from keras_distribute.planning.layout_planner import LayoutPlan
     from keras_distribute.planning.layout_planner import PlannedVariable
     from keras_distribute.planning.layout_planner import plan_layout
+    from keras_distribute.planning.memory_estimate import MemoryEstimate
+    from keras_distribute.planning.memory_estimate import estimate_memory
 
 __all__ = ["DEFAULT_MIN_SIZE", "Finding", "FullyShardedLayoutMap",
-           "LayoutCheck", "LayoutPlan", "PlannedVariable", "check_layout",
-           "fully_sharded", "plan_layout"]
+           "LayoutCheck", "LayoutPlan", "MemoryEstimate", "PlannedVariable",
+           "check_layout", "estimate_memory", "fully_sharded", "plan_layout"]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,6 +48,8 @@ def __getattr__(name: str) -> Any:
         from keras_distribute.planning.layout_planner import LayoutPlan
         from keras_distribute.planning.layout_planner import PlannedVariable
         from keras_distribute.planning.layout_planner import plan_layout
+        from keras_distribute.planning.memory_estimate import MemoryEstimate
+        from keras_distribute.planning.memory_estimate import estimate_memory
 
         loaded = {"DEFAULT_MIN_SIZE": DEFAULT_MIN_SIZE,
                   "Finding": Finding,
@@ -53,7 +59,9 @@ def __getattr__(name: str) -> Any:
                   "LayoutPlan": LayoutPlan,
                   "PlannedVariable": PlannedVariable,
                   "fully_sharded": fully_sharded,
-                  "plan_layout": plan_layout}
+                  "plan_layout": plan_layout,
+                  "MemoryEstimate": MemoryEstimate,
+                  "estimate_memory": estimate_memory}
         globals().update(loaded)  # later reads find them without this
         return loaded[name]
     raise AttributeError(

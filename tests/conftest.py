@@ -195,3 +195,15 @@ if _RECORD:
             return
         with open(f"{_RECORD}.{worker}" if worker else _RECORD, "w") as f:
             json.dump(_recorded, f, indent=0)
+
+
+def keras_hub_or_skip():
+    """keras_hub, or the test skips where it does not import."""
+    try:
+        import keras_hub
+
+        keras_hub.models.GemmaBackbone  # (its modules load lazily)
+    except ImportError as error:  # keras-hub 0.32 predates Keras 3.16
+        pytest.skip(f"keras-hub does not import with Keras "
+                    f"{keras.__version__}: {error}")
+    return keras_hub

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
+from conftest import keras_hub_or_skip
 from keras.distribution import DeviceMesh
 
 import keras_distribute as kd
@@ -135,17 +136,6 @@ def test_a_plan_never_holds_an_indivisible_shard():
     assert "no dimension divisible by model=3" in rows["b/kernel"].reason
     assert rows["e/embeddings"].axes == (None, "model")  # 11 % 3: width
     assert "vocabulary 11 indivisible" in rows["e/embeddings"].reason
-
-
-def keras_hub_or_skip():
-    try:
-        import keras_hub
-
-        keras_hub.models.GemmaBackbone  # (its modules load lazily)
-    except ImportError as error:  # keras-hub 0.32 predates Keras 3.16
-        pytest.skip(f"keras-hub does not import with Keras "
-                    f"{keras.__version__}: {error}")
-    return keras_hub
 
 
 def tiny_gemma():

@@ -340,6 +340,26 @@ class BackendModule(Protocol):
         variables get shapes and dtypes but hold no memory; returns what it
         returned (only shapes, dtypes and paths may be read from it)."""
 
+    def step_memory(self, model: Model, optimizer: Optimizer, loss: Callable,
+                    inputs: Any, targets: Any,
+                    layout_map: LayoutMap | None) -> Optional[StepMemory]:
+        """The peak bytes per device of one training step of `model`
+        (forward, loss, backward, `optimizer` applied; `optimizer` is built
+        on the model's trainable variables), for the global batch whose
+        `inputs` and `targets` are trees of `keras.KerasTensor`s, laid out
+        as `layout_map` says (None: one device), from the framework's own
+        accounting and without the memory itself; None where the framework
+        cannot account for it here (the caller then traces shapes)."""
+
+
+class StepMemory:
+    """What `BackendModule.step_memory` measured: `peak` bytes on the most
+    loaded device at the peak of a step (variables, optimizer slots, the
+    batch, gradients, activations and workspace) and `method`, how."""
+
+    def __init__(self, peak: int, method: str) -> None:
+        self.peak, self.method = int(peak), method
+
 
 def broadcast_text_by(broadcast_array: Callable[[Any], Any],
                       text: str) -> str:

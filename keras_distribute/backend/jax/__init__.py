@@ -24,6 +24,7 @@ from keras_distribute.backend.jax.engine import JaxEngine  # noqa: F401
 from keras_distribute.backend.jax.engine import make_engine  # noqa: F401
 from keras_distribute.backend.jax.jobs import make_multi_worker_engine  # noqa: F401
 from keras_distribute.backend.jax.jobs import make_tpu_engine  # noqa: F401
+from keras_distribute.backend.jax.memory import step_memory  # noqa: F401
 from keras_distribute.backend.jax.run import apply_gradients  # noqa: F401
 from keras_distribute.backend.jax.run import value_and_gradients  # noqa: F401
 

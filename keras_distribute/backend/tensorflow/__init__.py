@@ -232,6 +232,13 @@ def set_host_rng_state(state: Any) -> None:
 build_without_values = interface.build_in_stateless_scope
 
 
+def step_memory(model: Any, optimizer: Any, loss: Any, inputs: Any,
+                targets: Any, layout_map: Any) -> None:
+    """TensorFlow has no memory accounting of a step on CPU that runs
+    without the memory: None (the caller traces the model's shapes)."""
+    return None
+
+
 def refuse_tpu_strategy() -> None:
     """A TPUStrategy can be made here (whether TPUs exist is the engine's
     to say): nothing is refused."""

@@ -30,6 +30,7 @@ from keras_distribute.backend.torch.engine import on_layer_built  # noqa: F401
 from keras_distribute.backend.torch.engine import on_variable_created  # noqa: F401
 from keras_distribute.backend.torch.groups import ensure_process_group
 from keras_distribute.backend.torch.groups import join_process_group
+from keras_distribute.backend.torch.memory import step_memory  # noqa: F401
 from keras_distribute.backend.torch.sharding import ShardedTorchEngine
 from keras_distribute.backend.torch.training import value_and_gradients  # noqa: F401
 from keras_distribute.backend.torch.variables import checkpoint_assign  # noqa: F401

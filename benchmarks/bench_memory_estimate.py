@@ -1,0 +1,159 @@
+"""`kd.layouts.estimate_memory` against the real peak of a training step.
+
+For each backend (a fresh process each: JAX on one CPU device, TensorFlow,
+torch) and three models — an MLP, a CNN and a keras-hub `GemmaBackbone` —
+the model is compiled (Adam, MSE) and `fit` one batch (everything is built
+and compiled); then the process's peak resident memory (Linux `VmHWM`) is
+reset (`/proc/self/clear_refs`), one more step runs (`train_on_batch`), and
+the real step's transient memory is its peak less the resident memory just
+before it. glibc is told to map every block over 64 KiB on its own
+(`MALLOC_MMAP_THRESHOLD_`), so a freed tensor leaves the resident set and
+the next step's allocations show in it.
+
+The estimate's counterpart: its peak less what stays resident between
+steps (the variables and optimizer slots; on torch also the gradients,
+which Keras' torch trainer keeps in `.grad` until the next step). The
+estimate is made before the model is built for training, without its
+memory (the function that builds the model is passed). Prints one JSON
+object and writes benchmarks/results/memory_estimate.json.
+
+Usage:
+    python benchmarks/bench_memory_estimate.py [--backends jax torch tensorflow]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from _results import record
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def models(keras):
+    def mlp():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([
+            keras.Input((1024,)),
+            keras.layers.Dense(4096, activation="relu"),
+            keras.layers.Dense(4096, activation="relu"),
+            keras.layers.Dense(10)], name="mlp")
+
+    def cnn():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([
+            keras.Input((64, 64, 3)),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(128, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10)], name="cnn")
+
+    def gemma():
+        import keras_hub
+
+        keras.utils.set_random_seed(1)
+        return keras_hub.models.GemmaBackbone(
+            vocabulary_size=8192, num_layers=4, num_query_heads=8,
+            num_key_value_heads=8, hidden_dim=512, intermediate_dim=4096,
+            head_dim=64, dtype="float32")
+
+    return {"MLP 1024-4096-4096-10, batch 1024": (mlp, 1024, (1024,)),
+            "CNN 64x64x3, 2 convolutions, batch 128": (cnn, 128, (64, 64, 3)),
+            "keras-hub GemmaBackbone 4 layers, hidden 512, sequence 128, "
+            "batch 16": (gemma, 16, {"token_ids": (128,),
+                                     "padding_mask": (128,)})}
+
+
+def batch(keras, make, size, input_shape):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if isinstance(input_shape, dict):
+        length = input_shape["token_ids"][0]
+        x = {"token_ids": rng.integers(0, 8192, (size, length), "int32"),
+             "padding_mask": np.ones((size, length), "int32")}
+        return x, rng.normal(size=(size, length, 512)).astype("float32")
+    x = rng.normal(size=(size,) + input_shape).astype("float32")
+    return x, rng.normal(size=(size, 10)).astype("float32")
+
+
+def status(field):
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def measure_one_backend():
+    """In a process of one backend: every model's estimate and real step."""
+    import gc
+
+    import keras
+
+    import keras_distribute as kd
+
+    results = {}
+    for name, (make, size, input_shape) in models(keras).items():
+        estimate = kd.layouts.estimate_memory(
+            make, batch_size=size, optimizer="adam", loss="mse",
+            input_shape=input_shape)
+        model = make()
+        model.compile(optimizer="adam", loss="mse")
+        x, y = batch(keras, make, size, input_shape)
+        model.fit(x, y, batch_size=size, epochs=1, verbose=0)
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")  # VmHWM := VmRSS
+        before = status("VmRSS")
+        model.train_on_batch(x, y)
+        real = status("VmHWM") - before
+        between_steps = estimate.parameters + estimate.optimizer + (
+            estimate.gradients if keras.backend.backend() == "torch" else 0)
+        estimated = estimate.peak - between_steps
+        results[name] = {
+            "estimated_transient_bytes": estimated,
+            "real_transient_bytes": real,
+            "ratio": estimated / real if real else None,
+            "estimated_peak_bytes": estimate.peak,
+            "method": estimate.method}
+        del model
+        gc.collect()
+    print(json.dumps(results))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+",
+                        default=["jax", "torch", "tensorflow"])
+    parser.add_argument("--child", action="store_true",
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        measure_one_backend()
+        return
+    by_backend = {}
+    for backend in args.backends:
+        env = dict(os.environ, KERAS_BACKEND=backend,
+                   MALLOC_MMAP_THRESHOLD_="65536", JAX_PLATFORMS="cpu",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   TF_CPP_MIN_LOG_LEVEL="2")
+        run = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child"], env=env,
+            capture_output=True, text=True, timeout=1800)
+        if run.returncode:
+            raise SystemExit(f"{backend}: {run.stderr[-3000:]}")
+        by_backend[backend] = json.loads(run.stdout.strip().splitlines()[-1])
+    import keras  # (its version, for the record)
+
+    record("memory_estimate", {
+        "goal": "within 10 % of the real peak", "by_backend": by_backend,
+        "keras": keras.__version__})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+    main()
