@@ -9,7 +9,9 @@ axis, FSDP on the batch axis), with a report (see
 model)`: a map checked against a model before the launch, each finding
 with its fix. `estimate_memory(model, layout_map, batch_size=...)`: the
 bytes a device holds at the peak of a train step (see
-`keras_distribute.planning.memory_estimate`).
+`keras_distribute.planning.memory_estimate`). `dry_run(model, layout_map,
+hosts=..., ...)`: the whole job checked before the launch, one verdict
+table (`python -m keras_distribute.plan` on the command line).
 
 Its names are loaded on first use: the layout maps subclass Keras'
 `LayoutMap`, and `import keras_distribute` imports no Keras (the script
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
     from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
     from keras_distribute.common.fully_sharded import fully_sharded
+    from keras_distribute.planning.dry_run import DryRun
+    from keras_distribute.planning.dry_run import dry_run
     from keras_distribute.planning.layout_check import Finding
     from keras_distribute.planning.layout_check import LayoutCheck
     from keras_distribute.planning.layout_check import check_layout
@@ -32,9 +36,10 @@ if TYPE_CHECKING:
     from keras_distribute.planning.memory_estimate import MemoryEstimate
     from keras_distribute.planning.memory_estimate import estimate_memory
 
-__all__ = ["DEFAULT_MIN_SIZE", "Finding", "FullyShardedLayoutMap",
+__all__ = ["DEFAULT_MIN_SIZE", "DryRun", "Finding", "FullyShardedLayoutMap",
            "LayoutCheck", "LayoutPlan", "MemoryEstimate", "PlannedVariable",
-           "check_layout", "estimate_memory", "fully_sharded", "plan_layout"]
+           "check_layout", "dry_run", "estimate_memory", "fully_sharded",
+           "plan_layout"]
 
 
 def __getattr__(name: str) -> Any:
@@ -42,6 +47,8 @@ def __getattr__(name: str) -> Any:
         from keras_distribute.common.fully_sharded import DEFAULT_MIN_SIZE
         from keras_distribute.common.fully_sharded import FullyShardedLayoutMap
         from keras_distribute.common.fully_sharded import fully_sharded
+        from keras_distribute.planning.dry_run import DryRun
+        from keras_distribute.planning.dry_run import dry_run
         from keras_distribute.planning.layout_check import Finding
         from keras_distribute.planning.layout_check import LayoutCheck
         from keras_distribute.planning.layout_check import check_layout
@@ -61,7 +68,9 @@ def __getattr__(name: str) -> Any:
                   "fully_sharded": fully_sharded,
                   "plan_layout": plan_layout,
                   "MemoryEstimate": MemoryEstimate,
-                  "estimate_memory": estimate_memory}
+                  "estimate_memory": estimate_memory,
+                  "DryRun": DryRun,
+                  "dry_run": dry_run}
         globals().update(loaded)  # later reads find them without this
         return loaded[name]
     raise AttributeError(

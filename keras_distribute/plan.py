@@ -1,0 +1,210 @@
+"""`python -m keras_distribute.plan`: a dry run of the job, on one machine.
+
+    python -m keras_distribute.plan train.py --hosts 4 --devices-per-host 8 \\
+        --mesh 4,8 --layout-map make_layout_map --batch-size 256 \\
+        --device-memory 16GB --checkpoint-dir gs://bucket/run
+
+`train.py` (a file, or a module name) is imported, not run — its
+`if __name__ == "__main__":` block does not run — and must define the
+function that builds the model (`--model`; by default the first of
+`make_model`, `build_model`, `create_model`, `get_model` it defines). The
+model is built without values, the layout map (`--layout-map`: a
+`LayoutMap` the file defines, or a function returning one, given the mesh
+when it takes an argument; `--plan`: `kd.layouts.plan_layout` on the mesh)
+is checked against it and against the cluster, and the verdict table is
+printed (`kd.layouts.dry_run`). Exit status: 0 ready to launch, 1 findings,
+2 a command line that cannot be used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import re
+import runpy
+import sys
+from typing import Any
+from typing import Dict
+from typing import List
+from typing import Optional
+
+_MODEL_FUNCTIONS = ("make_model", "build_model", "create_model", "get_model")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class UsageError(Exception):
+    """A command line that cannot be used (exit status 2)."""
+
+
+def parse_bytes(text: str) -> int:
+    """`"16GB"`, `"16GiB"`, `"512MB"`, `"1024"` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*",
+                         text.upper())
+    if not match or match.group(2) not in _UNITS or float(
+            match.group(1)) <= 0:
+        raise UsageError(
+            f"--device-memory takes a size such as 16GB, 80GiB or 512MB. "
+            f"Received: {text!r}.")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def parse_ints(text: str, flag: str) -> tuple:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v <= 0 for v in values):
+        raise UsageError(f"{flag} takes positive integers separated by "
+                         f"commas, e.g. 2,4. Received: {text!r}.")
+    return values
+
+
+def load_definitions(target: str) -> Dict[str, Any]:
+    """The names `target` (a .py file or a module name) defines, imported
+    without running its `__main__` block."""
+    if target.endswith(".py") or os.path.isfile(target):
+        if not os.path.isfile(target):
+            raise UsageError(f"No such file: {target!r}. Pass the script "
+                             "that defines the function building the model.")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        return runpy.run_path(target, run_name="__kd_plan__")
+    sys.path.insert(0, os.getcwd())
+    try:
+        return vars(importlib.import_module(target))
+    except ImportError as error:
+        raise UsageError(f"Cannot import {target!r} ({error}). Pass a .py "
+                         "file or an importable module.") from None
+
+
+def _pick(definitions: Dict[str, Any], name: Optional[str], what: str,
+          defaults: tuple) -> Any:
+    names = (name,) if name else defaults
+    for candidate in names:
+        if candidate in definitions:
+            return definitions[candidate]
+    raise UsageError(
+        f"The script defines no {what} named {' or '.join(names)}. "
+        f"Name it with --{what.split()[0]}.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_distribute.plan",
+        description="A dry run of a keras_distribute job on this machine: "
+                    "the model built without values, the layout map, the "
+                    "cluster, the batch, memory and checkpoints checked.")
+    parser.add_argument("script", help="the .py file (or module) that "
+                        "defines the function building the model")
+    parser.add_argument("--model", help="that function's name (default: "
+                        + ", ".join(_MODEL_FUNCTIONS) + ")")
+    parser.add_argument("--layout-map", help="a LayoutMap the script "
+                        "defines, or a function returning one")
+    parser.add_argument("--plan", action="store_true",
+                        help="plan the layout (kd.layouts.plan_layout)")
+    parser.add_argument("--mesh", help="the mesh's shape, e.g. 4,8 "
+                        "(default: every device on the batch axis)")
+    parser.add_argument("--axes", help="the mesh's axis names (default: "
+                        "batch,model)")
+    parser.add_argument("--hosts", type=int, help="hosts of the job")
+    parser.add_argument("--devices-per-host", type=int,
+                        help="devices (torch: processes) per host")
+    parser.add_argument("--batch-size", type=int,
+                        help="the global batch fit is given")
+    parser.add_argument("--device-memory", help="memory of one device, "
+                        "e.g. 16GB or 80GiB")
+    parser.add_argument("--checkpoint-dir", help="the job's checkpoint "
+                        "directory (local, s3:// or gs://; read only)")
+    parser.add_argument("--optimizer", help="optimizer name (default: the "
+                        "model's compiled one, else adam)")
+    parser.add_argument("--loss", help="loss name (default: the model's "
+                        "compiled one, else mean_squared_error)")
+    parser.add_argument("--input-shape", help="one example's input shape, "
+                        "e.g. 28,28,1 (a model without keras.Input)")
+    return parser
+
+
+def _mesh(args: argparse.Namespace, keras: Any) -> Optional[Any]:
+    devices = (args.hosts * args.devices_per_host
+               if args.hosts and args.devices_per_host else None)
+    if args.mesh:
+        shape = parse_ints(args.mesh, "--mesh")
+    elif devices:
+        shape = (devices,)
+    else:
+        return None
+    names = (args.axes.split(",") if args.axes
+             else ["batch", "model", "model2", "model3"][:len(shape)])
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise UsageError(f"--axes needs {len(shape)} distinct names for the "
+                         f"mesh {shape}. Received: {args.axes!r}.")
+    size = 1
+    for s in shape:
+        size *= s
+    return keras.distribution.DeviceMesh(
+        shape, names, [f"cpu:{i}" for i in range(size)])
+
+
+def _layout_map(args: argparse.Namespace, definitions: Dict[str, Any],
+                builder: Any, mesh: Any, keras: Any) -> Optional[Any]:
+    import keras_distribute as kd
+
+    if args.plan:
+        if mesh is None:
+            raise UsageError("--plan needs a mesh: give --mesh (or --hosts "
+                             "and --devices-per-host).")
+        return kd.layouts.plan_layout(builder, mesh).layout_map
+    if not args.layout_map:
+        if mesh is None:
+            return None
+        return keras.distribution.LayoutMap(mesh)  # data parallel
+    found = _pick(definitions, args.layout_map, "layout-map object", ())
+    if callable(found) and not isinstance(found,
+                                          keras.distribution.LayoutMap):
+        wants_mesh = bool(inspect.signature(found).parameters)
+        if wants_mesh and mesh is None:
+            raise UsageError(f"{args.layout_map}() takes a mesh: give --mesh "
+                             "(or --hosts and --devices-per-host).")
+        found = found(mesh) if wants_mesh else found()
+    if not isinstance(found, keras.distribution.LayoutMap):
+        raise UsageError(f"{args.layout_map} is not a keras.distribution."
+                         f"LayoutMap (it is {type(found).__name__}), nor a "
+                         "function returning one.")
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the dry run the command line asks for; returns the exit
+    status (0: ready to launch, 1: findings, 2: unusable command line)."""
+    args = build_parser().parse_args(argv)
+    try:
+        import keras
+
+        import keras_distribute as kd
+
+        definitions = load_definitions(args.script)
+        builder = _pick(definitions, args.model, "model function",
+                        _MODEL_FUNCTIONS)
+        mesh = _mesh(args, keras)
+        layout_map = _layout_map(args, definitions, builder, mesh, keras)
+        verdict = kd.layouts.dry_run(
+            builder, layout_map, hosts=args.hosts,
+            devices_per_host=args.devices_per_host,
+            global_batch_size=args.batch_size,
+            device_memory=(parse_bytes(args.device_memory)
+                           if args.device_memory else None),
+            checkpoint_directory=args.checkpoint_dir,
+            optimizer=args.optimizer, loss=args.loss,
+            input_shape=(parse_ints(args.input_shape, "--input-shape")
+                         if args.input_shape else None))
+    except (UsageError, TypeError, ValueError) as error:
+        print(f"python -m keras_distribute.plan: {error}", file=sys.stderr)
+        return 2
+    print(verdict.table())
+    return 0 if verdict.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
