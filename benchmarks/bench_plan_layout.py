@@ -12,6 +12,15 @@ keras-hub's own `GemmaBackbone.get_layout_map` (the hand-written anchor),
 with how many variables the two lay out differently. Goals (#46): under
 10 s and 2 GB on 2 cores; bytes per device at most 1.05x the anchor's.
 
+Then training under each map: a small `GemmaBackbone` (4 layers, hidden
+256, feed-forward 1024, vocabulary 4096, sequence 64, batch 32, float32)
+fits `--steps` batches under `kd.MirroredStrategy(layout_map=...)` on the
+same (2, 4) mesh of simulated devices, once with the planned map and once
+with keras-hub's, trials interleaved: the median step time (after the
+compiling first epoch) and the largest weight difference from the same
+steps on one device. Goal: step time at most 1.05x the anchor's, weights
+equal to one device's (1e-5).
+
 Usage:
     python benchmarks/bench_plan_layout.py
 """
@@ -25,6 +34,7 @@ import time
 
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 PARSER.add_argument("--trials", type=int, default=3)
+PARSER.add_argument("--steps", type=int, default=20)
 ARGS = PARSER.parse_args() if __name__ == "__main__" else None
 
 if ARGS is not None:
@@ -43,6 +53,53 @@ def gemma_7b_shape():
         vocabulary_size=256000, num_layers=28, num_query_heads=16,
         num_key_value_heads=16, hidden_dim=3072, intermediate_dim=49152,
         head_dim=256, dtype="bfloat16")
+
+
+def small_gemma():
+    import keras_hub
+
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=4096, num_layers=4, num_query_heads=4,
+        num_key_value_heads=4, hidden_dim=256, intermediate_dim=1024,
+        head_dim=64, dtype="float32")
+
+
+def train(layout_map, steps):
+    """`(median step seconds, weights)` of `steps` batches of fit under
+    `layout_map` (None: one device)."""
+    import keras
+    import numpy as np
+
+    import keras_distribute as kd
+
+    class StepClock(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self.started)
+
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 4096, (32 * steps, 64), "int32"),
+         "padding_mask": np.ones((32 * steps, 64), "int32")}
+    y = rng.normal(size=(32 * steps, 64, 256)).astype("float32") * 0.1
+    keras.backend.clear_session()  # the same variable paths every time
+    keras.utils.set_random_seed(0)
+    if layout_map is None:
+        model = small_gemma()
+    else:
+        with kd.MirroredStrategy(layout_map=layout_map).scope():
+            model = small_gemma()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    clock = StepClock()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+              callbacks=[clock])  # the first epoch compiles
+    return (statistics.median(clock.times[steps:]),
+            [np.asarray(w) for w in model.get_weights()])
 
 
 def peak_rss_bytes():
@@ -74,9 +131,28 @@ def main():
         whole = row.bytes_per_device * _shards(row.axes, sizes)
         anchor_bytes += whole // _shards(axes, sizes)
         differ += axes != row.axes
+    small = kd.layouts.plan_layout(small_gemma, mesh).layout_map
+    by_hand = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    step_times = {"plan": [], "keras_hub": []}
+    weights = {}
+    for _ in range(ARGS.trials):
+        for name, layout_map in (("plan", small), ("keras_hub", by_hand)):
+            step, weights[name] = train(layout_map, ARGS.steps)
+            step_times[name].append(step)
+    _, reference = train(None, ARGS.steps)
+    differences = {name: max(float(abs(a - b).max()) for a, b in zip(
+        found, reference)) for name, found in weights.items()}
     from _results import record
 
     record("plan_layout", {
+        "train_model": "keras-hub GemmaBackbone, 4 layers, hidden 256, "
+                       "sequence 64, batch 32, float32",
+        "train_steps": 2 * ARGS.steps,
+        "plan_step_s": statistics.median(step_times["plan"]),
+        "anchor_step_s": statistics.median(step_times["keras_hub"]),
+        "step_ratio": statistics.median(step_times["plan"])
+        / statistics.median(step_times["keras_hub"]),
+        "max_weight_difference_from_one_device": differences,
         "model": "keras-hub GemmaBackbone, Gemma-7B shape, bfloat16",
         "parameters": sum(
             row.bytes_per_device * _shards(row.axes, sizes) // 2

@@ -430,6 +430,16 @@ def plan_layout_table():
             f"{r['anchor_bytes_per_device'] / 2**30:.2f} GiB "
             f"({r['ratio']:.2f}x) | {r['variables_laid_out_differently']} of "
             f"{r['variables']} | {r['goal']} | {_run(entry)} |"]
+    if "plan_step_s" in r:
+        d = r["max_weight_difference_from_one_device"]
+        rows += ["", "| trained | steps | step: plan / keras-hub's map | "
+                 "weights vs one device: plan; keras-hub's | goal |",
+                 "|---|---|---|---|---|",
+                 f"| {r['train_model']}, (2, 4) mesh | {r['train_steps']} | "
+                 f"{r['plan_step_s'] * 1000:.0f} ms / "
+                 f"{r['anchor_step_s'] * 1000:.0f} ms "
+                 f"({r['step_ratio']:.2f}x) | {d['plan']:.1e}; "
+                 f"{d['keras_hub']:.1e} | <= 1.05x; <= 1e-5 |"]
     return "\n".join(rows)
 
 
