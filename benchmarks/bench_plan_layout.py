@@ -131,8 +131,13 @@ def main():
         whole = row.bytes_per_device * _shards(row.axes, sizes)
         anchor_bytes += whole // _shards(axes, sizes)
         differ += axes != row.axes
-    small = kd.layouts.plan_layout(small_gemma, mesh).layout_map
+    small_plan = kd.layouts.plan_layout(small_gemma, mesh)
+    small = small_plan.layout_map
     by_hand = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    small_differ = sum(
+        (tuple(by_hand[row.path].axes) if by_hand[row.path] is not None
+         else (None,) * len(row.shape)) != row.axes
+        for row in small_plan.variables)
     step_times = {"plan": [], "keras_hub": []}
     weights = {}
     for _ in range(ARGS.trials):
@@ -148,6 +153,8 @@ def main():
         "train_model": "keras-hub GemmaBackbone, 4 layers, hidden 256, "
                        "sequence 64, batch 32, float32",
         "train_steps": 2 * ARGS.steps,
+        "train_variables_laid_out_differently":
+            f"{small_differ} of {len(small_plan.variables)}",
         "plan_step_s": statistics.median(step_times["plan"]),
         "anchor_step_s": statistics.median(step_times["keras_hub"]),
         "step_ratio": statistics.median(step_times["plan"])
