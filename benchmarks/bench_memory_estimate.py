@@ -27,6 +27,8 @@ import os
 import subprocess
 import sys
 
+from _memory import proc_status
+from _memory import reset_peak_resident
 from _results import record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,14 +82,6 @@ def batch(keras, make, size, input_shape):
     return x, rng.normal(size=(size, 10)).astype("float32")
 
 
-def status(field):
-    with open("/proc/self/status") as file:
-        for line in file:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def measure_one_backend():
     """In a process of one backend: every model's estimate and real step."""
     import gc
@@ -106,11 +100,9 @@ def measure_one_backend():
         x, y = batch(keras, make, size, input_shape)
         model.fit(x, y, batch_size=size, epochs=1, verbose=0)
         gc.collect()
-        with open("/proc/self/clear_refs", "w") as file:
-            file.write("5")  # VmHWM := VmRSS
-        before = status("VmRSS")
+        before = reset_peak_resident()
         model.train_on_batch(x, y)
-        real = status("VmHWM") - before
+        real = proc_status("VmHWM") - before
         between_steps = estimate.parameters + estimate.optimizer + (
             estimate.gradients if keras.backend.backend() == "torch" else 0)
         estimated = estimate.peak - between_steps

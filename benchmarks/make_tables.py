@@ -468,6 +468,24 @@ def checkpoint_object_store_table():
         "| ≥ 0.9x |"])
 
 
+def loading_torch_table():
+    entry = _load("loading_torch")
+    r = entry["result"]
+    return "\n".join([
+        "| model (file) | processes | held per process | peak above, "
+        "kd / Keras | kd / Keras | load time, kd / Keras | same weights | "
+        "goal | run |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {r['model']} ({_mib(r['weights_file_bytes'])} MiB; largest "
+        f"variable {_mib(r['largest_variable_bytes'])} MiB) | "
+        f"{r['processes']} | {_mib(r['held_bytes_per_process'])} MiB | "
+        f"{_mib(r['kd_peak_above_bytes'])} / "
+        f"{_mib(r['keras_peak_above_bytes'])} MiB | {r['ratio']:.2f}x | "
+        f"{r['kd_seconds']:.2f} s / {r['keras_seconds']:.2f} s | "
+        f"{'yes' if r['same_weights'] else 'NO'} | <= 0.3x | "
+        f"{_run(entry)} |"])
+
+
 def memory_estimate_table():
     entry = _load("memory_estimate")
     r = entry["result"]
@@ -498,6 +516,7 @@ TABLES = {"fit": fit_table, "memory": memory_table,
           "divergence": divergence_table,
           "plan_layout": plan_layout_table,
           "memory_estimate": memory_estimate_table,
+          "loading_torch": loading_torch_table,
           "checkpoint_object_store": checkpoint_object_store_table}
 _MARKED = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)",
                      re.DOTALL)

@@ -1220,3 +1220,38 @@ def gemma_with_its_layout_map(shape):
             "embeddings_local": tuple(embeddings.value.to_local().shape),
             "layout": strategy.describe_layout(model.backbone,
                                                print_fn=lambda _: None)}
+
+
+def fully_sharded_load_weights(weights_path):
+    """A model made under one-line FSDP over 2 processes loads a Keras
+    `.weights.h5` / `.weights.json`: the regions each process read (HDF5
+    hyperslabs through LazyH5Array) and the whole weights after."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+    from keras_distribute.integration import sharded_loading
+
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"],
+                                         ["cpu:0", "cpu:1"])
+    strategy = kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=32))
+    with strategy.scope():
+        model, _, _, _ = make_sharded_parts(seed=9, dropout=False)
+    read = []
+    original = sharded_loading.LazyH5Array.read_regions
+
+    def recording(self, regions, into=None):
+        read.extend((self.shape, tuple(r)) for r in regions)
+        return original(self, regions, into)
+
+    sharded_loading.LazyH5Array.read_regions = recording
+    try:
+        model.load_weights(weights_path)
+    finally:
+        sharded_loading.LazyH5Array.read_regions = original
+    return {"read": read,
+            "local_shapes": [tuple(v.value.to_local().shape)
+                             if hasattr(v.value, "to_local") else None
+                             for v in model.weights],
+            "weights": model.get_weights()}

@@ -41,6 +41,7 @@ from keras_distribute.input import process_data
 from keras_distribute.integration import patching
 from keras_distribute.integration import registry
 from keras_distribute.integration import saving
+from keras_distribute.integration import sharded_loading
 from keras_distribute.integration import tf_hooks
 from keras_distribute.integration import torch_hooks
 from keras_distribute.job import peer_board
@@ -181,6 +182,28 @@ def _install_model_hooks() -> None:
     saving_lib = registry.resolve("saving_lib")
     _patch(saving_lib, "get_attr_skipset",
            saving.outside_every_strategy(saving_lib.get_attr_skipset))
+    _install_loading_hooks()
+
+
+def _install_loading_hooks() -> None:
+    """`load_weights` of a model made in a strategy's scope reads only this
+    process's regions (see `sharded_loading`)."""
+    owner = next(c for c in keras.Model.__mro__ if "load_weights" in c.__dict__)
+    _patch(owner, "load_weights", sharded_loading.load_weights_by_region(
+        owner.__dict__["load_weights"]))
+    store = registry.resolve("H5IOStore")
+    _patch(store, "__getitem__", sharded_loading.lazy_getitem(
+        registry.resolve("H5IOStore.__getitem__"),
+        registry.resolve("saving_lib.safe_get_h5_dataset")))
+    variable = registry.resolve("KerasVariable")
+
+    def checkpoint_assign():
+        from keras_distribute.backend import get_backend
+
+        return get_backend().checkpoint_assign
+
+    _patch(variable, "assign", sharded_loading.assign_by_region(
+        registry.resolve("KerasVariable.assign"), checkpoint_assign))
 
 
 def _build_in_its_scope(model) -> None:

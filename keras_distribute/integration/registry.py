@@ -108,6 +108,21 @@ ROWS: Tuple[Row, ...] = (
         "saving that builds no variables to list attribute names"),
     Row("saving_lib.get_attr_skipset", (), "see saving_lib", "3.10-3.16",
         parameters=("obj_type",)),
+    Row("saving_lib.safe_get_h5_dataset", (), "see H5IOStore", "3.15-3.16",
+        parameters=("group", "name")),
+    Row("H5IOStore", ((_S + "saving.saving_lib", "H5IOStore"),),
+        "load_weights under a strategy: the weights store hands out each "
+        "dataset unread (its entry group, _h5_entry_group, is read; where "
+        "it is absent Keras' own whole-array path runs), so that each "
+        "process reads only its regions", "3.15-3.16",
+        "a lazy read (or a layout-aware load) in Keras' weights store"),
+    Row("H5IOStore.__getitem__", (), "see H5IOStore", "3.15-3.16",
+        parameters=("self", "key")),
+    Row("KerasVariable", ((_S + "backend.common.variables", "Variable"),),
+        "see H5IOStore: a variable assigned an unread dataset reads its "
+        "own regions", "3.10-3.16"),
+    Row("KerasVariable.assign", (), "see KerasVariable", "3.10-3.16",
+        parameters=("self", "value")),
     Row("stateless_scope", ((_S + "backend.common.stateless_scope", ""),),
         "a deferred restore waits out Keras' stateless symbolic build",
         "3.10-3.16", "a public in_stateless_scope()"),

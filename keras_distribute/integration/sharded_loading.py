@@ -1,0 +1,175 @@
+"""`model.load_weights()` under a strategy: each process reads only its part.
+
+Keras loads a `.weights.h5` file (and the shards of a `.weights.json`) one
+layer at a time, each variable as a whole NumPy array that is then laid
+out: under a sharded layout every process reads, and holds for a moment,
+every variable whole. For a model created in a kd strategy's scope, kd
+reads them the way it restores its own checkpoints instead: while such a
+model's `load_weights` runs, Keras' weights store hands out each dataset
+as a `LazyH5Array` (its file, its name, its shape and dtype; no values),
+and a variable assigned one reads through the backend's
+`checkpoint_assign` only the regions this process holds (HDF5 hyperslabs:
+a shard of an FSDP variable, one device's slice of a tensor-parallel
+one), straight into the variable's own memory where it can. Whatever else
+reads such an array (a layer that transforms what it loads) gets the
+whole array, as from Keras.
+
+Keras-private names used: `saving_lib.H5IOStore.__getitem__` (wrapped),
+its `_h5_entry_group` (read; where absent, Keras' own path runs),
+`saving_lib.safe_get_h5_dataset` and `Variable.assign` (wrapped); rows in
+`registry.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from typing import Any
+from typing import Callable
+from typing import Iterator
+from typing import List
+from typing import Optional
+from typing import Sequence
+
+from keras_distribute.common.context import model_strategy
+from keras_distribute.integration import patching
+
+_loading = threading.local()
+_WEIGHTS_FILES = (".weights.h5", ".weights.json")
+
+
+class LazyH5Array:
+    """A dataset of a Keras weights file, read region by region.
+
+    Attributes:
+        filename: The HDF5 file holding it.
+        name: Its path in that file.
+        shape: Its shape.
+        dtype: The dtype Keras loads it as (`bfloat16` where Keras stored
+            bfloat16 values as float32).
+    """
+
+    __slots__ = ("filename", "name", "shape", "dtype", "_convert")
+
+    def __init__(self, dataset: Any) -> None:
+        import numpy as np
+
+        self.filename = dataset.file.filename
+        self.name = dataset.name
+        self.shape = tuple(int(n) for n in dataset.shape)
+        self._convert = dataset.attrs.get("dtype") == "bfloat16"
+        if self._convert:
+            import ml_dtypes
+
+            self.dtype = np.dtype(ml_dtypes.bfloat16)
+        else:
+            self.dtype = np.dtype(dataset.dtype)
+
+    def read_regions(self, regions: Sequence[tuple],
+                     into: Optional[Sequence[Any]] = None) -> List[Any]:
+        """The arrays of `regions` (`((start, stop), ...)` per dimension),
+        read as hyperslabs; written into the arrays `into` where given."""
+        import h5py
+        import numpy as np
+
+        arrays = []
+        with h5py.File(self.filename, "r") as file:
+            dataset = file[self.name]
+            for i, region in enumerate(regions):
+                if len(region) != len(self.shape) or any(
+                        not 0 <= start <= stop <= size
+                        for (start, stop), size in zip(region, self.shape)):
+                    raise ValueError(
+                        f"A region {region} outside {self.name!r} of shape "
+                        f"{self.shape} was asked for.")
+                selection = tuple(slice(start, stop) for start, stop in region)
+                target = into[i] if into is not None else None
+                if target is not None and not self._convert and (
+                        target.dtype == dataset.dtype) and target.flags[
+                            "C_CONTIGUOUS"] and dataset.shape != ():
+                    dataset.read_direct(target, selection)
+                    arrays.append(target)
+                    continue
+                array = np.asarray(dataset[selection] if selection
+                                   else dataset[()])
+                if self._convert:
+                    array = array.astype(self.dtype)
+                if target is not None:
+                    target[...] = array
+                    array = target
+                arrays.append(array)
+        return arrays
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        (whole,) = self.read_regions([tuple((0, n) for n in self.shape)])
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __repr__(self) -> str:
+        return (f"LazyH5Array({self.filename!r}, {self.name!r}, "
+                f"shape={self.shape}, dtype={self.dtype})")
+
+
+@contextlib.contextmanager
+def lazy_reads() -> Iterator[None]:
+    """Keras' weights store hands out `LazyH5Array`s in this block (this
+    thread only)."""
+    _loading.depth = getattr(_loading, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _loading.depth -= 1
+
+
+def load_weights_by_region(original: Callable) -> Callable:
+    """Wraps `Model.load_weights`: a model made in a strategy's scope
+    loads a local `.weights.h5` / `.weights.json` region by region."""
+
+    @functools.wraps(original)
+    def load_weights(self, filepath, *args, **kwargs):
+        if model_strategy(self) is None or not isinstance(
+                filepath, (str, os.PathLike)) or not str(filepath).endswith(
+                    _WEIGHTS_FILES) or "://" in str(filepath):
+            return original(self, filepath, *args, **kwargs)
+        with lazy_reads():
+            return original(self, filepath, *args, **kwargs)
+
+    return patching.wrapping(load_weights, original)
+
+
+def lazy_getitem(original: Callable, safe_get_h5_dataset: Callable
+                 ) -> Callable:
+    """Wraps `H5IOStore.__getitem__`: a `LazyH5Array` in `lazy_reads()`
+    for a dataset of a file on disk; Keras' array otherwise."""
+
+    @functools.wraps(original)
+    def __getitem__(self, key):
+        group = getattr(self, "_h5_entry_group", None)
+        if not getattr(_loading, "depth", 0) or group is None:
+            return original(self, key)
+        dataset = safe_get_h5_dataset(group, key)
+        filename = getattr(getattr(dataset, "file", None), "filename", "")
+        if not isinstance(filename, str) or not os.path.isfile(filename):
+            return original(self, key)  # (in a .keras archive's memory)
+        return LazyH5Array(dataset)
+
+    return patching.wrapping(__getitem__, original)
+
+
+def assign_by_region(original: Callable,
+                     checkpoint_assign: Callable[[], Callable]) -> Callable:
+    """Wraps `Variable.assign`: a `LazyH5Array` of the variable's shape is
+    read through the backend's `checkpoint_assign()` (only this process's
+    regions); anything else is Keras' assign."""
+
+    @functools.wraps(original)
+    def assign(self, value):
+        if value.__class__ is not LazyH5Array:
+            return original(self, value)
+        if value.shape != tuple(int(n) for n in self.shape):
+            return original(self, value.__array__())  # Keras' own error
+        checkpoint_assign()(self, value.read_regions)
+        return self
+
+    return patching.wrapping(assign, original)
