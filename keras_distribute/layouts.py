@@ -11,7 +11,7 @@ with its fix. `estimate_memory(model, layout_map, batch_size=...)`: the
 bytes a device holds at the peak of a train step (see
 `keras_distribute.planning.memory_estimate`). `dry_run(model, layout_map,
 hosts=..., ...)`: the whole job checked before the launch, one verdict
-table (`python -m keras_distribute.plan` on the command line).
+table (`python -m keras_distribute.planning` on the command line).
 
 Its names are loaded on first use: the layout maps subclass Keras'
 `LayoutMap`, and `import keras_distribute` imports no Keras (the script

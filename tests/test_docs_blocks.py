@@ -94,7 +94,8 @@ def test_every_python_block_of_the_page_runs(page, tmp_path):
     env.pop("KD_RECORD_BAD_INPUTS", None)
     result = run_program(["page.py"], cwd=tmp_path, env=env, timeout=600)
     assert result.returncode == 0, (
-        f"{page.name} on {BACKEND}: a block failed.\n" + "\n".join(where)
+        f"{page.name} on {BACKEND}: a block failed (exit status "
+        f"{result.returncode}).\n" + "\n".join(where)
         + f"\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
 
 

@@ -1,4 +1,4 @@
-"""`kd.layouts.dry_run` and `python -m keras_distribute.plan` (issue #46,
+"""`kd.layouts.dry_run` and `python -m keras_distribute.planning` (issue #46,
 item 3): a whole job checked on one machine before the launch.
 
 22 distinct misconfigurations are seeded (one more on TensorFlow, whose
@@ -252,7 +252,7 @@ if __name__ == "__main__":
 
 def test_the_command_line_prints_the_verdict_and_exits_by_it(tmp_path,
                                                             capsys):
-    from keras_distribute import plan
+    from keras_distribute.planning import command_line as plan
 
     script = tmp_path / "train.py"
     script.write_text(PLAN_SCRIPT)
@@ -271,7 +271,7 @@ def test_the_command_line_prints_the_verdict_and_exits_by_it(tmp_path,
 
 def test_the_pages_command_line_recipe_runs(tmp_path):
     # docs/tpu_and_model_parallel.md's train.py and its
-    # `python -m keras_distribute.plan` command, as the page shows them
+    # `python -m keras_distribute.planning` command, as the page shows them
     # (the script's __main__ block does not run: it would print a table).
     import re
     import shlex
@@ -283,7 +283,7 @@ def test_the_pages_command_line_recipe_runs(tmp_path):
                  if b.startswith("# train.py")]
     (command,) = [b for b in re.findall(r"```bash\n(.*?)^```", page,
                                         re.DOTALL | re.MULTILINE)
-                  if b.startswith("python -m keras_distribute.plan")]
+                  if b.startswith("python -m keras_distribute.planning")]
     (tmp_path / "train.py").write_text(script)
     argv = shlex.split(command.replace("\\\n", " "))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -317,7 +317,7 @@ def test_the_pages_command_line_recipe_runs(tmp_path):
 ])
 def test_the_command_line_refuses_what_it_cannot_use(argv, match, tmp_path,
                                                      capsys):
-    from keras_distribute import plan
+    from keras_distribute.planning import command_line as plan
 
     script = tmp_path / "train.py"
     script.write_text(PLAN_SCRIPT)
@@ -328,7 +328,7 @@ def test_the_command_line_refuses_what_it_cannot_use(argv, match, tmp_path,
 
 
 def test_sizes_read_as_people_write_them():
-    from keras_distribute.plan import parse_bytes
+    from keras_distribute.planning.command_line import parse_bytes
 
     assert parse_bytes("16GB") == 16 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30

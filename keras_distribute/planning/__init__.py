@@ -7,7 +7,13 @@
   model before the launch (keys that match nothing, indivisible shards,
   replicated giants, the global batch, memory per device), each finding
   with its fix.
+- `memory_estimate`: `kd.layouts.estimate_memory`, the bytes a device holds
+  at the peak of a train step (the backend's `step_memory`).
+- `dry_run`: `kd.layouts.dry_run`, the whole job checked, one verdict;
+  `command_line` (`python -m keras_distribute.planning`) runs it on a
+  training script.
 
-May import: `common`, `backend` (its contract: `build_without_values`) and
-the packages below the strategies. Imports no framework at module level.
+May import: `common`, `backend` (its contract: `build_without_values`,
+`step_memory`) and the packages below the strategies. Imports no framework
+at module level.
 """

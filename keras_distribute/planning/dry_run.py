@@ -9,7 +9,7 @@ or hosts do not divide, a step over a device's memory (variables,
 gradients, optimizer slots and activations: `estimate_memory`), and a
 checkpoint directory no checkpoint can be written in or whose latest
 checkpoint this model cannot restore. The model is built without values
-(`plan_layout` builds it the same way). `python -m keras_distribute.plan`
+(`plan_layout` builds it the same way). `python -m keras_distribute.planning`
 is its command line.
 """
 

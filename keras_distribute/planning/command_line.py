@@ -1,8 +1,8 @@
-"""`python -m keras_distribute.plan`: a dry run of the job, on one machine.
+"""`python -m keras_distribute.planning`: a dry run of the job, on one machine.
 
-    python -m keras_distribute.plan train.py --hosts 4 --devices-per-host 8 \\
-        --mesh 4,8 --layout-map make_layout_map --batch-size 256 \\
-        --device-memory 16GB --checkpoint-dir gs://bucket/run
+    python -m keras_distribute.planning train.py --hosts 4 \\
+        --devices-per-host 8 --mesh 4,8 --layout-map make_layout_map \\
+        --batch-size 256 --device-memory 16GB --checkpoint-dir gs://run
 
 `train.py` (a file, or a module name) is imported, not run — its
 `if __name__ == "__main__":` block does not run — and must define the
@@ -92,7 +92,7 @@ def _pick(definitions: Dict[str, Any], name: Optional[str], what: str,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m keras_distribute.plan",
+        prog="python -m keras_distribute.planning",
         description="A dry run of a keras_distribute job on this machine: "
                     "the model built without values, the layout map, the "
                     "cluster, the batch, memory and checkpoints checked.")
@@ -149,13 +149,13 @@ def _mesh(args: argparse.Namespace, keras: Any) -> Optional[Any]:
 
 def _layout_map(args: argparse.Namespace, definitions: Dict[str, Any],
                 builder: Any, mesh: Any, keras: Any) -> Optional[Any]:
-    import keras_distribute as kd
+    from keras_distribute.planning.layout_planner import plan_layout
 
     if args.plan:
         if mesh is None:
             raise UsageError("--plan needs a mesh: give --mesh (or --hosts "
                              "and --devices-per-host).")
-        return kd.layouts.plan_layout(builder, mesh).layout_map
+        return plan_layout(builder, mesh).layout_map
     if not args.layout_map:
         if mesh is None:
             return None
@@ -182,14 +182,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         import keras
 
-        import keras_distribute as kd
+        from keras_distribute.planning.dry_run import dry_run
 
         definitions = load_definitions(args.script)
         builder = _pick(definitions, args.model, "model function",
                         _MODEL_FUNCTIONS)
         mesh = _mesh(args, keras)
         layout_map = _layout_map(args, definitions, builder, mesh, keras)
-        verdict = kd.layouts.dry_run(
+        verdict = dry_run(
             builder, layout_map, hosts=args.hosts,
             devices_per_host=args.devices_per_host,
             global_batch_size=args.batch_size,
@@ -200,11 +200,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             input_shape=(parse_ints(args.input_shape, "--input-shape")
                          if args.input_shape else None))
     except (UsageError, TypeError, ValueError) as error:
-        print(f"python -m keras_distribute.plan: {error}", file=sys.stderr)
+        print(f"python -m keras_distribute.planning: {error}", file=sys.stderr)
         return 2
     print(verdict.table())
     return 0 if verdict.ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
