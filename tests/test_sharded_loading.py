@@ -9,6 +9,8 @@ processes under one-line FSDP each read only their half. Outside a
 strategy, Keras' own path runs untouched.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -155,6 +157,10 @@ def test_torch_processes_each_read_only_their_half(tmp_path):
     if BACKEND != "torch":
         pytest.skip("one process per device on torch (JAX and TensorFlow: "
                     "the tests above)")
+    if os.environ.get("KD_KERAS_STACK") == "next":
+        pytest.skip("kd's regional reads between processes, on the release "
+                    "stack; this stack runs Keras' store and assign hooks "
+                    "in the tests above (tests/conftest.py)")
     import workers_torch
 
     model, _, _, _ = workers_torch.make_sharded_parts(seed=3, dropout=False)
