@@ -101,6 +101,38 @@ def test_outside_a_strategy_keras_loads_as_it_always_did(tmp_path, reads):
         np.testing.assert_array_equal(expected, found)
 
 
+def test_layers_that_keep_what_they_load_get_whole_arrays(tmp_path, reads):
+    # Discretization keeps the array it loads as its summary: it gets
+    # Keras' array, never a view of the file (deleted after the load).
+    data = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+
+    def make():
+        normalize = keras.layers.Normalization(name="normalize")
+        bins = keras.layers.Discretization(num_bins=4, name="bins")
+        normalize.adapt(data)
+        bins.adapt(data)
+        inputs = keras.Input((4,))
+        joined = keras.layers.Concatenate()(
+            [normalize(inputs), keras.ops.cast(bins(inputs), "float32")])
+        outputs = keras.layers.Dense(8, name="dense")(joined)
+        return keras.Model(inputs, outputs, name="kept")
+
+    saved = make()
+    path = str(tmp_path / "kept.weights.h5")
+    saved.save_weights(path)
+    strategy, _ = strategy_for_this_backend()
+    with strategy.scope():
+        model = keras.models.clone_model(saved)
+    model.load_weights(path)
+    (tmp_path / "kept.weights.h5").unlink()  # nothing may still read it
+    np.testing.assert_allclose(model.predict(data, verbose=0),
+                               saved.predict(data, verbose=0), atol=1e-6)
+    # Variables were read by region (the Dense's, Normalization's mean,
+    # variance and count); the bins' summary is Keras' own array.
+    assert {shape for shape, _ in reads} == {(8, 8), (8,), (4,), ()}
+    assert isinstance(model.get_layer("bins").summary, np.ndarray)
+
+
 def test_a_mismatched_file_fails_as_keras_fails(tmp_path):
     keras.utils.set_random_seed(1)
     other = keras.Sequential([keras.Input((16,)),

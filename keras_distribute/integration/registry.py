@@ -118,6 +118,9 @@ ROWS: Tuple[Row, ...] = (
         "a lazy read (or a layout-aware load) in Keras' weights store"),
     Row("H5IOStore.__getitem__", (), "see H5IOStore", "3.15-3.16",
         parameters=("self", "key")),
+    Row("Layer._load_serialized_variables", (), "see H5IOStore: the "
+        "loader Dense, EinsumDense and Embedding call on Keras 3.16, which "
+        "only assigns what it reads", "3.16", optional=True),
     Row("KerasVariable", ((_S + "backend.common.variables", "Variable"),),
         "see H5IOStore: a variable assigned an unread dataset reads its "
         "own regions", "3.10-3.16"),

@@ -10,11 +10,15 @@ as a `LazyH5Array` (its file, its name, its shape and dtype; no values),
 and a variable assigned one reads through the backend's
 `checkpoint_assign` only the regions this process holds (HDF5 hyperslabs:
 a shard of an FSDP variable, one device's slice of a tensor-parallel
-one), straight into the variable's own memory where it can. Whatever else
-reads such an array (a layer that transforms what it loads) gets the
-whole array, as from Keras.
+one), straight into the variable's own memory where it can. Only loaders
+known to assign what they read get such arrays (Keras' default
+`load_own_variables`, which most layers and keras-hub's use, and those of
+`Dense`, `EinsumDense`, `Embedding`, the convolutions and the optimizer);
+one that keeps or transforms what it reads (a preprocessing layer's
+statistics, a wrapped torch module) gets Keras' whole arrays.
 
-Keras-private names used: `saving_lib.H5IOStore.__getitem__` (wrapped),
+Keras-private names used: `saving_lib.H5IOStore.__getitem__` (wrapped; the
+loader asking is the frame above it),
 its `_h5_entry_group` (read; where absent, Keras' own path runs),
 `saving_lib.safe_get_h5_dataset` and `Variable.assign` (wrapped); rows in
 `registry.py`.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 from typing import Any
 from typing import Callable
@@ -138,15 +143,49 @@ def load_weights_by_region(original: Callable) -> Callable:
     return patching.wrapping(load_weights, original)
 
 
+def _assigning_loaders() -> frozenset:
+    """The code of the `load_own_variables` methods known to do nothing
+    with a value but assign it to a variable: Keras' default (most layers,
+    keras-hub's among them), `Dense`, `EinsumDense`, `Embedding`, the
+    convolutions' and the optimizer's. A loader that keeps or transforms
+    what it reads (preprocessing layers' vocabularies and statistics, a
+    wrapped torch module) gets Keras' arrays."""
+    import keras
+
+    from keras_distribute.integration import registry
+
+    owners = (keras.layers.Layer, keras.layers.Dense,
+              keras.layers.EinsumDense, keras.layers.Embedding,
+              keras.layers.Conv1D, keras.optimizers.Optimizer)
+    loaders = [owner.load_own_variables for owner in owners]
+    shared = registry.resolve("Layer._load_serialized_variables")
+    if shared is not None:  # (Keras 3.16: what Dense & co. call)
+        loaders.append(shared)
+    return frozenset(loader.__code__ for loader in loaders)
+
+
+def _asked_by_an_assigning_loader() -> bool:
+    frame: Optional[Any] = sys._getframe(2)  # (above the wrapped __getitem__)
+    while frame is not None and frame.f_code.co_name == "__getitem__":
+        frame = frame.f_back  # a store's own lookup (sharded files)
+    if frame is None:
+        return False
+    if not hasattr(_loading, "loaders"):
+        _loading.loaders = _assigning_loaders()
+    return frame.f_code in _loading.loaders
+
+
 def lazy_getitem(original: Callable, safe_get_h5_dataset: Callable
                  ) -> Callable:
-    """Wraps `H5IOStore.__getitem__`: a `LazyH5Array` in `lazy_reads()`
-    for a dataset of a file on disk; Keras' array otherwise."""
+    """Wraps `H5IOStore.__getitem__`: a `LazyH5Array` in `lazy_reads()`,
+    for a loader that only assigns it (`_assigning_loaders`) and a dataset
+    of a file on disk; Keras' array otherwise."""
 
     @functools.wraps(original)
     def __getitem__(self, key):
         group = getattr(self, "_h5_entry_group", None)
-        if not getattr(_loading, "depth", 0) or group is None:
+        if not getattr(_loading, "depth", 0) or group is None or (
+                not _asked_by_an_assigning_loader()):
             return original(self, key)
         dataset = safe_get_h5_dataset(group, key)
         filename = getattr(getattr(dataset, "file", None), "filename", "")
