@@ -395,3 +395,90 @@ def test_jax_fully_sharded_over_the_gpus_matches_plain_fit():
     record("gpu_fully_sharded_jax", {"devices": len(devices),
                                      "kernel_shards": sorted(shards)})
 
+
+ESTIMATE_PROGRAM = textwrap.dedent('''
+    import json
+    import keras, numpy as np
+    import keras_distribute as kd
+
+    def make():
+        return keras.Sequential([keras.Input((1024,)),
+                                 keras.layers.Dense(4096, activation="relu"),
+                                 keras.layers.Dense(4096, activation="relu"),
+                                 keras.layers.Dense(10)], name="mlp")
+
+    estimate = kd.layouts.estimate_memory(make, batch_size=1024,
+                                          optimizer="adam", loss="mse")
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+    model = make()
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 1024)).astype("float32")
+    y = rng.normal(size=(1024, 10)).astype("float32")
+    model.fit(x, y, batch_size=1024, epochs=2, verbose=0)
+    if backend == "torch":
+        peak = (torch.cuda.max_memory_allocated()
+                if torch.cuda.is_available() else None)
+    else:
+        import jax
+        stats = jax.devices()[0].memory_stats() or {}  # (None on a CPU)
+        peak = stats.get("peak_bytes_in_use")
+    print(json.dumps({"estimate": estimate.peak, "real": peak,
+                      "method": estimate.method}))
+''')
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason=(
+    "TensorFlow's estimate is a layer-output trace, not the framework's "
+    "accounting"))
+def test_the_memory_estimate_is_within_ten_percent_of_the_devices_peak():
+    # A fresh process: the device's peak counts only this model's fit.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [REPO, os.environ.get("PYTHONPATH", "")]),
+        XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    run = subprocess.run([sys.executable, "-c", ESTIMATE_PROGRAM], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    record("gpu_memory_estimate", found)
+    if not ON_GPU:
+        pytest.skip("the estimate ran; a device peak needs a GPU")
+    assert abs(found["estimate"] - found["real"]) <= 0.1 * found["real"], (
+        found)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's GPU devices")
+def test_jax_load_weights_reads_each_gpus_slice(tmp_path):
+    import jax
+
+    from keras_distribute.integration import sharded_loading
+
+    saved = make_model()
+    path = str(tmp_path / "model.weights.h5")
+    saved.save_weights(path)
+    devices = jax.devices()
+    mesh = keras.distribution.DeviceMesh((len(devices),), ["batch"], devices)
+    with kd.MirroredStrategy(layout_map=kd.layouts.fully_sharded(
+            mesh, min_size=0)).scope():
+        model = make_model()
+    read = []
+    original = sharded_loading.LazyH5Array.read_regions
+
+    def recording(self, regions, into=None):
+        read.extend(regions)
+        return original(self, regions, into)
+
+    sharded_loading.LazyH5Array.read_regions = recording
+    try:
+        model.load_weights(path)
+    finally:
+        sharded_loading.LazyH5Array.read_regions = original
+    for a, b in zip(saved.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert read  # region by region, onto the devices
+    record("gpu_sharded_loading_jax", {"devices": len(devices),
+                                       "regions_read": len(read)})
