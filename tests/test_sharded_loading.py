@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 from conftest import keras_hub_or_skip
+from worker_common import recorded_regional_reads
 
 import keras_distribute as kd
-from keras_distribute.integration import sharded_loading
 
 
 def make_model(seed=3):
@@ -32,18 +32,10 @@ def make_model(seed=3):
 
 
 @pytest.fixture
-def reads(monkeypatch):
+def reads():
     """`[(dataset shape, region)]` of every read through a LazyH5Array."""
-    found = []
-    original = sharded_loading.LazyH5Array.read_regions
-
-    def recording(self, regions, into=None):
-        found.extend((self.shape, tuple(r)) for r in regions)
-        return original(self, regions, into)
-
-    monkeypatch.setattr(sharded_loading.LazyH5Array, "read_regions",
-                        recording)
-    return found
+    with recorded_regional_reads() as found:
+        yield found
 
 
 def strategy_for_this_backend():

@@ -5,6 +5,7 @@ first, then these helpers import Keras. (One exception, on the TensorFlow
 backend: `tf_data_iterators_without_autotune`, below.)
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -839,3 +840,23 @@ def gemma_data():
          "padding_mask": np.ones((32, 8), "int32")}
     return x, tokens[:, 1:]
 
+
+@contextlib.contextmanager
+def recorded_regional_reads():
+    """Inside: every region read through kd's regional weight loading
+    (`LazyH5Array.read_regions`), as `(dataset shape, region)` in the list
+    it yields."""
+    from keras_distribute.integration import sharded_loading
+
+    found = []
+    original = sharded_loading.LazyH5Array.read_regions
+
+    def recording(self, regions, into=None):
+        found.extend((self.shape, tuple(r)) for r in regions)
+        return original(self, regions, into)
+
+    sharded_loading.LazyH5Array.read_regions = recording
+    try:
+        yield found
+    finally:
+        sharded_loading.LazyH5Array.read_regions = original

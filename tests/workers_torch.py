@@ -12,6 +12,7 @@ from worker_common import initial_weights  # noqa: F401
 from worker_common import interrupt_at
 from worker_common import make_data  # noqa: F401
 from worker_common import make_model  # noqa: F401
+from worker_common import recorded_regional_reads
 from worker_common import train_unless_rank_one
 
 BATCH = 32
@@ -1230,7 +1231,6 @@ def fully_sharded_load_weights(weights_path):
     import keras
 
     import keras_distribute as kd
-    from keras_distribute.integration import sharded_loading
 
     mesh = keras.distribution.DeviceMesh((2,), ["batch"],
                                          ["cpu:0", "cpu:1"])
@@ -1238,18 +1238,8 @@ def fully_sharded_load_weights(weights_path):
         layout_map=kd.layouts.fully_sharded(mesh, min_size=32))
     with strategy.scope():
         model, _, _, _ = make_sharded_parts(seed=9, dropout=False)
-    read = []
-    original = sharded_loading.LazyH5Array.read_regions
-
-    def recording(self, regions, into=None):
-        read.extend((self.shape, tuple(r)) for r in regions)
-        return original(self, regions, into)
-
-    sharded_loading.LazyH5Array.read_regions = recording
-    try:
+    with recorded_regional_reads() as read:
         model.load_weights(weights_path)
-    finally:
-        sharded_loading.LazyH5Array.read_regions = original
     return {"read": read,
             "local_shapes": [tuple(v.value.to_local().shape)
                              if hasattr(v.value, "to_local") else None

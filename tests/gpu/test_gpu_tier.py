@@ -454,8 +454,7 @@ def test_the_memory_estimate_is_within_ten_percent_of_the_devices_peak():
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's GPU devices")
 def test_jax_load_weights_reads_each_gpus_slice(tmp_path):
     import jax
-
-    from keras_distribute.integration import sharded_loading
+    from worker_common import recorded_regional_reads
 
     saved = make_model()
     path = str(tmp_path / "model.weights.h5")
@@ -465,18 +464,8 @@ def test_jax_load_weights_reads_each_gpus_slice(tmp_path):
     with kd.MirroredStrategy(layout_map=kd.layouts.fully_sharded(
             mesh, min_size=0)).scope():
         model = make_model()
-    read = []
-    original = sharded_loading.LazyH5Array.read_regions
-
-    def recording(self, regions, into=None):
-        read.extend(regions)
-        return original(self, regions, into)
-
-    sharded_loading.LazyH5Array.read_regions = recording
-    try:
+    with recorded_regional_reads() as read:
         model.load_weights(path)
-    finally:
-        sharded_loading.LazyH5Array.read_regions = original
     for a, b in zip(saved.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert read  # region by region, onto the devices
