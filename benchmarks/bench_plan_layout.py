@@ -72,17 +72,6 @@ def train(layout_map, steps):
 
     import keras_distribute as kd
 
-    class StepClock(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.times = []
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self.started = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.times.append(time.perf_counter() - self.started)
-
     rng = np.random.default_rng(0)
     x = {"token_ids": rng.integers(0, 4096, (32 * steps, 64), "int32"),
          "padding_mask": np.ones((32 * steps, 64), "int32")}
@@ -95,7 +84,9 @@ def train(layout_map, steps):
         with kd.MirroredStrategy(layout_map=layout_map).scope():
             model = small_gemma()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    clock = StepClock()
+    from _common import StepTimer
+
+    clock = StepTimer(warmup=0)
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
               callbacks=[clock])  # the first epoch compiles
     return (statistics.median(clock.times[steps:]),

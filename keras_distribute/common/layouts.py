@@ -59,6 +59,17 @@ def variable_layout(layout_map: LayoutMap, path: str, shape: Any) -> Any:
     return layout_map[path]
 
 
+def slot_owner(slot: Any, trainable: List[Any]) -> Any:
+    """The trainable variable an optimizer slot belongs to (Keras names a
+    slot `<optimizer>/<variable path, '/' -> '_'>_<slot>` and gives it its
+    variable's shape), or None (a counter, a factored slot)."""
+    name = slot.path.split("/", 1)[-1]
+    shape = tuple(slot.shape)
+    return next((v for v in trainable
+                 if name.startswith(v.path.replace("/", "_") + "_")
+                 and tuple(v.shape) == shape), None)
+
+
 def axis_size(mesh: Any, axis: Any) -> int:
     size = 1
     for name in axis_names(axis):

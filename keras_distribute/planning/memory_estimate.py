@@ -26,6 +26,7 @@ from typing import Optional
 from typing import Union
 
 from keras_distribute.common.layouts import axis_size
+from keras_distribute.common.layouts import slot_owner
 from keras_distribute.common.layouts import variable_layout
 from keras_distribute.planning.layout_planner import built_model
 from keras_distribute.planning.layout_planner import human_bytes
@@ -183,13 +184,9 @@ def estimate_memory(model: ModelOrBuilder,
     trainable = [v for v in variables if v.trainable]
     gradients = sum(per_device(v.path, shape_of(v), str(v.dtype))
                     for v in trainable)
-    by_prefix = {v.path.replace("/", "_"): v for v in trainable}
     optimizer_bytes = 0
-    for slot in optimizer.variables:
-        name = slot.path.split("/", 1)[-1]
-        owner = next((v for p, v in by_prefix.items()
-                      if name.startswith(p + "_")
-                      and shape_of(v) == shape_of(slot)), None)
+    for slot in optimizer.variables:  # (a slot: its variable's layout)
+        owner = slot_owner(slot, trainable)
         optimizer_bytes += per_device(
             owner.path if owner is not None else slot.path, shape_of(slot),
             str(slot.dtype))

@@ -20,6 +20,7 @@ from typing import Optional
 from typing import Tuple
 
 from keras_distribute.backend.interface import StepMemory
+from keras_distribute.common.layouts import slot_owner
 from keras_distribute.common.layouts import variable_layout
 
 if TYPE_CHECKING:
@@ -66,18 +67,12 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
             sharding=sharding)
 
     trainable = model.trainable_variables
-    by_slot_prefix = {v.path.replace("/", "_"): v for v in trainable}
 
-    def slot_sharding(slot: Any) -> Any:
-        # Keras names a slot `<optimizer>/<variable path, '/' -> '_'>_<slot>`
-        # and gives it its variable's shape: it takes its variable's layout.
-        name = slot.path.split("/", 1)[-1]
-        for prefix, variable in by_slot_prefix.items():
-            if name.startswith(prefix + "_") and tuple(
-                    slot.shape) == tuple(variable.shape):
-                return sharding_of(variable.path, tuple(
-                    int(s) for s in variable.shape))
-        return replicated
+    def slot_sharding(slot: Any) -> Any:  # (a slot: its variable's layout)
+        owner = slot_owner(slot, trainable)
+        if owner is None:
+            return replicated
+        return sharding_of(owner.path, tuple(int(s) for s in owner.shape))
 
     state = (
         [abstract(v, sharding_of(v.path, tuple(int(s) for s in v.shape)))
