@@ -435,12 +435,58 @@ def test_every_checkpoint_entry_point_takes_an_s3_path(prefix, tmp_path,
     assert os.listdir(tmp_path) == []
 
 
+def test_a_large_shard_goes_up_in_parts_from_memory_bit_for_bit(
+        prefix, tmp_path, monkeypatch):
+    # Parts of 5 MiB (S3's least): a 12 MB model's shard goes up as a
+    # multipart upload assembled from the layout file and the arrays;
+    # the object is the file a local save writes, byte for byte. A part
+    # that fails aborts the upload; the earlier checkpoint stays.
+    from keras_distribute.checkpoint.storage import streamed_upload
+
+    monkeypatch.setattr(streamed_upload, "PART_BYTES", 5 << 20)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((1000,)), keras.layers.Dense(3000)])
+    saved = [np.array(w) for w in model.weights]
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    fs, calls = _fs(), []
+    call_s3 = fs.call_s3
+
+    def recorded(method, *args, **kwargs):
+        calls.append((method, kwargs.get("PartNumber")))
+        return call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "call_s3", recorded)
+    path = checkpoint.write(prefix + "/ckpt")
+    assert sorted(n for m, n in calls if m == "upload_part") == [1, 2, 3]
+    local = checkpoint.write(str(tmp_path / "local"))
+    shard = next(n for n in _objects(path) if n.endswith(".h5"))
+    with open(os.path.join(local, "shards-00000.h5"), "rb") as f:
+        assert fs.cat_file(f"{path}/{shard}") == f.read()
+
+    def failing(method, *args, **kwargs):
+        if method == "upload_part" and kwargs["PartNumber"] == 2:
+            raise PermissionError("part 2 refused (test)")
+        return call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "call_s3", failing)
+    model.layers[0].kernel.assign(np.zeros((1000, 3000), "float32"))
+    with pytest.raises(PermissionError, match="part 2 refused"):
+        checkpoint.write(prefix + "/ckpt")
+    monkeypatch.setattr(fs, "call_s3", call_s3)
+    bucket = prefix.split("/")[2]
+    assert not call_s3("list_multipart_uploads", Bucket=bucket,
+                       Prefix=path.split("/", 3)[3]).get("Uploads")
+    assert [n for n in _objects(path) if n.endswith(".h5")] == [shard]
+    checkpoint.read(path).assert_consumed()
+    for a, b in zip(saved, model.weights):
+        np.testing.assert_array_equal(a, np.array(b))
+
+
 def test_a_reader_downloads_only_the_files_it_reads(prefix, tmp_path):
     # Two processes' files, written and committed through the protocol's
     # own steps (each process uploads its file and part; the chief
     # commits); a reader of one variable fetches only the file holding it.
     from keras_distribute.checkpoint.storage import remote_writing
-    from keras_distribute.checkpoint.storage import writing
 
     path = prefix + "/two"
     generation, heartbeat = remote_writing.prepare(path, None)
@@ -450,11 +496,10 @@ def test_a_reader_downloads_only_the_files_it_reads(prefix, tmp_path):
             staging = tmp_path / f"process-{process_id}"
             staging.mkdir()
             array = arrays[key]
-            writing.write_process_shards(str(staging), {key: (
-                array.shape, "float64", [None],
-                [(((0, len(array)),), array)], key)}, process_id)
-            remote_writing.upload_process_files(path, generation,
-                                                str(staging), process_id)
+            remote_writing.upload_process_shards(
+                path, generation, str(staging), {key: (
+                    array.shape, "float64", [None],
+                    [(((0, len(array)),), array)], key)}, process_id)
         remote_writing.commit(path, generation, 2, {"backend": "none"}, 60)
     finally:
         heartbeat.stop()

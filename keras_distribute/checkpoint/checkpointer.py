@@ -260,10 +260,8 @@ def _finish_remote_save(path: str, generation: str, entries: dict,
     staging = tempfile.mkdtemp(prefix="kd-staging-")
     try:
         try:
-            ckpt_writing.write_process_shards(staging, entries, process_id,
-                                              durable=False)
-            remote_writing.upload_process_files(path, generation,
-                                                    staging, process_id)
+            remote_writing.upload_process_shards(path, generation, staging,
+                                                 entries, process_id)
         except BaseException as error:
             remote_writing.report_failure(path, generation, process_id,
                                               error)

@@ -16,7 +16,9 @@ from typing import Tuple
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import streamed_upload
 from keras_distribute.checkpoint.storage import validation
+from keras_distribute.checkpoint.storage import writing
 from keras_distribute.checkpoint.storage.format import INDEX
 from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.checkpoint.storage.remote_checkpoints import GENERATION
@@ -77,21 +79,34 @@ def prepare(path: str, owner: Optional[str]) -> Tuple[str, Heartbeat]:
     return generation, heartbeat
 
 
-def upload_process_files(path: str, generation: str, local: str,
-                         process_id: int) -> None:
-    """Uploads this process's shard file, then its part of the index
-    (with the file's size): the part's arrival tells the chief the shards
-    are there."""
+def upload_process_shards(path: str, generation: str, staging: str,
+                          entries: Dict[str, tuple], process_id: int) -> None:
+    """Uploads this process's shard file, then its part of the index (with
+    the file's size): the part's arrival tells the chief the shards are
+    there.
+
+    The file is laid out in the private directory `staging`
+    (`writing.lay_out_shards`); its pieces' bytes go up from memory
+    (`streamed_upload`).
+
+    Args:
+        path: The checkpoint (`s3://...` or `gs://...`).
+        generation: The save's generation (`prepare`).
+        staging: A private local directory, removed by the caller.
+        entries: This process's pieces (`writing.write_process_shards`).
+        process_id: This process's id; names its files.
+    """
     store = object_store.store_for(path)
-    shard_name = f"shards-{process_id:05d}.h5"
-    part_name = f"part-{process_id:05d}.json"
-    shard_file = os.path.join(local, shard_name)
-    with open(os.path.join(local, part_name)) as f:
-        part = json.load(f)
-    part["files"] = {shard_name: os.path.getsize(shard_file)}
-    store.put(shard_file, object_store.join(path, generation, shard_name))
-    store.write_bytes(object_store.join(path, generation, part_name),
-                      json.dumps(part).encode())
+    shard_file, part, placed = writing.lay_out_shards(staging, entries,
+                                                      process_id)
+    shard_name = os.path.basename(shard_file)
+    size = streamed_upload.upload(
+        store, shard_file, placed,
+        object_store.join(path, generation, shard_name))
+    part["files"] = {shard_name: size}
+    store.write_bytes(
+        object_store.join(path, generation, f"part-{process_id:05d}.json"),
+        json.dumps(part).encode())
 
 
 def report_failure(path: str, generation: str, process_id: int,

@@ -15,6 +15,9 @@ from typing import Any
 from typing import Dict
 from typing import List
 from typing import Optional
+from typing import Tuple
+
+import numpy as np
 
 from keras_distribute.checkpoint.storage import parallel_io
 from keras_distribute.checkpoint.storage.format import FORMAT
@@ -28,6 +31,9 @@ from keras_distribute.checkpoint.storage.format import is_checkpoint
 from keras_distribute.checkpoint.storage.format import load_index_json
 from keras_distribute.checkpoint.storage.format import numpy_dtype
 from keras_distribute.checkpoint.storage.format import storable_array
+
+# (file offset, C-contiguous array): a piece's bytes and where they go.
+Placed = Tuple[int, np.ndarray]
 
 
 def temporary_path(path: str) -> str:
@@ -237,9 +243,28 @@ def _write_atomically(file_path: str, text: str) -> None:
 
 def _write_shards(directory: str, entries: Dict[str, tuple],
                   process_id: int, durable: bool = True) -> dict:
-    """h5py lays out one contiguous dataset per piece, allocated up front;
-    then the bytes go to their offsets in parallel (`parallel_io`), each
-    piece hashed on the way, and one fsync."""
+    """h5py lays out one contiguous dataset per piece, allocated up front
+    (`lay_out_shards`); then the bytes go to their offsets (`parallel_io`)
+    and one fsync."""
+    full, part, placed = lay_out_shards(directory, entries, process_id)
+    write_placed(full, placed, durable)
+    return part
+
+
+def lay_out_shards(directory: str, entries: Dict[str, tuple],
+                   process_id: int) -> Tuple[str, dict, List[Placed]]:
+    """Writes this process's shard file `shards-NNNNN.h5` with every piece's
+    dataset allocated but its bytes not yet written, each piece hashed.
+
+    The finished file is this one with each placed array's bytes at its
+    offset (`write_placed` writes them there; an upload may send them
+    straight from memory, `streamed_upload`).
+
+    Returns:
+        `(file path, part of the index, placed)`, where `placed` lists
+        `(file offset, C-contiguous array)` for every piece HDF5 did not
+        write itself.
+    """
     import h5py
 
     name = f"shards-{process_id:05d}.h5"
@@ -279,6 +304,12 @@ def _write_shards(directory: str, entries: Dict[str, tuple],
             variables[key] = {"shape": list(shape), "dtype": dtype,
                               "layout": layout, "path": var_path,
                               "pieces": records}
+    return full, {"variables": variables}, placed
+
+
+def write_placed(full: str, placed: List[Placed], durable: bool) -> None:
+    """Writes each placed array's bytes at its offset of the laid-out file
+    `full` (`lay_out_shards`), then syncs it to the disk if `durable`."""
     fd = os.open(full, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         for offset, stored in placed:
@@ -287,7 +318,6 @@ def _write_shards(directory: str, entries: Dict[str, tuple],
             os.fsync(fd)
     finally:
         os.close(fd)
-    return {"variables": variables}
 
 
 def commit_directory(temporary: str, path: str) -> None:
