@@ -23,11 +23,11 @@ from typing import List
 from typing import Optional
 from typing import Union
 
+from keras_distribute.common.layout_picture import human_bytes
 from keras_distribute.planning.layout_check import DEFAULT_GIANT_BYTES
 from keras_distribute.planning.layout_check import Finding
 from keras_distribute.planning.layout_check import check_layout
 from keras_distribute.planning.layout_planner import built_model
-from keras_distribute.planning.layout_planner import human_bytes
 from keras_distribute.planning.memory_estimate import MemoryEstimate
 from keras_distribute.planning.memory_estimate import estimate_memory
 

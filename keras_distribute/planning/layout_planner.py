@@ -41,6 +41,9 @@ from typing import Sequence
 from typing import Tuple
 from typing import Union
 
+from keras_distribute.common.layout_picture import human_bytes
+from keras_distribute.common.layout_picture import layout_html
+
 if TYPE_CHECKING:
     from types import ModuleType
 
@@ -150,40 +153,10 @@ class LayoutPlan:
             f.write(plan.to_html())
         ```
         """
-        import html
-
-        names, shape = list(self.mesh.axis_names), list(self.mesh.shape)
-        rows, columns = (shape[0], shape[1]) if len(shape) > 1 else (
-            1, shape[0])
-        per_device = human_bytes(self.bytes_per_device)
-        cell = ("<td style='border:1px solid #888;padding:6px 10px;"
-                "text-align:center;background:#e8f0fe'>{}</td>")
-        grid = "".join(
-            "<tr>" + "".join(cell.format(
-                f"device {r * columns + c}<br><b>{per_device}</b>")
-                for c in range(columns)) + "</tr>"
-            for r in range(rows))
-        heaviest = sorted(self.variables, key=lambda v: -v.bytes_per_device)
-        largest = max([v.bytes_per_device for v in heaviest[:top]] + [1])
-        bars = "".join(
-            "<tr><td style='font-family:monospace;padding-right:8px'>"
-            f"{html.escape(v.path)}</td><td>"
-            f"<div style='background:#4285f4;height:10px;width:"
-            f"{max(1, round(200 * v.bytes_per_device / largest))}px'>"
-            f"</div></td><td style='padding-left:8px'>"
-            f"{human_bytes(v.bytes_per_device)}</td>"
-            f"<td style='font-family:monospace;padding-left:8px'>"
-            f"{html.escape(str(v.axes))}</td></tr>"
-            for v in heaviest[:top])
-        axes = " × ".join(f"{html.escape(str(n))} {s}"
-                          for n, s in zip(names, shape))
-        return (
-            f"<div><p><b>Layout plan</b> on a mesh of {axes}: "
-            f"{per_device} of variables per device (replicated: "
-            f"{human_bytes(self.replicated_bytes)})</p>"
-            f"<table style='border-collapse:collapse'>{grid}</table>"
-            f"<p>The {min(top, len(heaviest))} heaviest variables, bytes "
-            f"per device:</p><table>{bars}</table></div>")
+        return layout_html(
+            "Layout plan", self.mesh.axis_names, self.mesh.shape,
+            [(v.path, v.axes, v.bytes_per_device) for v in self.variables],
+            self.replicated_bytes, top)
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -420,13 +393,3 @@ def nbytes_of(shape: Sequence[int], dtype: str) -> int:
     except TypeError:
         itemsize = 2 if "16" in dtype else 4  # bfloat16 and the like
     return int(math.prod(shape)) * itemsize
-
-
-def human_bytes(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return (f"{nbytes:.0f} {unit}" if unit == "B"
-                    else f"{nbytes:.1f} {unit}")
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
-

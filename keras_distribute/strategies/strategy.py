@@ -12,6 +12,7 @@ from typing import Optional
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common import context
 from keras_distribute.common.input_context import InputContext
+from keras_distribute.common.layout_picture import human_bytes
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.reduce_op import check_reduce_axis
 from keras_distribute.common.values import PerReplica
@@ -150,12 +151,12 @@ class Strategy:
             axes, nbytes = self._engine.variable_layout(variable)
             total += nbytes
             rows.append((variable.path, str(tuple(variable.shape)),
-                         str(tuple(axes)), _bytes(nbytes)))
+                         str(tuple(axes)), human_bytes(nbytes)))
         header = ("variable", "shape", "layout", "bytes/device")
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
                  for row in [header] + rows]
-        lines.append(f"total per device: {_bytes(total)} over "
+        lines.append(f"total per device: {human_bytes(total)} over "
                      f"{self.num_replicas_in_sync} replica(s), mesh "
                      f"{getattr(self.device_mesh, 'shape', None)}")
         text = "\n".join(lines)
@@ -629,13 +630,3 @@ class Strategy:
 
     def _default_replica_context(self):
         raise NotImplementedError
-
-
-def _bytes(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else (
-                f"{size:.1f} {unit}")
-        size /= 1024
-    return f"{size:.1f} GiB"
