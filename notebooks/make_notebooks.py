@@ -46,7 +46,10 @@ QUICKSTART = [
         "x.shape"),
     new_markdown_cell(
         "Create the strategy, then build and compile the model **inside** "
-        "its scope: every variable is laid out over the 8 devices."),
+        "its scope: every variable is laid out over the 8 devices. "
+        "`describe_layout` prints each variable's layout and bytes per "
+        "device; ending a cell, it also draws the mesh with the bytes each "
+        "device holds and the heaviest variables."),
     new_code_cell(
         "strategy = kd.MirroredStrategy()\n"
         "print(strategy, strategy.num_replicas_in_sync)\n"

@@ -10,6 +10,7 @@ inputs.
 
 import math
 import os
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -19,6 +20,8 @@ from conftest import keras_hub_or_skip
 from keras.distribution import DeviceMesh
 
 import keras_distribute as kd
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def mesh(shape, names=("batch", "model")):
@@ -372,3 +375,25 @@ def test_a_plan_draws_itself_as_html():
     assert "batch 2 × model 4" in page
     assert "up&lt;b&gt;" in page and "up<b>" not in page  # escaped
     assert page.count("background:#4285f4") == 3  # the 3 heaviest
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the page's planning recipe "
+                    "is marked for JAX (its make_model compiles, which builds "
+                    "the optimizer's variables eagerly on the other backends)")
+def test_the_plan_pictured_in_the_docs_is_what_the_code_draws():
+    # docs/tpu_and_model_parallel.md shows the picture of its planning
+    # recipe: the recipe's model and plan_layout call, run here from the
+    # page's text, draw exactly the HTML the page embeds.
+    page = (ROOT / "docs" / "tpu_and_model_parallel.md").read_text()
+    block = next(b for b in page.split("```python")[1:]
+                 if "plan = kd.layouts.plan_layout(make_model" in b)
+    block = block.split("```")[0]
+    setup, _, rest = block.partition("\nmesh = ")
+    plan_line = next(line for line in rest.splitlines()
+                     if line.startswith("plan = "))
+    namespace = {"mesh": mesh((2, 4))}
+    exec(setup, namespace)  # the imports and make_model
+    exec(plan_line.split("#")[0], namespace)
+    pictured = [line for line in page.splitlines()
+                if line.startswith("<div><p><b>Layout plan</b>")]
+    assert pictured == [namespace["plan"].to_html(top=4)]

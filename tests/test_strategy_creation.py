@@ -268,6 +268,22 @@ def test_describe_layout_lists_every_variable():
     kernel = next(line for line in text.splitlines() if "d1/kernel" in line)
     assert "(4, 8)" in kernel and expected in kernel and kernel_bytes in kernel
     assert "total per device" in text and lines == [text]
+    # The same description draws itself: a cell per device of the mesh
+    # with the bytes it holds, the heaviest variables as bars (Jupyter
+    # shows `_repr_html_` for a description that ends a cell).
+    picture = text.to_html(top=1)
+    assert text._repr_html_() == text.to_html()
+    devices = strategy.num_replicas_in_sync * (2 if BACKEND == "jax" else 1)
+    assert picture.count(">device ") == devices
+    per_device = "96 B" if BACKEND == "jax" else "160 B"  # + 32 B of bias
+    assert picture.count(f"<b>{per_device}</b>") == devices
+    assert "d1/kernel" in picture and "d1/bias" not in picture  # top=1
+    assert f"{kernel_bytes}</td>" in picture
+    assert text.replicated_bytes == 160
+    assert strategy.describe_layout(model, print_fn=None) == text
+    with pytest.raises(TypeError, match="Expected `model` to be a built "
+                       "Keras model or layer. Received: str"):
+        strategy.describe_layout("model")
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's TPUStrategy path")

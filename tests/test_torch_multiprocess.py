@@ -492,6 +492,9 @@ def test_sharded_embedding_and_dense_train_like_one_process(sharded_results):
         assert_mesh_is_keras(result["mesh"], [[0, 1]], [0, 1])
     assert "(None, 'model')" in first["layout"]
     assert "up/kernel" in first["layout"] and "1.2 KiB" in first["layout"]
+    # Drawn: the mesh of the 2 processes, each holding the same bytes.
+    picture = first["layout"].to_html()
+    assert picture.count(">device ") == 2 and "1.2 KiB</td>" in picture
 
 
 def test_sharded_checkpoint_restores_onto_sharded_and_one_process(

@@ -3,6 +3,9 @@ device holds, and the heaviest variables (a plan's `to_html`, a strategy's
 `describe_layout`). Framework-free."""
 
 import html
+import math
+from typing import Any
+from typing import List
 from typing import Optional
 from typing import Sequence
 from typing import Tuple
@@ -10,6 +13,18 @@ from typing import Tuple
 # (variable path, its layout: a mesh axis or None per dimension, bytes one
 # device holds of it)
 PictureRow = Tuple[str, Sequence[Optional[str]], int]
+
+
+def nbytes_of(shape: Sequence[int], dtype: str) -> int:
+    """The bytes of an array of `shape` and `dtype` (a dtype name numpy
+    may not know, such as bfloat16, counted by its width)."""
+    import numpy as np
+
+    try:
+        itemsize = int(np.dtype(dtype).itemsize)
+    except TypeError:
+        itemsize = 2 if "16" in dtype else 4  # bfloat16 and the like
+    return int(math.prod(shape)) * itemsize
 
 
 def human_bytes(nbytes: float) -> str:
@@ -61,3 +76,61 @@ def layout_html(title: str, axis_names: Sequence[str],
         f"<table style='border-collapse:collapse'>{grid}</table>"
         f"<p>The {min(top, len(heaviest))} heaviest variables, bytes "
         f"per device:</p><table>{bars}</table></div>")
+
+
+class LayoutDescription(str):
+    """What `Strategy.describe_layout` returns: its text table (a `str`),
+    which also draws itself as HTML (`to_html`; Jupyter shows the picture
+    for a description that ends a cell).
+
+    Attributes:
+        rows: `(path, layout, bytes per device)` per variable.
+        axis_names: The mesh's axis names.
+        mesh_shape: The mesh's shape.
+        replicated_bytes: What one device would hold with every variable
+            replicated.
+    """
+
+    rows: List[PictureRow]
+    axis_names: List[str]
+    mesh_shape: List[int]
+    replicated_bytes: int
+
+    def __new__(cls, text: str, rows: Sequence[PictureRow],
+                axis_names: Sequence[str], mesh_shape: Sequence[int],
+                replicated_bytes: int) -> "LayoutDescription":
+        description = super().__new__(cls, text)
+        description.rows = list(rows)
+        description.axis_names = list(axis_names)
+        description.mesh_shape = [int(s) for s in mesh_shape]
+        description.replicated_bytes = int(replicated_bytes)
+        return description
+
+    def to_html(self, top: int = 8) -> str:
+        """The layout drawn as HTML: the mesh, one cell per device with
+        the bytes of variables it holds, and the `top` heaviest variables
+        as bars of their bytes per device with their layout.
+
+        Args:
+            top: How many variables to draw.
+
+        Returns:
+            A self-contained HTML fragment (names escaped).
+
+        Example:
+
+        ```python
+        description = strategy.describe_layout(model, print_fn=None)
+        with open("layout.html", "w") as f:
+            f.write(description.to_html())
+        ```
+        """
+        return layout_html("Layout", self.axis_names, self.mesh_shape,
+                           self.rows, self.replicated_bytes, top)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def __reduce__(self) -> Any:
+        return (LayoutDescription, (str(self), self.rows, self.axis_names,
+                                    self.mesh_shape, self.replicated_bytes))

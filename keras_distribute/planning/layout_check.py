@@ -23,11 +23,11 @@ from typing import List
 from typing import Optional
 
 from keras_distribute.common.layout_picture import human_bytes
+from keras_distribute.common.layout_picture import nbytes_of
 from keras_distribute.common.layouts import axis_size
 from keras_distribute.common.layouts import check_layout_fits
 from keras_distribute.common.layouts import variable_layout
 from keras_distribute.planning.layout_planner import built_model
-from keras_distribute.planning.layout_planner import nbytes_of
 from keras_distribute.planning.layout_planner import variables_of
 
 if TYPE_CHECKING:

@@ -43,6 +43,7 @@ from typing import Union
 
 from keras_distribute.common.layout_picture import human_bytes
 from keras_distribute.common.layout_picture import layout_html
+from keras_distribute.common.layout_picture import nbytes_of
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -383,13 +384,3 @@ def _add_batch_axis(axes: List[Optional[str]], reason: str,
     axes = list(axes)
     axes[dim] = axis
     return axes, f"{reason}; FSDP: dimension {dim} over {axis}"
-
-
-def nbytes_of(shape: Sequence[int], dtype: str) -> int:
-    import numpy as np
-
-    try:
-        itemsize = int(np.dtype(dtype).itemsize)
-    except TypeError:
-        itemsize = 2 if "16" in dtype else 4  # bfloat16 and the like
-    return int(math.prod(shape)) * itemsize

@@ -26,11 +26,11 @@ from typing import Optional
 from typing import Union
 
 from keras_distribute.common.layout_picture import human_bytes
+from keras_distribute.common.layout_picture import nbytes_of
 from keras_distribute.common.layouts import axis_size
 from keras_distribute.common.layouts import slot_owner
 from keras_distribute.common.layouts import variable_layout
 from keras_distribute.planning.layout_planner import built_model
-from keras_distribute.planning.layout_planner import nbytes_of
 from keras_distribute.planning.layout_planner import variables_of
 
 if TYPE_CHECKING:

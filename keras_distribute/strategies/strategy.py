@@ -12,7 +12,9 @@ from typing import Optional
 from keras_distribute.backend.interface import ReplicaEngine
 from keras_distribute.common import context
 from keras_distribute.common.input_context import InputContext
+from keras_distribute.common.layout_picture import LayoutDescription
 from keras_distribute.common.layout_picture import human_bytes
+from keras_distribute.common.layout_picture import nbytes_of
 from keras_distribute.common.reduce_op import ReduceOp
 from keras_distribute.common.reduce_op import check_reduce_axis
 from keras_distribute.common.values import PerReplica
@@ -127,16 +129,25 @@ class Strategy:
         names = [get_backend().device_name(d) for d in self._engine.devices]
         return f"<{type(self).__name__} devices={names}>"
 
-    def describe_layout(self, model: Model, print_fn: Callable = print) -> str:
+    def describe_layout(self, model: Model,
+                        print_fn: Optional[Callable] = print
+                        ) -> LayoutDescription:
         """Prints how each variable of `model` is laid out over the devices.
 
         Args:
             model: A built Keras model (or layer).
-            print_fn: Where the table goes. Defaults to `print`.
+            print_fn: Where the table goes. Defaults to `print`; `None`
+                prints nothing (the table is returned).
 
         Returns:
-            The table: each variable's path, shape, layout (one mesh axis or
-            `None` per dimension) and bytes per device, then the total.
+            The table (a `str`): each variable's path, shape, layout (one
+            mesh axis or `None` per dimension) and bytes per device, then
+            the total. It also draws itself: `.to_html()` gives the mesh
+            with the bytes each device holds and the heaviest variables
+            (in Jupyter, a cell that ends with it shows that picture).
+
+        Raises:
+            TypeError: if `model` has no `weights` (not a Keras layer).
 
         Example:
 
@@ -145,23 +156,37 @@ class Strategy:
         # sequential/dense/kernel  (16, 32)  (None, 'model')  1.0 KiB
         ```
         """
-        rows = []
-        total = 0
+        if not hasattr(model, "weights"):
+            raise TypeError(
+                "Expected `model` to be a built Keras model or layer. "
+                f"Received: {type(model).__name__}. Pass the model whose "
+                "variables to describe.")
+        rows, table = [], []
+        replicated = 0
         for variable in model.weights:
             axes, nbytes = self._engine.variable_layout(variable)
-            total += nbytes
-            rows.append((variable.path, str(tuple(variable.shape)),
-                         str(tuple(axes)), human_bytes(nbytes)))
+            shape = tuple(variable.shape)
+            replicated += nbytes_of(shape, str(variable.dtype))
+            rows.append((variable.path, tuple(axes), nbytes))
+            table.append((variable.path, str(shape), str(tuple(axes)),
+                          human_bytes(nbytes)))
+        total = sum(row[2] for row in rows)
         header = ("variable", "shape", "layout", "bytes/device")
-        widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+        widths = [max(len(r[i]) for r in table + [header]) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                 for row in [header] + rows]
+                 for row in [header] + table]
+        mesh = self.device_mesh
         lines.append(f"total per device: {human_bytes(total)} over "
                      f"{self.num_replicas_in_sync} replica(s), mesh "
-                     f"{getattr(self.device_mesh, 'shape', None)}")
-        text = "\n".join(lines)
-        print_fn(text)
-        return text
+                     f"{getattr(mesh, 'shape', None)}")
+        description = LayoutDescription(
+            "\n".join(lines), rows,
+            getattr(mesh, "axis_names", None) or ["batch"],
+            getattr(mesh, "shape", None) or [self.num_replicas_in_sync],
+            replicated)
+        if print_fn is not None:
+            print_fn(str(description))
+        return description
 
     # ----------------------------------------------------------------- scope
     @contextlib.contextmanager
