@@ -152,6 +152,10 @@ def test_a_process_a_runtime_aborts_is_reported_with_its_last_note(tmp_path):
     assert ("process 1 of 2 exited with code -6 (killed by SIGABRT) while "
             "waiting for the runtime to answer; ending the others"
             ) in result.stderr
+    # Python's fault handler, on in every launched process, printed where
+    # it died: the Python stack of each thread.
+    assert "Fatal Python error: Aborted" in result.stderr
+    assert 'worker.py", line 6 in <module>' in result.stderr
     assert not os.path.exists((tmp_path / "notes-dir").read_text())
 
 

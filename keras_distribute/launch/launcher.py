@@ -9,6 +9,7 @@ and the failure is raised with that rank's traceback.
     python -m keras_distribute.launch --nproc 2 train.py --epochs 3
 """
 
+import faulthandler
 import os
 import pickle
 import queue as queue_module
@@ -89,6 +90,8 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
     starting.become_launched(launcher)
     os.environ.update(process_env(rank, world_size, port, job_ports,
                                   notes_dir))
+    if os.environ.get("PYTHONFAULTHANDLER") and not faulthandler.is_enabled():
+        faulthandler.enable()  # (read at start-up only; this one started)
     try:
         import cloudpickle
 

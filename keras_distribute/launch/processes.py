@@ -102,6 +102,11 @@ def process_env(rank: int, world_size: int, port: int,
         })
     if notes_dir:
         env[process_notes.NOTES_VARIABLE] = notes_dir
+    if not os.environ.get("PYTHONFAULTHANDLER"):
+        # A process a fatal signal ends (SIGABRT from a native library,
+        # SIGSEGV) prints every thread's Python stack to its stderr: which
+        # call it died in, not only "killed by SIGABRT".
+        env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 
