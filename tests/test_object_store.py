@@ -477,15 +477,31 @@ def test_a_large_shard_goes_up_in_parts_from_memory_bit_for_bit(
     assert not call_s3("list_multipart_uploads", Bucket=bucket,
                        Prefix=path.split("/", 3)[3]).get("Uploads")
     assert [n for n in _objects(path) if n.endswith(".h5")] == [shard]
+    # Read back in ranges of 5 MiB, straight into the kernel's memory.
+    from keras_distribute.checkpoint.storage import remote_reading
+
+    monkeypatch.setattr(remote_reading, "RANGE_CHUNK_BYTES", 5 << 20)
+    ranges = []
+    read_range = object_store.Store.read_range
+
+    def recorded_range(self, key, start, stop):
+        ranges.append(stop - start)
+        return read_range(self, key, start, stop)
+
+    monkeypatch.setattr(object_store.Store, "read_range", recorded_range)
     checkpoint.read(path).assert_consumed()
     for a, b in zip(saved, model.weights):
         np.testing.assert_array_equal(a, np.array(b))
+    assert sorted(ranges)[-2:] == [6_000_000, 6_000_000]  # 12 MB: 2 ranges
 
 
-def test_a_reader_downloads_only_the_files_it_reads(prefix, tmp_path):
+def test_a_reader_reads_only_the_byte_ranges_it_restores(prefix, tmp_path,
+                                                        monkeypatch):
     # Two processes' files, written and committed through the protocol's
     # own steps (each process uploads its file and part; the chief
-    # commits); a reader of one variable fetches only the file holding it.
+    # commits); a reader of one variable reads only the blocks (here of 64
+    # bytes) holding its piece, from the file holding it, into memory.
+    from keras_distribute.checkpoint.storage import remote_reading
     from keras_distribute.checkpoint.storage import remote_writing
 
     path = prefix + "/two"
@@ -505,9 +521,26 @@ def test_a_reader_downloads_only_the_files_it_reads(prefix, tmp_path):
         heartbeat.stop()
     assert sorted(n.split("/")[-1] for n in _objects(path)) == [
         "generation.json", "index.json", "shards-00000.h5", "shards-00001.h5"]
+    monkeypatch.setattr(remote_reading, "RANGE_BLOCK_BYTES", 64)
+    ranges = []
+    read_range = object_store.Store.read_range
+
+    def recorded(self, key, start, stop):
+        ranges.append((key.rpartition("/")[2], start, stop))
+        return read_range(self, key, start, stop)
+
+    monkeypatch.setattr(object_store.Store, "read_range", recorded)
     reader = kd.checkpoint.load_checkpoint(path)
     np.testing.assert_array_equal(reader.get_tensor("b"), arrays["b"])
-    assert sorted(os.listdir(reader.path)) == ["index.json",
-                                               "shards-00001.h5"]
+    index = json.loads(object_store.store_for(path).read_bytes(
+        path + "/index.json", 1 << 20))
+    (piece,) = index["variables"]["b"]["pieces"]
+    assert {name for name, _, _ in ranges} == {"shards-00001.h5"}
+    read = sorted((start, stop) for _, start, stop in ranges)
+    assert read[0][0] <= piece["offset"] < piece["offset"] + 32 <= read[-1][1]
+    assert sum(stop - start for start, stop in read) <= 128  # 32 B: 2 blocks
+    assert index["object_store"]["files"]["shards-00001.h5"] > 1000
     np.testing.assert_array_equal(reader.get_tensor("a"), arrays["a"])
-    assert len(os.listdir(reader.path)) == 3
+    assert {name for name, _, _ in ranges} == {"shards-00000.h5",
+                                               "shards-00001.h5"}
+    assert os.listdir(reader.path) == ["index.json"]  # nothing downloaded

@@ -207,6 +207,15 @@ class Store:
         return bytes(self.call(f"Reading {key}", self.fs.cat_file, key,
                                start=0, end=limit + 1))
 
+    def read_range(self, key: str, start: int, stop: int) -> bytes:
+        """Bytes `[start, stop)` of object `key` (fewer where it ends).
+
+        Raises:
+            FileNotFoundError: if there is no such object.
+        """
+        return bytes(self.call(f"Reading {key}", self.fs.cat_file, key,
+                               start=start, end=stop))
+
     def write_bytes(self, key: str, data: bytes) -> None:
         """Writes object `key` (replacing one there, atomically for a
         reader: it sees the old object or the new one)."""

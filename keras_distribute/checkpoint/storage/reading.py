@@ -20,12 +20,12 @@ import math
 import os
 import stat
 from typing import Any
-from typing import Callable
 from typing import Dict
 from typing import Iterable
 from typing import List
 from typing import NamedTuple
 from typing import Optional
+from typing import Protocol
 from typing import Tuple
 
 import numpy as np
@@ -129,6 +129,8 @@ class OpenShards:
         self.checked: Dict[str, str] = {}  # name -> checked full path
         self.sizes: Dict[str, int] = {}  # name -> bytes, when first opened
         self.roots: Dict[str, Any] = {}  # name -> its root group's id
+        # files in object storage, read by byte ranges (`read_remotely`)
+        self.remote = _remote.get(os.path.realpath(path))
 
     def __enter__(self) -> "OpenShards":
         return self
@@ -145,6 +147,8 @@ class OpenShards:
             h5.close()
         for descriptor in descriptors.values():
             os.close(descriptor)
+        if self.remote is not None:
+            self.remote.release()
 
 
 def _overlap(a: Slice, b: Slice) -> Optional[Slice]:
@@ -230,8 +234,9 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
                      if overlap == stored == regions[i]]
             destination = next((out[i] for i in whole if out[i] is not None),
                                None)
-            data = _read_verified(path, piece, dataset, dtype,
-                                  _descriptor(opened, piece), destination)
+            data = _read_verified(
+                path, piece, dataset, dtype, None if dataset.remote
+                else _descriptor(opened, piece), destination)
             for i, overlap in wanted:
                 if i in whole:  # the whole piece
                     if out[i] is None:
@@ -264,34 +269,54 @@ def read_regions(path: str, record: dict, regions: Iterable[Slice],
     return out
 
 
-# Local copies whose files are fetched when first read (a checkpoint in
-# object storage: `remote_reading`): real directory -> fetch(name).
-_fetchers: Dict[str, Callable[[str], None]] = {}
+class RemoteFiles(Protocol):
+    """The files of a checkpoint in object storage, as its local copy reads
+    them (`remote_reading.RemoteShardFiles`)."""
+
+    def fetch(self, name: str) -> None:
+        """Puts the whole file `name` into the local copy (once)."""
+
+    def size(self, name: str) -> int:
+        """The size the index records for file `name`."""
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
+        """Fills `buffer` with the bytes of file `name` from `offset`."""
+
+    def release(self) -> None:
+        """Drops what the reads kept in memory (a restore ended)."""
 
 
-def fetch_on_first_read(directory: str,
-                        fetch: Optional[Callable[[str], None]]) -> None:
-    """Makes the reads of `directory`'s files call `fetch(name)` first (it
-    puts the file there if it is not yet); `None` ends that.
+# Local copies of checkpoints in object storage: real directory -> files.
+_remote: Dict[str, RemoteFiles] = {}
+
+
+def read_remotely(directory: str, files: Optional[RemoteFiles]) -> None:
+    """Makes the reads of `directory`'s shard files go to `files`; `None`
+    ends that.
+
+    A piece whose byte offset the index records is read as a byte range
+    straight into its memory; anything else (a scalar, a checkpoint
+    written before offsets were recorded) first fetches its whole file
+    into `directory`.
 
     Args:
         directory: A local copy of a checkpoint, its index already there.
-        fetch: Called with a file name the index names, before the file is
-            opened; raises `CheckpointError` for a name it will not fetch.
+        files: Its files; its methods raise `CheckpointError` for a name
+            the index does not give.
     """
     key = os.path.realpath(directory)
-    if fetch is None:
-        _fetchers.pop(key, None)
+    if files is None:
+        _remote.pop(key, None)
     else:
-        _fetchers[key] = fetch
+        _remote[key] = files
 
 
 def _check_regular_file(path: str, name: str, entry: str) -> str:
     """`path/name`, refused unless it is a regular file inside `path` (no
     symlink, no path separator: the names come from the index)."""
-    fetch = _fetchers.get(os.path.realpath(path))
-    if fetch is not None and name != INDEX:
-        fetch(name)
+    remote = _remote.get(os.path.realpath(path))
+    if remote is not None and name != INDEX:
+        remote.fetch(name)
     full = os.path.join(path, name)
     try:
         mode = os.lstat(full).st_mode
@@ -317,6 +342,7 @@ class _Stored(NamedTuple):
     dtype: np.dtype
     offset: int
     scalar: Any = None
+    remote: Optional[RemoteFiles] = None  # read as a byte range from there
 
 
 # h5py.h5l.TYPE_SOFT and TYPE_EXTERNAL, named as h5py's link classes
@@ -340,21 +366,24 @@ def _checked_dataset(shards: OpenShards, piece: dict,
     import h5py
 
     path, name, entry = shards.path, piece["file"], piece["dataset"]
-    full = shards.checked.get(name)
-    if full is None:
-        full = shards.checked[name] = _check_regular_file(path, name, entry)
     expected = tuple(hi - lo for lo, hi in piece["slice"])
     nbytes = math.prod(expected) * dtype.itemsize
+    ranged = shards.remote is not None and "offset" in piece
+    full = shards.checked.get(name)
+    if full is None and not (ranged and expected and nbytes):
+        full = shards.checked[name] = _check_regular_file(path, name, entry)
     if "offset" in piece and expected and nbytes:
         offset = piece["offset"]
-        if offset + nbytes > _file_size(shards, piece):
+        size = (shards.remote.size(name) if ranged and shards.remote
+                else _file_size(shards, piece))
+        if offset + nbytes > size:
             raise CheckpointError(
-                f"Refusing piece {entry!r} of {full!r}: its {nbytes} bytes "
-                f"at offset {offset} lie beyond the end of the file "
-                f"({_file_size(shards, piece)} bytes). The file is "
-                "truncated or the index was crafted. Restore an earlier "
-                "checkpoint.")
-        return _Stored(expected, storable_dtype(dtype), offset)
+                f"Refusing piece {entry!r} of {os.path.join(path, name)!r}: "
+                f"its {nbytes} bytes at offset {offset} lie beyond the end "
+                f"of the file ({size} bytes). The file is truncated or the "
+                "index was crafted. Restore an earlier checkpoint.")
+        return _Stored(expected, storable_dtype(dtype), offset,
+                       remote=shards.remote if ranged else None)
 
     def refuse(reason: str) -> CheckpointError:
         return CheckpointError(
@@ -446,12 +475,13 @@ def _file_size(shards: OpenShards, piece: dict) -> int:
 
 
 def _read_verified(path: str, piece: dict, stored: _Stored, dtype: np.dtype,
-                   descriptor: int,
+                   descriptor: Optional[int],
                    destination: Optional[np.ndarray] = None) -> np.ndarray:
-    """A piece's data, read straight from its place in the file into
-    `destination` (else new aligned memory), in parallel blocks, and
-    checked against its checksum. `_checked_dataset` made sure the file
-    holds it there, stored as `dtype` in this machine's byte order."""
+    """A piece's data, read straight from its place in the file (or, in
+    object storage, its byte range) into `destination` (else new aligned
+    memory), in parallel blocks, and checked against its checksum.
+    `_checked_dataset` made sure the file holds it there, stored as `dtype`
+    in this machine's byte order."""
     full = os.path.join(path, piece["file"])
     field = next(f for f in CHECKSUM_FIELDS if f in piece)
     data = (parallel_io.aligned_empty(stored.shape, stored.dtype)
@@ -461,8 +491,13 @@ def _read_verified(path: str, piece: dict, stored: _Stored, dtype: np.dtype,
             from h5py import h5s
 
             stored.scalar.read(h5s.ALL, h5s.ALL, data)
-        elif data.nbytes:
+        elif stored.remote is not None and data.nbytes:
+            stored.remote.read_into(piece["file"], stored.offset, memoryview(
+                data.reshape(-1).view(np.uint8)))
+        elif data.nbytes and descriptor is not None:
             parallel_io.read_at(descriptor, data, stored.offset)
+    except CheckpointError:
+        raise
     except Exception as error:  # OSError, EOFError; h5py's
         raise CheckpointError(
             f"The shard file {full!r} (entry {piece['dataset']!r}) is "

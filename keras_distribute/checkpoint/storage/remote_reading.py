@@ -1,15 +1,21 @@
-"""Reading a checkpoint in object storage: a local copy of its index, each
-file downloaded when the reader first opens it and only within what the
-index may claim, then read as a checkpoint on disk is (`reading`,
-`validation`). Framework-free."""
+"""Reading a checkpoint in object storage: a local copy of its index,
+then each piece's byte range read from the store straight into memory,
+only within what the index may claim, and checked as a checkpoint on disk
+is (`reading`, `validation`). Framework-free."""
 
 import atexit
+import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import threading
+from collections import OrderedDict
+from typing import Any
 from typing import Dict
+from typing import Iterator
+from typing import List
 from typing import Tuple
 
 from keras_distribute.checkpoint.storage import object_store
@@ -31,11 +37,11 @@ def download(path: str) -> str:
 
     Downloads the index into a private temporary directory (removed when
     the process exits; the last `_KEPT_DOWNLOADS` are kept for reads of the
-    same checkpoint); each file it names is downloaded when the local
-    reader first opens it (`reading.fetch_on_first_read`), so a process
-    fetches only the files holding pieces it reads. A file is fetched only
-    if its size is the one the index records and its pieces can justify;
-    the local reader then checks the rest (format, checksums).
+    same checkpoint); the local reader then reads each piece's byte range
+    from the store (`RemoteShardFiles`), so a process fetches only the
+    bytes of the pieces it reads (a scalar's whole file, once). A file is
+    read only if its size is the one the index records and its pieces can
+    justify; the reader checks the rest (format, checksums).
 
     Returns:
         The local directory.
@@ -57,7 +63,7 @@ def download(path: str) -> str:
         _downloads[path] = (generation, local)
         while len(_downloads) > _KEPT_DOWNLOADS:
             oldest = _downloads.pop(next(iter(_downloads)))[1]
-            reading.fetch_on_first_read(oldest, None)
+            reading.read_remotely(oldest, None)
             shutil.rmtree(oldest, ignore_errors=True)
     return local
 
@@ -114,33 +120,184 @@ def _local_copy(path: str, index: dict, generation: str) -> str:
     local = tempfile.mkdtemp(prefix="kd-checkpoint-")
     with open(os.path.join(local, INDEX), "w") as f:
         json.dump(index, f)
-    store = object_store.store_for(path)
-    lock = threading.Lock()
+    reading.read_remotely(local, RemoteShardFiles(
+        path, generation, local, {name: files[name] for name in named}))
+    return local
 
-    def fetch(name: str) -> None:
-        target = os.path.join(local, name)
-        with lock:
+
+# A piece of at least `RANGE_CHUNK_BYTES` is read in ranges of about that
+# size, up to `CONCURRENT_RANGES` at once. A smaller piece is read from
+# blocks of `RANGE_BLOCK_BYTES`, the last `_KEPT_BLOCKS` of them kept for
+# the pieces beside it (a model's small variables lie side by side).
+# Large ranges: an S3 request has a fixed cost (moto's server even reads
+# the whole object for each range), so a 256 MB restore took 2.2 s in
+# 16 MiB ranges and 1.45 s in 32 MiB ones, s3fs's own get 1.3-1.5 s.
+RANGE_CHUNK_BYTES = 32 << 20
+CONCURRENT_RANGES = 4
+RANGE_BLOCK_BYTES = 8 << 20
+_KEPT_BLOCKS = 4
+
+
+class RemoteShardFiles:
+    """The shard files of one committed checkpoint in object storage, read
+    by byte ranges (`reading.read_remotely`).
+
+    A piece's bytes go straight from the store into its memory (a large
+    piece in ranges of about `RANGE_CHUNK_BYTES`, `CONCURRENT_RANGES` at
+    a time; a small one from a block of `RANGE_BLOCK_BYTES`, kept for its
+    neighbours): a process reads only the bytes of the pieces it restores
+    (a resharded restore reads parts of the writers' files), and nothing
+    is written to a local file. Before its first read, each file's
+    size in the store must be the size the index records (else it was
+    replaced by a newer save); every piece is then checked against its
+    checksum by the reader.
+
+    Args:
+        path: The checkpoint (`s3://...`, `gs://...`).
+        generation: Its committed generation.
+        local: The local copy's directory (whole files go there).
+        sizes: `file name -> size` for every file the index's pieces name
+            (checked against what the pieces justify).
+    """
+
+    def __init__(self, path: str, generation: str, local: str,
+                 sizes: Dict[str, int]):
+        self._path, self._generation, self._local = path, generation, local
+        self._sizes = dict(sizes)
+        self._store = object_store.store_for(path)
+        self._lock = threading.Lock()
+        self._checked: set = set()  # files whose stored size was checked
+        self._blocks: "OrderedDict[Tuple[str, int], bytes]" = OrderedDict()
+
+    def _key(self, name: str) -> str:
+        if name not in self._sizes:
+            raise CheckpointError(
+                f"The index of {self._path!r} names no file {name!r}; not "
+                "read.")
+        return object_store.join(self._path, self._generation, name)
+
+    def size(self, name: str) -> int:
+        """The size the index records for file `name`, once the store's
+        object was found to be that size.
+
+        Raises:
+            CheckpointError: if the index names no such file, or the
+                object is not the recorded size (replaced after the save).
+        """
+        key, size = self._key(name), self._sizes[name]
+        if name not in self._checked:
+            with self._replaced_is_an_error(name):
+                found = self._store.size(key)
+            if found != size:
+                raise CheckpointError(
+                    f"Not reading {self._path!r}: {key} is {found} bytes, "
+                    f"but the checkpoint's index records {size}: it was "
+                    "changed or replaced after the save.")
+            self._checked.add(name)
+        return size
+
+    def fetch(self, name: str) -> None:
+        """Downloads the whole file `name` into the local copy (once)."""
+        key = self._key(name)
+        target = os.path.join(self._local, name)
+        with self._lock:
             if os.path.exists(target):
                 return
-            if name not in named:
-                raise CheckpointError(
-                    f"The index of {path!r} names no file {name!r}; not "
-                    "read.")
             partial = target + ".part"
-            try:
-                store.get(object_store.join(path, generation, name), partial,
-                          files[name])
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"{path!r} was replaced by a newer save while it was "
-                    f"read (its {name} is gone); read it again.") from None
-            except ValueError as error:
-                raise CheckpointError(
-                    f"Not reading {path!r}: {error}") from None
+            with self._replaced_is_an_error(name):
+                self._store.get(key, partial, self._sizes[name])
             os.replace(partial, target)
 
-    reading.fetch_on_first_read(local, fetch)
-    return local
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
+        """Fills `buffer` with file `name`'s bytes from `offset`.
+
+        Raises:
+            CheckpointError: for a range outside the file, a file that a
+                newer save replaced, or a store that answers short.
+        """
+        key, size = self._key(name), self.size(name)
+        stop = offset + len(buffer)
+        if offset < 0 or stop > size:
+            raise CheckpointError(
+                f"Refusing bytes {offset}-{stop} of {key}: the file has "
+                f"{size} bytes.")
+        if len(buffer) >= RANGE_CHUNK_BYTES:
+            count = len(buffer) // RANGE_CHUNK_BYTES
+            edges = [offset + len(buffer) * i // count
+                     for i in range(count + 1)]
+            spans = list(zip(edges[:-1], edges[1:]))
+
+            def read(span: Tuple[int, int]) -> None:
+                start, end = span
+                buffer[start - offset:end - offset] = self._read(
+                    name, key, start, end)
+
+            self._in_parallel(read, spans)
+            return
+        block = RANGE_BLOCK_BYTES
+        numbers = range(offset // block, (stop - 1) // block + 1)
+
+        def copy(number: int) -> None:
+            block_start = number * block
+            data = self._block(name, key, number, block_start,
+                               min(size, block_start + block))
+            start, end = max(offset, block_start), min(stop,
+                                                       block_start + block)
+            buffer[start - offset:end - offset] = memoryview(data)[
+                start - block_start:end - block_start]
+
+        self._in_parallel(copy, list(numbers))
+
+    @staticmethod
+    def _in_parallel(work: Any, items: List[Any]) -> None:
+        if len(items) == 1:
+            work(items[0])
+            return
+        with concurrent.futures.ThreadPoolExecutor(
+                CONCURRENT_RANGES, thread_name_prefix="kd-range") as pool:
+            for done in [pool.submit(work, item) for item in items]:
+                done.result()
+
+    def release(self) -> None:
+        """Drops the blocks kept for neighbouring pieces."""
+        with self._lock:
+            self._blocks.clear()
+
+    def _block(self, name: str, key: str, number: int, start: int,
+               stop: int) -> bytes:
+        with self._lock:
+            data = self._blocks.get((name, number))
+            if data is not None:
+                self._blocks.move_to_end((name, number))
+                return data
+        data = self._read(name, key, start, stop)
+        with self._lock:
+            self._blocks[(name, number)] = data
+            while len(self._blocks) > _KEPT_BLOCKS:
+                self._blocks.popitem(last=False)
+        return data
+
+    def _read(self, name: str, key: str, start: int, stop: int) -> bytes:
+        with self._replaced_is_an_error(name):
+            data = self._store.read_range(key, start, stop)
+        if len(data) != stop - start:
+            raise CheckpointError(
+                f"Reading bytes {start}-{stop} of {key}: the store answered "
+                f"{len(data)} bytes. It was changed or replaced after the "
+                "save; read the checkpoint again.")
+        return data
+
+    @contextlib.contextmanager
+    def _replaced_is_an_error(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{self._path!r} was replaced by a newer save while it was "
+                f"read (its {name} is gone); read it again.") from None
+        except ValueError as error:
+            raise CheckpointError(
+                f"Not reading {self._path!r}: {error}") from None
 
 
 def _forget_downloads_after_fork() -> None:
@@ -158,6 +315,6 @@ if hasattr(os, "register_at_fork"):
 def _remove_downloads() -> None:
     with _downloads_lock:
         for _, local in _downloads.values():
-            reading.fetch_on_first_read(local, None)
+            reading.read_remotely(local, None)
             shutil.rmtree(local, ignore_errors=True)
         _downloads.clear()
