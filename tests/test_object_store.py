@@ -495,6 +495,40 @@ def test_a_large_shard_goes_up_in_parts_from_memory_bit_for_bit(
     assert sorted(ranges)[-2:] == [6_000_000, 6_000_000]  # 12 MB: 2 ranges
 
 
+def test_large_pieces_read_one_after_another_are_read_ahead(prefix,
+                                                           monkeypatch):
+    # Pieces of at least RANGE_CHUNK_BYTES (here 256 KiB) go straight into
+    # memory; once two follow each other in their file, the next ones are
+    # fetched ahead in the background. The values are the saved ones.
+    import threading
+
+    from keras_distribute.checkpoint.storage import remote_reading
+
+    monkeypatch.setattr(remote_reading, "RANGE_CHUNK_BYTES", 256 << 10)
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((256,))] + [
+        keras.layers.Dense(256, name=f"d{i}") for i in range(6)])
+    saved = [np.array(w) for w in model.weights]
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    path = checkpoint.write(prefix + "/ckpt")
+    threads = []
+    read_range = object_store.Store.read_range
+
+    def recorded(self, key, start, stop):
+        threads.append(threading.current_thread().name)
+        return read_range(self, key, start, stop)
+
+    monkeypatch.setattr(object_store.Store, "read_range", recorded)
+    for variable in model.weights:
+        variable.assign(np.zeros(variable.shape, variable.dtype))
+    checkpoint.read(path).assert_consumed()
+    for a, b in zip(saved, model.weights):
+        np.testing.assert_array_equal(a, np.array(b))
+    assert any(t.startswith("kd-readahead") for t in threads), threads
+    assert not [t for t in threading.enumerate()
+                if t.name.startswith("kd-readahead")]  # released
+
+
 def test_a_reader_reads_only_the_byte_ranges_it_restores(prefix, tmp_path,
                                                         monkeypatch):
     # Two processes' files, written and committed through the protocol's

@@ -4,6 +4,7 @@ only within what the index may claim, and checked as a checkpoint on disk
 is (`reading`, `validation`). Framework-free."""
 
 import atexit
+import bisect
 import concurrent.futures
 import contextlib
 import json
@@ -16,6 +17,7 @@ from typing import Any
 from typing import Dict
 from typing import Iterator
 from typing import List
+from typing import Optional
 from typing import Tuple
 
 from keras_distribute.checkpoint.storage import object_store
@@ -120,8 +122,19 @@ def _local_copy(path: str, index: dict, generation: str) -> str:
     local = tempfile.mkdtemp(prefix="kd-checkpoint-")
     with open(os.path.join(local, INDEX), "w") as f:
         json.dump(index, f)
+    placed: Dict[str, List[Tuple[int, int]]] = {}
+    for record in index["variables"].values():
+        itemsize = numpy_dtype(record["dtype"]).itemsize
+        for piece in record["pieces"]:
+            if "offset" in piece:
+                count = 1
+                for start, stop in piece["slice"]:
+                    count *= int(stop) - int(start)
+                placed.setdefault(piece["file"], []).append(
+                    (int(piece["offset"]), count * itemsize))
     reading.read_remotely(local, RemoteShardFiles(
-        path, generation, local, {name: files[name] for name in named}))
+        path, generation, local, {name: files[name] for name in named},
+        placed))
     return local
 
 
@@ -136,6 +149,11 @@ RANGE_CHUNK_BYTES = 32 << 20
 CONCURRENT_RANGES = 4
 RANGE_BLOCK_BYTES = 8 << 20
 _KEPT_BLOCKS = 4
+# Once a file's large pieces are read one after the other, the next ones
+# are fetched ahead, this many (a restore reads a process's pieces in the
+# order they were written: their requests then overlap as s3fs's own
+# download's do).
+READAHEAD_PIECES = 3
 
 
 class RemoteShardFiles:
@@ -158,16 +176,27 @@ class RemoteShardFiles:
         local: The local copy's directory (whole files go there).
         sizes: `file name -> size` for every file the index's pieces name
             (checked against what the pieces justify).
+        placed: `file name -> [(offset, bytes)]` of its pieces whose offset
+            the index records.
     """
 
     def __init__(self, path: str, generation: str, local: str,
-                 sizes: Dict[str, int]):
+                 sizes: Dict[str, int],
+                 placed: Optional[Dict[str, List[Tuple[int, int]]]] = None):
         self._path, self._generation, self._local = path, generation, local
         self._sizes = dict(sizes)
         self._store = object_store.store_for(path)
         self._lock = threading.Lock()
         self._checked: set = set()  # files whose stored size was checked
         self._blocks: "OrderedDict[Tuple[str, int], bytes]" = OrderedDict()
+        # file -> its large pieces in file order; the last one read
+        self._large = {name: sorted(p for p in pieces
+                                    if p[1] >= RANGE_CHUNK_BYTES)
+                       for name, pieces in (placed or {}).items()}
+        self._last_read: Dict[str, int] = {}
+        self._ahead: Dict[Tuple[str, int, int],
+                          "concurrent.futures.Future[bytes]"] = {}
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def _key(self, name: str) -> str:
         if name not in self._sizes:
@@ -222,17 +251,13 @@ class RemoteShardFiles:
                 f"Refusing bytes {offset}-{stop} of {key}: the file has "
                 f"{size} bytes.")
         if len(buffer) >= RANGE_CHUNK_BYTES:
-            count = len(buffer) // RANGE_CHUNK_BYTES
-            edges = [offset + len(buffer) * i // count
-                     for i in range(count + 1)]
-            spans = list(zip(edges[:-1], edges[1:]))
-
-            def read(span: Tuple[int, int]) -> None:
-                start, end = span
-                buffer[start - offset:end - offset] = self._read(
-                    name, key, start, end)
-
-            self._in_parallel(read, spans)
+            with self._lock:
+                ahead = self._ahead.pop((name, offset, len(buffer)), None)
+            if ahead is not None:
+                buffer[:] = ahead.result()
+            else:
+                self._read_large(name, key, offset, buffer)
+            self._read_ahead(name, key, offset, len(buffer))
             return
         block = RANGE_BLOCK_BYTES
         numbers = range(offset // block, (stop - 1) // block + 1)
@@ -248,6 +273,45 @@ class RemoteShardFiles:
 
         self._in_parallel(copy, list(numbers))
 
+    def _read_large(self, name: str, key: str, offset: int,
+                    buffer: memoryview) -> None:
+        """A large piece's bytes, in ranges of about `RANGE_CHUNK_BYTES`
+        read side by side."""
+        count = len(buffer) // RANGE_CHUNK_BYTES
+        edges = [offset + len(buffer) * i // count
+                 for i in range(count + 1)]
+        spans = list(zip(edges[:-1], edges[1:]))
+
+        def read(span: Tuple[int, int]) -> None:
+            start, end = span
+            buffer[start - offset:end - offset] = self._read(
+                name, key, start, end)
+
+        self._in_parallel(read, spans)
+
+    def _read_ahead(self, name: str, key: str, offset: int,
+                    nbytes: int) -> None:
+        """After the large piece at `offset` of `name`, when it follows the
+        one read before it: fetches the next `READAHEAD_PIECES` large
+        pieces in the background (`release` drops what was not read)."""
+        pieces = self._large.get(name, [])
+        number = bisect.bisect_left(pieces, (offset, nbytes))
+        if number == len(pieces) or pieces[number] != (offset, nbytes):
+            return
+        with self._lock:
+            sequential = self._last_read.get(name) == number - 1
+            self._last_read[name] = number
+            if not sequential:
+                return
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    CONCURRENT_RANGES, thread_name_prefix="kd-readahead")
+            for start, length in pieces[number + 1:
+                                        number + 1 + READAHEAD_PIECES]:
+                if (name, start, length) not in self._ahead:
+                    self._ahead[(name, start, length)] = self._pool.submit(
+                        self._read, name, key, start, start + length)
+
     @staticmethod
     def _in_parallel(work: Any, items: List[Any]) -> None:
         if len(items) == 1:
@@ -259,9 +323,15 @@ class RemoteShardFiles:
                 done.result()
 
     def release(self) -> None:
-        """Drops the blocks kept for neighbouring pieces."""
+        """Drops the blocks kept for neighbouring pieces and the pieces
+        read ahead (a restore ended)."""
         with self._lock:
             self._blocks.clear()
+            self._ahead.clear()
+            self._last_read.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _block(self, name: str, key: str, number: int, start: int,
                stop: int) -> bytes:
