@@ -150,10 +150,12 @@ CONCURRENT_RANGES = 4
 RANGE_BLOCK_BYTES = 8 << 20
 _KEPT_BLOCKS = 4
 # Once a file's large pieces are read one after the other, the next ones
-# are fetched ahead, this many (a restore reads a process's pieces in the
-# order they were written: their requests then overlap as s3fs's own
-# download's do).
-READAHEAD_PIECES = 3
+# are fetched ahead in the background, this many (refilled when half were
+# read), neighbours in one range of at most `READAHEAD_RANGE_BYTES` (a
+# restore reads a process's pieces in the order they were written; fewer,
+# larger requests: see above).
+READAHEAD_PIECES = 4
+READAHEAD_RANGE_BYTES = 128 << 20
 
 
 class RemoteShardFiles:
@@ -194,8 +196,9 @@ class RemoteShardFiles:
                                     if p[1] >= RANGE_CHUNK_BYTES)
                        for name, pieces in (placed or {}).items()}
         self._last_read: Dict[str, int] = {}
-        self._ahead: Dict[Tuple[str, int, int],
-                          "concurrent.futures.Future[bytes]"] = {}
+        # (file, offset, bytes) -> (the range being read, where it starts)
+        self._ahead: Dict[Tuple[str, int, int], Tuple[
+            "concurrent.futures.Future[bytes]", int]] = {}
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def _key(self, name: str) -> str:
@@ -254,7 +257,9 @@ class RemoteShardFiles:
             with self._lock:
                 ahead = self._ahead.pop((name, offset, len(buffer)), None)
             if ahead is not None:
-                buffer[:] = ahead.result()
+                future, start = ahead
+                buffer[:] = memoryview(future.result())[
+                    offset - start:offset - start + len(buffer)]
             else:
                 self._read_large(name, key, offset, buffer)
             self._read_ahead(name, key, offset, len(buffer))
@@ -293,7 +298,8 @@ class RemoteShardFiles:
                     nbytes: int) -> None:
         """After the large piece at `offset` of `name`, when it follows the
         one read before it: fetches the next `READAHEAD_PIECES` large
-        pieces in the background (`release` drops what was not read)."""
+        pieces in the background, neighbours in one range (`release`
+        drops what was not read)."""
         pieces = self._large.get(name, [])
         number = bisect.bisect_left(pieces, (offset, nbytes))
         if number == len(pieces) or pieces[number] != (offset, nbytes):
@@ -301,16 +307,28 @@ class RemoteShardFiles:
         with self._lock:
             sequential = self._last_read.get(name) == number - 1
             self._last_read[name] = number
-            if not sequential:
+            waiting = sum(1 for ahead in self._ahead if ahead[0] == name)
+            if not sequential or waiting > READAHEAD_PIECES // 2:
                 return
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     CONCURRENT_RANGES, thread_name_prefix="kd-readahead")
+            runs: List[List[Tuple[int, int]]] = []
             for start, length in pieces[number + 1:
                                         number + 1 + READAHEAD_PIECES]:
-                if (name, start, length) not in self._ahead:
-                    self._ahead[(name, start, length)] = self._pool.submit(
-                        self._read, name, key, start, start + length)
+                if (name, start, length) in self._ahead:
+                    continue
+                if runs and start >= sum(runs[-1][-1]) and (
+                        start + length - runs[-1][0][0]
+                        <= READAHEAD_RANGE_BYTES):
+                    runs[-1].append((start, length))
+                else:
+                    runs.append([(start, length)])
+            for run in runs:
+                first, end = run[0][0], sum(run[-1])
+                future = self._pool.submit(self._read, name, key, first, end)
+                for start, length in run:
+                    self._ahead[(name, start, length)] = (future, first)
 
     @staticmethod
     def _in_parallel(work: Any, items: List[Any]) -> None:
