@@ -342,14 +342,18 @@ _KILLED_PROGRAM = textwrap.dedent("""
     import keras_distribute as kd
     from keras_distribute.checkpoint.storage import object_store
 
-    prefix, out = sys.argv[1], sys.argv[2]
+    from keras_distribute.checkpoint.storage import streamed_upload
+
+    prefix, out, where = sys.argv[1], sys.argv[2], sys.argv[3]
+    inputs, units = {"part": (5, 64), "multipart": (1000, 3000)}[where]
     keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64)])
+    model = keras.Sequential([keras.Input((inputs,)),
+                              keras.layers.Dense(units)])
     checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
     manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
     manager.save()
     np.save(out, np.array(model.layers[0].kernel))
-    model.layers[0].kernel.assign(np.zeros((5, 64), "float32"))
+    model.layers[0].kernel.assign(np.zeros((inputs, units), "float32"))
     write = object_store.Store.write_bytes
 
     def killed_at_the_part(self, key, data):
@@ -358,12 +362,31 @@ _KILLED_PROGRAM = textwrap.dedent("""
         return write(self, key, data)
 
     object_store.Store.write_bytes = killed_at_the_part
+    if where == "multipart":  # killed in the shard's open multipart upload
+        streamed_upload.PART_BYTES = 5 << 20
+        fs = object_store.store_for(prefix).fs
+        call_s3 = fs.call_s3
+
+        def killed_at_part_2(method, *args, **kwargs):
+            if method == "upload_part" and kwargs["PartNumber"] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return call_s3(method, *args, **kwargs)
+
+        fs.call_s3 = killed_at_part_2
     manager.save()
 """)
 
 
+def _open_uploads(prefix):
+    fs = _fs()
+    listed = fs.call_s3("list_multipart_uploads", Bucket=BUCKET,
+                        Prefix=prefix.split("/", 3)[3] + "/")
+    return listed.get("Uploads") or []
+
+
+@pytest.mark.parametrize("where", ["part", "multipart"])
 def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
-        prefix, endpoint, tmp_path, monkeypatch):
+        prefix, endpoint, tmp_path, monkeypatch, where):
     if keras.backend.backend() != "jax":
         pytest.skip("the storage layer imports no framework: its kill -9 "
                     "test runs on JAX (the parity tests on every backend)")
@@ -371,15 +394,21 @@ def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
     program.write_text(_KILLED_PROGRAM)
     out = str(tmp_path / "saved.npy")
     done = subprocess.run(
-        [sys.executable, str(program), prefix, out], timeout=180,
+        [sys.executable, str(program), prefix, out, where], timeout=180,
         env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    # The second save's shards are there, uncommitted; readers see the
-    # first checkpoint only.
+    # Killed after its shards were uploaded, or in the middle of their
+    # multipart upload (left open: no object yet): uncommitted either way;
+    # readers see the first checkpoint only.
     second = [n for n in _objects(prefix + "/ckpt-2")]
-    assert any(n.endswith("shards-00000.h5") for n in second), second
+    if where == "part":
+        assert any(n.endswith("shards-00000.h5") for n in second), second
+    else:
+        assert [n.split("/")[-1] for n in second] == ["generation.json"]
+        assert len(_open_uploads(prefix + "/ckpt-2")) == 1
     assert "index.json" not in second
     assert kd.checkpoint.latest_checkpoint(prefix) == prefix + "/ckpt-1"
+    inputs, units = {"part": (5, 64), "multipart": (1000, 3000)}[where]
     # A new run of the same owner: the dead job's lease and unfinished save
     # (their heartbeats stopped) are taken over and removed; it resumes
     # from the first checkpoint.
@@ -393,10 +422,12 @@ def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
         {"job": "gone", "owner": "someone-else", "beat": 0}).encode())
     store.write_bytes(theirs + "/shards-00000.h5", b"x")
     keras.utils.set_random_seed(9)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(64)])
+    model = keras.Sequential([keras.Input((inputs,)),
+                              keras.layers.Dense(units)])
     checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
     manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
     assert _objects(prefix + "/ckpt-2") == []
+    assert _open_uploads(prefix + "/ckpt-2") == []  # its parts aborted
     assert manager.restore_or_initialize() == prefix + "/ckpt-1"
     np.testing.assert_array_equal(np.array(model.layers[0].kernel),
                                   np.load(out))

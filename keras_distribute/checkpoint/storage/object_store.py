@@ -294,6 +294,34 @@ class Store:
             return False
         return bool(info.get("type") == "file")
 
+    def abort_uploads(self, prefix: str) -> int:
+        """Aborts the unfinished multipart uploads under `prefix/` (S3: an
+        upload a killed process left open holds its parts, unseen by any
+        listing, until aborted). A no-op on GCS, whose unfinished uploads
+        expire on their own.
+
+        Returns:
+            How many uploads were aborted.
+        """
+        if self.scheme != "s3":
+            return 0
+        bucket, key, _ = self.fs.split_path(prefix)
+        listed = self.call(f"Listing the unfinished uploads of {prefix}",
+                           self.fs.call_s3, "list_multipart_uploads",
+                           Bucket=bucket, Prefix=key.rstrip("/") + "/",
+                           MaxUploads=1000)
+        aborted = 0
+        for upload in listed.get("Uploads") or []:
+            try:
+                self.call(f"Aborting an upload of {upload['Key']}",
+                          self.fs.call_s3, "abort_multipart_upload",
+                          Bucket=bucket, Key=upload["Key"],
+                          UploadId=upload["UploadId"])
+                aborted += 1
+            except FileNotFoundError:
+                pass  # finished or aborted meanwhile
+        return aborted
+
     def remove(self, keys: List[str]) -> None:
         """Deletes the objects `keys` (absent ones are no error)."""
         for start in range(0, len(keys), 1000):

@@ -199,9 +199,11 @@ def refuse_foreign(path: str) -> Dict[str, bool]:
 
 
 def remove_generation(path: str, generation: str) -> None:
-    """Deletes one generation of `path`: its files, its marker last."""
+    """Deletes one generation of `path`: the uploads left open in it (by a
+    process killed mid-upload), its files, its marker last."""
     store = object_store.store_for(path)
     prefix = object_store.join(path, generation)
+    store.abort_uploads(prefix)
     keys = [object_store.join(prefix, name)
             for name in store.files_under(prefix) if name != MARKER]
     store.remove(keys)
