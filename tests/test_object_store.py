@@ -438,6 +438,57 @@ def test_a_save_killed_mid_upload_is_never_read_and_is_cleaned(
     manager.close()
 
 
+def test_a_corrupt_backup_in_s3_is_moved_aside_and_the_older_one_used(
+        prefix):
+    # As on disk (test_checkpoint_callbacks): the newest backup's largest
+    # piece has a flipped byte; BackupAndRestore resumes from the older
+    # one and moves the corrupt one to `<name>.corrupt` (copied by the
+    # store, then removed), so a later run does not meet it again.
+    import test_checkpoint_callbacks as on_disk
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    backup_dir = prefix + "/backup"
+    model = on_disk.make_model()
+    reference = on_disk.fit(model, [])
+    expected = on_disk.state(model)
+    model = on_disk.make_model()
+    with pytest.raises(on_disk.Interrupt):
+        on_disk.fit(model, [kd.callbacks.BackupAndRestore(backup_dir),
+                            on_disk.InterruptAt(15)])
+    newest = kd.checkpoint.latest_checkpoint(backup_dir)
+    store = object_store.store_for(newest)
+    index = json.loads(store.read_bytes(newest + "/index.json", 1 << 20))
+    piece = max((p for r in index["variables"].values() for p in r["pieces"]
+                 if "offset" in p),
+                key=lambda p: np.prod([hi - lo for lo, hi in p["slice"]]))
+    shard = f"{newest}/{index['object_store']['generation']}/{piece['file']}"
+    data = bytearray(_fs().cat_file(shard))
+    data[piece["offset"] + 3] ^= 0x10
+    store.write_bytes(shard, bytes(data))
+    model, seen = on_disk.make_model(), []
+    with pytest.warns(UserWarning, match="resuming from the older backup"):
+        resumed = on_disk.fit(model, [
+            kd.callbacks.BackupAndRestore(backup_dir),
+            keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda *_: seen.append(
+                    sorted(store.children(backup_dir))))])
+    name = newest.rpartition("/")[2]
+    assert [n for n in seen[0] if not n.startswith(".")] == [
+        "backup-1", name + ".corrupt"]
+    assert len(resumed.history["loss"]) == 2  # epochs 1 and 2 again
+    np.testing.assert_allclose(resumed.history["loss"],
+                               reference.history["loss"][1:], rtol=1e-6)
+    for a, b in zip(expected, on_disk.state(model)):
+        np.testing.assert_array_equal(a, b)
+    # The moved copy is the corrupt backup, byte for byte; nothing else of
+    # the run is left.
+    moved = f"{backup_dir}/{name}.corrupt"
+    assert _fs().cat_file(moved + shard[len(newest):]) == bytes(data)
+    assert [n for n in store.children(backup_dir)
+            if not n.startswith(".")] == [name + ".corrupt"]
+
+
 def test_every_checkpoint_entry_point_takes_an_s3_path(prefix, tmp_path,
                                                        monkeypatch):
     # The entry points the refusal of other schemes lists

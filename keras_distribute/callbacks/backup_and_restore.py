@@ -159,11 +159,11 @@ class BackupAndRestore(TrainingStateCallback):
             except CheckpointError as error:
                 failures.append(f"{path}: {error}")
                 self._backups.forget(path)
-                if self._state.resolve_engine().process_id == 0 and (
-                        not object_store.is_remote(path)):
-                    # (an object store cannot rename: it stays where it is,
-                    # and the next backup is numbered after it)
-                    ckpt_writing.move_aside(path, _CORRUPT)
+                if self._state.resolve_engine().process_id == 0:
+                    if object_store.is_remote(path):
+                        remote_checkpoints.move_aside(path, _CORRUPT)
+                    else:
+                        ckpt_writing.move_aside(path, _CORRUPT)
                 continue
             if failures:
                 warnings.warn(

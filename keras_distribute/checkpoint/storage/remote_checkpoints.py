@@ -210,6 +210,40 @@ def remove_generation(path: str, generation: str) -> None:
     store.remove([object_store.join(prefix, MARKER)])
 
 
+def move_aside(path: str, suffix: str) -> str:
+    """Moves the checkpoint at `path` to the first free
+    `<path><suffix>[-N]` (an object store cannot rename: each object kd
+    wrote there, its index and its generations with kd's marker, is copied
+    by the store, then removed: the index first). Returns the new path.
+    Objects kd did not write are left where they are.
+
+    Raises:
+        OSError: if the store fails (what was copied stays at both places).
+    """
+    store = object_store.store_for(path)
+    target, number = f"{path}{suffix}", 0
+    while store.children(target):
+        number += 1
+        target = f"{path}{suffix}-{number}"
+    children = store.children(path)
+    names = [INDEX] if children.get(INDEX) is False else []
+    generations = [name for name, is_dir in children.items()
+                   if is_dir and GENERATION.fullmatch(name)
+                   and marker_of(path, name) is not None]
+    for generation in generations:
+        names += [object_store.join(generation, name) for name in
+                  store.files_under(object_store.join(path, generation))]
+    for name in names:
+        store.call(f"Copying {name}", store.fs.copy,
+                   object_store.join(path, name),
+                   object_store.join(target, name))
+    if INDEX in names:
+        store.remove([object_store.join(path, INDEX)])
+    for generation in generations:
+        remove_generation(path, generation)
+    return target
+
+
 def remove(path: str) -> None:
     """Deletes the checkpoint at `path`: its index first (so it is no
     longer one), then each generation kd wrote there. Objects kd did not
