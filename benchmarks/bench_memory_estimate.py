@@ -8,7 +8,10 @@ reset (`/proc/self/clear_refs`), one more step runs (`train_on_batch`), and
 the real step's transient memory is its peak less the resident memory just
 before it. glibc is told to map every block over 64 KiB on its own
 (`MALLOC_MMAP_THRESHOLD_`), so a freed tensor leaves the resident set and
-the next step's allocations show in it.
+the next step's allocations show in it. On TensorFlow, whose CPU allocator
+keeps freed memory for the next step, the real step is the allocator's own
+count instead (`TF_CPU_ALLOCATOR_USE_BFC=true`: its peak bytes in use during
+the step less those in use before it).
 
 The estimate's counterpart: its peak less what stays resident between
 steps (the variables and optimizer slots; on torch also the gradients,
@@ -100,9 +103,24 @@ def measure_one_backend():
         x, y = batch(keras, make, size, input_shape)
         model.fit(x, y, batch_size=size, epochs=1, verbose=0)
         gc.collect()
-        before = reset_peak_resident()
-        model.train_on_batch(x, y)
-        real = proc_status("VmHWM") - before
+        if keras.backend.backend() == "tensorflow":
+            # TensorFlow's CPU allocator keeps what a step freed for the
+            # next one (the resident set barely moves); its own count of
+            # the bytes in use (TF_CPU_ALLOCATOR_USE_BFC) is the real step.
+            import tensorflow as tf
+
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = tf.config.experimental.get_memory_info("CPU:0")[
+                "current"]
+            model.train_on_batch(x, y)
+            real = tf.config.experimental.get_memory_info("CPU:0")[
+                "peak"] - before
+            real_from = "TensorFlow's CPU allocator (BFC)"
+        else:
+            before = reset_peak_resident()
+            model.train_on_batch(x, y)
+            real = proc_status("VmHWM") - before
+            real_from = "the process's resident memory (VmHWM)"
         between_steps = estimate.parameters + estimate.optimizer + (
             estimate.gradients if keras.backend.backend() == "torch" else 0)
         estimated = estimate.peak - between_steps
@@ -111,7 +129,8 @@ def measure_one_backend():
             "real_transient_bytes": real,
             "ratio": estimated / real if real else None,
             "estimated_peak_bytes": estimate.peak,
-            "method": estimate.method}
+            "method": estimate.method,
+            "real_from": real_from}
         del model
         gc.collect()
     print(json.dumps(results))
@@ -132,7 +151,7 @@ def main():
         env = dict(os.environ, KERAS_BACKEND=backend,
                    MALLOC_MMAP_THRESHOLD_="65536", JAX_PLATFORMS="cpu",
                    XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                   TF_CPP_MIN_LOG_LEVEL="2")
+                   TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true")
         run = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child"], env=env,
             capture_output=True, text=True, timeout=1800)

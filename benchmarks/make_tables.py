@@ -443,6 +443,19 @@ def plan_layout_table():
                  f"{r['anchor_step_s'] * 1000:.0f} ms "
                  f"({r['step_ratio']:.2f}x) | {d['plan']:.1e}; "
                  f"{d['keras_hub']:.1e} | <= 1.05x; <= 1e-5 |"]
+    for name in sorted(os.listdir(RESULTS)):
+        if not name.startswith("plan_layout_torch_"):
+            continue
+        torch_entry = _load(name[:-len(".json")])
+        t = torch_entry["result"]
+        d = t["max_weight_difference_from_one_process"]
+        rows.append(
+            f"| {t['train_model'] if 'train_model' in t else t['model']}, "
+            f"{t['mesh']}; run {_run(torch_entry)} | "
+            f"{t['variables_laid_out_differently']} | {t['train_steps']} | "
+            f"{t['plan_step_s'] * 1000:.0f} ms / "
+            f"{t['anchor_step_s'] * 1000:.0f} ms ({t['step_ratio']:.2f}x) | "
+            f"{d['plan']:.1e}; {d['keras_hub']:.1e} | <= 1.05x; <= 1e-5 |")
     return "\n".join(rows)
 
 
@@ -490,15 +503,16 @@ def memory_estimate_table():
     entry = _load("memory_estimate")
     r = entry["result"]
     rows = ["| backend | model | estimated (MiB) | real (MiB) | "
-            "estimated / real | the estimate's peak from |",
-            "|---|---|---|---|---|---|"]
+            "estimated / real | the estimate's peak from | real from |",
+            "|---|---|---|---|---|---|---|"]
     for backend, models in r["by_backend"].items():
         for model, m in models.items():
             rows.append(
                 f"| {backend} | {model} | "
                 f"{_mib(m['estimated_transient_bytes'])} | "
                 f"{_mib(m['real_transient_bytes'])} | {m['ratio']:.2f} | "
-                f"{m['method']} |")
+                f"{m['method']} | "
+                f"{m.get('real_from', 'resident memory (VmHWM)')} |")
     rows.append("")
     rows.append(f"Goal: {r['goal']}. Keras {r['keras']}; run {_run(entry)} "
                 f"({entry['machine']}).")

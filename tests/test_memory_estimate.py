@@ -6,11 +6,17 @@ The real peak: on JAX, XLA's memory analysis of Keras' own `train_step`
 `keras.distribution.ModelParallel` on 8 simulated devices; on torch, every
 storage Keras' own `train_step` makes on real tensors, counted as it is
 made and freed, plus what was resident (variables, slots, the batch).
-TensorFlow's estimate is a shape trace of the layers' outputs: checked
-for its exact parts only.
+On TensorFlow (a trace of the step's graph on shapes), against the bytes
+TensorFlow's own allocator counts in a real step (`TF_CPU_ALLOCATOR_USE_BFC`
+in a fresh process), plus the model's variables, slots and batch.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -171,6 +177,60 @@ def test_the_estimate_is_within_ten_percent_of_the_real_step(make):
     assert estimate.activations > 0.05 * estimate.peak
 
 
+# Run in a fresh process: TensorFlow's CPU allocator counts its bytes only
+# when told so before it starts.
+_TF_STEP_BYTES = textwrap.dedent("""
+    import json, sys
+    import tensorflow as tf
+    import test_memory_estimate as t
+
+    added = {}
+    for name in ("mlp", "cnn", "transformer"):
+        try:
+            model = getattr(t, name)()
+        except BaseException:  # keras-hub absent: skipped
+            continue
+        model.compile(optimizer="adam", loss="mse")
+        x, y = t.batch_of(model, t.BATCH)
+        model.fit(x, y, batch_size=t.BATCH, epochs=1, verbose=0)  # built
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        model.train_on_batch(x, y)
+        added[name] = tf.config.experimental.get_memory_info(
+            "CPU:0")["peak"] - before
+    print(json.dumps(added))
+""")
+
+
+def test_tensorflow_traces_the_step_within_a_quarter_of_its_allocator():
+    if BACKEND != "tensorflow":
+        pytest.skip("the other backends: "
+                    "test_the_estimate_is_within_ten_percent_of_the_real_step")
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", _TF_STEP_BYTES], capture_output=True,
+        text=True, timeout=300, env=dict(
+            os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
+            KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3",
+            PYTHONPATH=os.pathsep.join(filter(None, [
+                here, os.path.dirname(here), os.environ.get("PYTHONPATH")]))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    added = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"mlp", "cnn"} <= set(added)
+    for name, step_bytes in added.items():
+        make = globals()[name]
+        example = make()
+        estimate = kd.layouts.estimate_memory(
+            make, batch_size=BATCH, optimizer="adam", loss="mse",
+            input_shape=input_shape_of(example))
+        assert estimate.method.startswith("TensorFlow's graph")
+        real = (step_bytes + estimate.parameters + estimate.optimizer
+                + estimate.batch)
+        assert 0.75 * real <= estimate.peak <= 1.25 * real, (
+            name, estimate.table(), real)
+        assert estimate.activations > 0.05 * estimate.peak
+
+
 def test_the_parts_are_exact_on_every_backend():
     device_mesh = mesh((2, 4))
     layout_map = keras.distribution.LayoutMap(device_mesh)
@@ -218,11 +278,9 @@ def test_a_subclassed_model_needs_its_input_shape():
     estimate = kd.layouts.estimate_memory(make, batch_size=8,
                                           input_shape=(4,))
     assert estimate.parameters == 4 * (4 * 8 + 8)
-    if BACKEND == "tensorflow":  # not a graph of layers: not traced
-        assert estimate.activations is None
-        assert "not traced" in estimate.table()
-    else:
-        assert estimate.activations is not None
+    # Traced on every backend (on TensorFlow: the step's graph).
+    assert estimate.activations is not None
+    assert "not traced" not in estimate.table()
 
 
 def test_the_users_model_and_optimizer_are_left_as_they_were():

@@ -35,6 +35,7 @@ from keras_distribute.backend.tensorflow.engine import TfEngine
 from keras_distribute.backend.tensorflow.engine import TfTpuEngine
 from keras_distribute.backend.tensorflow.fit import apply_gradients  # noqa: F401
 from keras_distribute.backend.tensorflow.fit import value_and_gradients  # noqa: F401
+from keras_distribute.backend.tensorflow.memory import step_memory  # noqa: F401
 from keras_distribute.common.cross_device_ops import communication_timeout_s
 from keras_distribute.common.devices import parse_device_name
 from keras_distribute.common.keras_services import KerasServices
@@ -230,13 +231,6 @@ def set_host_rng_state(state: Any) -> None:
 
 
 build_without_values = interface.build_in_stateless_scope
-
-
-def step_memory(model: Any, optimizer: Any, loss: Any, inputs: Any,
-                targets: Any, layout_map: Any) -> None:
-    """TensorFlow has no memory accounting of a step on CPU that runs
-    without the memory: None (the caller traces the model's shapes)."""
-    return None
 
 
 def refuse_tpu_strategy() -> None:
