@@ -9,7 +9,8 @@ thread each) under `kd.MirroredStrategy(layout_map=...)` on a `--mesh`
 of processes: once with `kd.layouts.plan_layout`'s map and once with
 `GemmaBackbone.get_layout_map`, trials interleaved. Reported: the median
 step time (after the first epoch), the planned time over the anchor's,
-how many variables the two maps lay out differently, and the largest
+how many variables the two maps lay out differently (an axis of size 1
+counts as none: it shards nothing), and the largest
 weight difference from the same steps in one plain process. Goal (#46):
 step time at most 1.05x the anchor's, weights equal to one process's
 (1e-5).
@@ -55,9 +56,15 @@ def measure(shape, steps, trials):
         tuple(shape), ["batch", "model"], [f"cpu:{r}" for r in range(size)])
     plan = kd.layouts.plan_layout(small_gemma, mesh)
     by_hand = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    differ = sum((tuple(by_hand[row.path].axes) if by_hand[row.path]
-                  is not None else (None,) * len(row.shape)) != row.axes
-                 for row in plan.variables)
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+
+    def effective(axes):  # an axis of size 1 shards nothing
+        return tuple(a if a is not None and sizes[a] > 1 else None
+                     for a in axes)
+
+    differ = sum(effective(by_hand[row.path].axes if by_hand[row.path]
+                           is not None else (None,) * len(row.shape))
+                 != effective(row.axes) for row in plan.variables)
     times = {"plan": [], "keras_hub": []}
     weights = {}
     for _ in range(trials):
