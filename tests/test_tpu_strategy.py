@@ -205,3 +205,42 @@ def test_logical_device_errors():
                                  [f"cpu:{i}" for i in range(8)]))
     with pytest.raises(ValueError, match="mesh has shape"):
         kd.TPUStrategy(device_assignment=assignment(), layout_map=wrong)
+
+
+def test_a_large_sharded_variable_is_born_as_its_shards(monkeypatch):
+    # #45 item 3: in one JAX process, a variable of 4 MiB or more that the
+    # layout shards is made by its initializer jitted with the layout's
+    # out_shardings: never placed whole, each device computing its shard;
+    # its values are those an unsharded model gets from the same seed.
+    import jax
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
+
+    def make():
+        return keras.Sequential([keras.Input((1024,)),
+                                 keras.layers.Dense(2048, name="big"),
+                                 keras.layers.Dense(8, name="small")])
+
+    keras.utils.set_random_seed(5)
+    reference = make()
+    layout_map = LayoutMap(DeviceMesh((2, 4), ["batch", "model"],
+                                      jax.devices()))
+    layout_map[".*big/kernel"] = (None, "model")
+    layout_map[".*small/kernel"] = ("model", None)
+    placed = []
+    device_put = jax.device_put
+
+    def recorded(value, *args, **kwargs):
+        placed.append(tuple(getattr(value, "shape", ())))
+        return device_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", recorded)
+    keras.utils.set_random_seed(5)
+    with kd.MirroredStrategy(layout_map=layout_map).scope():
+        model = make()
+    big = model.get_layer("big").kernel.value
+    assert (1024, 2048) not in placed  # never whole on a device
+    assert (2048, 8) in placed  # 64 KiB: Keras' own path, whole then cut
+    assert {s.data.shape for s in big.addressable_shards} == {(1024, 512)}
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

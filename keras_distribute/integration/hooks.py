@@ -259,6 +259,15 @@ def _install_jax_data_hook() -> None:
     _patch(jax_trainer, "_distribute_data", _distribute_data)
 
 
+def _install_jax_init_hook() -> None:
+    from keras_distribute.integration import jax_initialization
+
+    core = registry.resolve("jax_core")
+    distribution_lib = registry.resolve("distribution_lib")
+    _patch(core, "should_shard_at_init", jax_initialization.born_sharded(
+        core.should_shard_at_init, distribution_lib.distribution))
+
+
 def install_torch_sharding_hooks() -> None:
     """7. Sharded layouts on torch: see `torch_hooks.install_sharding`."""
     torch_hooks.install_sharding()
@@ -344,6 +353,7 @@ def install() -> None:
         _install_model_hooks()
         if keras.backend.backend() == "jax":
             _install_jax_data_hook()
+            _install_jax_init_hook()
         elif keras.backend.backend() == "tensorflow":
             tf_hooks.install()
         elif keras.backend.backend() == "torch":

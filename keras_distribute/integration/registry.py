@@ -148,6 +148,15 @@ ROWS: Tuple[Row, ...] = (
         "processes' random states differ", "3.10-3.16",
         "a broadcast option in keras.distribution",
         parameters=("tensor", "layout"), backends=("jax",)),
+    Row("jax_core", ((_S + "backend.jax.ops.core", ""),
+                     (_S + "backend.jax.core", "")),
+        "one JAX process: a variable the layout shards, of 4 MiB or more, "
+        "is made as its shards (the jitted initializer Keras keeps for 250 "
+        "MB x devices)", "3.10-3.15 (core), 3.16 (ops.core)",
+        "a size option for sharded initialisation in keras.distribution",
+        backends=("jax",)),
+    Row("jax_core.should_shard_at_init", (), "see jax_core",
+        "3.10-3.16", parameters=("init_layout", "shape"), backends=("jax",)),
     Row("Loss", ((_S + "losses.loss", "Loss"),),
         "TF: each replica's loss weighted by local/global batch (Keras "
         "divides by the replica count: wrong for an uneven short batch)",
