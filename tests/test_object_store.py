@@ -560,9 +560,9 @@ def test_a_large_shard_goes_up_in_parts_from_memory_bit_for_bit(
                        Prefix=path.split("/", 3)[3]).get("Uploads")
     assert [n for n in _objects(path) if n.endswith(".h5")] == [shard]
     # Read back in ranges of 5 MiB, straight into the kernel's memory.
-    from keras_distribute.checkpoint.storage import remote_reading
+    from keras_distribute.checkpoint.storage import remote_ranges
 
-    monkeypatch.setattr(remote_reading, "RANGE_CHUNK_BYTES", 5 << 20)
+    monkeypatch.setattr(remote_ranges, "RANGE_CHUNK_BYTES", 5 << 20)
     ranges = []
     read_range = object_store.Store.read_range
 
@@ -584,9 +584,9 @@ def test_large_pieces_read_one_after_another_are_read_ahead(prefix,
     # fetched ahead in the background. The values are the saved ones.
     import threading
 
-    from keras_distribute.checkpoint.storage import remote_reading
+    from keras_distribute.checkpoint.storage import remote_ranges
 
-    monkeypatch.setattr(remote_reading, "RANGE_CHUNK_BYTES", 256 << 10)
+    monkeypatch.setattr(remote_ranges, "RANGE_CHUNK_BYTES", 256 << 10)
     keras.utils.set_random_seed(2)
     model = keras.Sequential([keras.Input((256,))] + [
         keras.layers.Dense(256, name=f"d{i}") for i in range(6)])
@@ -617,7 +617,7 @@ def test_a_reader_reads_only_the_byte_ranges_it_restores(prefix, tmp_path,
     # own steps (each process uploads its file and part; the chief
     # commits); a reader of one variable reads only the blocks (here of 64
     # bytes) holding its piece, from the file holding it, into memory.
-    from keras_distribute.checkpoint.storage import remote_reading
+    from keras_distribute.checkpoint.storage import remote_ranges
     from keras_distribute.checkpoint.storage import remote_writing
 
     path = prefix + "/two"
@@ -637,7 +637,7 @@ def test_a_reader_reads_only_the_byte_ranges_it_restores(prefix, tmp_path,
         heartbeat.stop()
     assert sorted(n.split("/")[-1] for n in _objects(path)) == [
         "generation.json", "index.json", "shards-00000.h5", "shards-00001.h5"]
-    monkeypatch.setattr(remote_reading, "RANGE_BLOCK_BYTES", 64)
+    monkeypatch.setattr(remote_ranges, "RANGE_BLOCK_BYTES", 64)
     ranges = []
     read_range = object_store.Store.read_range
 
