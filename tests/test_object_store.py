@@ -609,6 +609,30 @@ def test_large_pieces_read_one_after_another_are_read_ahead(prefix,
     assert any(t.startswith("kd-readahead") for t in threads), threads
     assert not [t for t in threading.enumerate()
                 if t.name.startswith("kd-readahead")]  # released
+    # An index that puts the last large piece past its file's end: the
+    # restore is refused, and no range outside the file is ever asked for
+    # (not even ahead).
+    monkeypatch.setattr(object_store.Store, "read_range", read_range)
+    path = checkpoint.write(prefix + "/crafted")
+    index = json.loads(object_store.store_for(path).read_bytes(
+        path + "/index.json", 1 << 20))
+    (size,) = index["object_store"]["files"].values()
+    last = max((p for r in index["variables"].values()
+                for p in r["pieces"] if len(p["slice"]) == 2),  # kernels
+               key=lambda p: p["offset"])
+    last["offset"] = size + (1 << 20)
+    object_store.store_for(path).write_bytes(path + "/index.json",
+                                             json.dumps(index).encode())
+    ranges = []
+
+    def bounded(self, key, start, stop):
+        ranges.append(stop)
+        return read_range(self, key, start, stop)
+
+    monkeypatch.setattr(object_store.Store, "read_range", bounded)
+    with pytest.raises(CheckpointError, match="beyond the end of the file"):
+        checkpoint.read(path)
+    assert ranges and max(ranges) <= size
 
 
 def test_a_reader_reads_only_the_byte_ranges_it_restores(prefix, tmp_path,

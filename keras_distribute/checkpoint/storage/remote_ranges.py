@@ -197,6 +197,8 @@ class RemoteShardFiles:
             runs: List[List[Tuple[int, int]]] = []
             for start, length in pieces[number + 1:
                                         number + 1 + READAHEAD_PIECES]:
+                if start < 0 or start + length > self._sizes[name]:
+                    break  # past the file (a crafted index): never read
                 if (name, start, length) in self._ahead:
                     continue
                 if runs and start >= sum(runs[-1][-1]) and (
