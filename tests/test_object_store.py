@@ -162,6 +162,29 @@ def test_gs_paths_go_through_gcsfs_to_a_gcs_server(tmp_path, monkeypatch):
             _tamper(other, lambda i: i["object_store"].update(files={}))
             with pytest.raises(CheckpointError, match="does not list"):
                 kd.checkpoint.ShardedCheckpoint(model=_model(1)).read(other)
+            # A large shard streams up in 1 MiB chunks from memory: the
+            # object is the file a local save writes, byte for byte.
+            from keras_distribute.checkpoint.storage import streamed_upload
+
+            monkeypatch.setattr(streamed_upload, "PART_BYTES", 1 << 20)
+            streamed, stream = [], streamed_upload._streamed
+            monkeypatch.setattr(streamed_upload, "_streamed", lambda *a: (
+                streamed.append(a[3]), stream(*a)))
+            large = keras.Sequential([keras.Input((1000,)),
+                                      keras.layers.Dense(1000)])
+            checkpoint = kd.checkpoint.ShardedCheckpoint(model=large)
+            path = checkpoint.write(prefix + "/large")
+            assert len(streamed) == 1 and streamed[0] > 4_000_000
+            local = checkpoint.write(str(tmp_path / "large"))
+            (shard,) = [n for n in _objects(path) if n.endswith(".h5")]
+            with open(os.path.join(local, "shards-00000.h5"), "rb") as f:
+                assert object_store.store_for(path).fs.cat_file(
+                    f"{path}/{shard}") == f.read()
+            kernel = np.array(large.layers[0].kernel)
+            large.layers[0].kernel.assign(np.zeros((1000, 1000), "float32"))
+            checkpoint.read(path).assert_consumed()
+            np.testing.assert_array_equal(np.array(large.layers[0].kernel),
+                                          kernel)
         finally:
             object_store.forget_stores()
 

@@ -10,8 +10,10 @@ pieces are never written to a local file and read back (a 256 MB save:
 the file write was a tenth of its time). Peak extra memory: the parts in
 flight (`CONCURRENT_PARTS` x `PART_BYTES`).
 
-Small files, and stores without this path (GCS), get the pieces written
-into the layout file, which is then uploaded whole (`Store.put`).
+To GCS the same parts feed the store's own streaming upload (a resumable
+upload in chunks of `PART_BYTES`), one after the other. Small files get
+the pieces written into the layout file, which is then uploaded whole
+(`Store.put`).
 
 A save killed during the upload leaves an unfinished multipart upload,
 which no listing shows as an object (the store's lifecycle rule or
@@ -37,6 +39,8 @@ from keras_distribute.checkpoint.storage.object_store import Store
 PART_BYTES = 16 << 20
 CONCURRENT_PARTS = 4
 _MAX_PARTS = 10_000
+# GCS takes a resumable upload's chunks in multiples of 256 KiB.
+_CHUNK_UNIT = 256 << 10
 
 
 def upload(store: Store, layout_file: str, placed: List[writing.Placed],
@@ -58,13 +62,18 @@ def upload(store: Store, layout_file: str, placed: List[writing.Placed],
     """
     size = os.path.getsize(layout_file)
     part_bytes = max(PART_BYTES, -(-size // _MAX_PARTS))
-    if store.scheme != "s3" or size < 2 * part_bytes:
+    part_bytes = -(-part_bytes // _CHUNK_UNIT) * _CHUNK_UNIT
+    if size < 2 * part_bytes:
         writing.write_placed(layout_file, placed, durable=False)
         store.put(layout_file, key)
         return size
     sources = _Sources(layout_file, size, placed)
     try:
-        _multipart(store, sources, key, size, part_bytes)
+        if store.scheme == "s3":
+            _multipart(store, sources, key, size, part_bytes)
+        else:
+            store.call(f"Uploading {key}", _streamed, store, sources, key,
+                       size, part_bytes)
     finally:
         sources.close()
     stored = store.size(key)
@@ -120,6 +129,21 @@ class _Sources:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _streamed(store: Store, sources: _Sources, key: str, size: int,
+              part_bytes: int) -> None:
+    """The store's own streaming upload (GCS: a resumable upload in
+    chunks of `part_bytes`), fed part by part; discarded on any failure,
+    so no partial object is left."""
+    target = store.fs.open(key, "wb", block_size=part_bytes)
+    try:
+        for start in range(0, size, part_bytes):
+            target.write(sources.read(start, min(size, start + part_bytes)))
+    except BaseException:
+        target.discard()
+        raise
+    target.close()
 
 
 def _multipart(store: Store, sources: _Sources, key: str, size: int,
