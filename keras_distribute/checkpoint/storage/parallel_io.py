@@ -46,17 +46,22 @@ def _blocks(nbytes: int) -> List[Tuple[int, int]]:
             for start in range(0, nbytes, BLOCK_BYTES)]
 
 
-def _each_block(nbytes: int, move: Callable[[int, int], None]) -> None:
-    blocks = _blocks(nbytes)
-    if len(blocks) <= 1:
-        for start, stop in blocks:
-            move(start, stop)
-        return
+def in_threads(work: Callable[[Any], Any], items: Sequence[Any],
+               threads: int, name: str) -> List[Any]:
+    """`[work(item) for item in items]`, up to `threads` at a time in a
+    fresh pool of threads named `name` (inline for a single item); the
+    first failure is raised once every item ended."""
+    if len(items) <= 1:
+        return [work(item) for item in items]
     with concurrent.futures.ThreadPoolExecutor(
-            min(THREADS, len(blocks)),
-            thread_name_prefix="kd-checkpoint-io") as pool:
-        for done in [pool.submit(move, *block) for block in blocks]:
-            done.result()
+            min(threads, len(items)), thread_name_prefix=name) as pool:
+        return [done.result() for done in [pool.submit(work, item)
+                                           for item in items]]
+
+
+def _each_block(nbytes: int, move: Callable[[int, int], None]) -> None:
+    in_threads(lambda block: move(*block), _blocks(nbytes), THREADS,
+               "kd-checkpoint-io")
 
 
 def _flat_bytes(array: np.ndarray) -> memoryview:

@@ -9,7 +9,6 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from typing import Any
 from typing import Dict
 from typing import Iterator
 from typing import List
@@ -17,6 +16,7 @@ from typing import Optional
 from typing import Tuple
 
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import parallel_io
 from keras_distribute.checkpoint.storage.format import CheckpointError
 
 # A piece of at least `RANGE_CHUNK_BYTES` is read in ranges of about that
@@ -157,7 +157,8 @@ class RemoteShardFiles:
             buffer[start - offset:end - offset] = memoryview(data)[
                 start - block_start:end - block_start]
 
-        self._in_parallel(copy, list(numbers))
+        parallel_io.in_threads(copy, list(numbers), CONCURRENT_RANGES,
+                               "kd-range")
 
     def _read_large(self, name: str, key: str, offset: int,
                     buffer: memoryview) -> None:
@@ -173,7 +174,7 @@ class RemoteShardFiles:
             buffer[start - offset:end - offset] = self._read(
                 name, key, start, end)
 
-        self._in_parallel(read, spans)
+        parallel_io.in_threads(read, spans, CONCURRENT_RANGES, "kd-range")
 
     def _read_ahead(self, name: str, key: str, offset: int,
                     nbytes: int) -> None:
@@ -212,16 +213,6 @@ class RemoteShardFiles:
                 future = self._pool.submit(self._read, name, key, first, end)
                 for start, length in run:
                     self._ahead[(name, start, length)] = (future, first)
-
-    @staticmethod
-    def _in_parallel(work: Any, items: List[Any]) -> None:
-        if len(items) == 1:
-            work(items[0])
-            return
-        with concurrent.futures.ThreadPoolExecutor(
-                CONCURRENT_RANGES, thread_name_prefix="kd-range") as pool:
-            for done in [pool.submit(work, item) for item in items]:
-                done.result()
 
     def release(self) -> None:
         """Drops the blocks kept for neighbouring pieces and the pieces

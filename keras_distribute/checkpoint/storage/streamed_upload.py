@@ -22,7 +22,6 @@ which no listing shows as an object (the store's lifecycle rule or
 """
 
 import bisect
-import concurrent.futures
 import os
 from typing import Any
 from typing import Dict
@@ -32,6 +31,7 @@ from typing import Tuple
 
 import numpy as np
 
+from keras_distribute.checkpoint.storage import parallel_io
 from keras_distribute.checkpoint.storage import writing
 from keras_distribute.checkpoint.storage.object_store import Store
 
@@ -168,9 +168,8 @@ def _multipart(store: Store, sources: _Sources, key: str, size: int,
 
     count = -(-size // part_bytes)
     try:
-        with concurrent.futures.ThreadPoolExecutor(
-                CONCURRENT_PARTS, thread_name_prefix="kd-upload") as pool:
-            parts = list(pool.map(send, range(1, count + 1)))
+        parts = parallel_io.in_threads(send, range(1, count + 1),
+                                       CONCURRENT_PARTS, "kd-upload")
         store.call(f"Finishing the upload of {key}", fs.call_s3,
                    "complete_multipart_upload", Bucket=bucket,
                    Key=object_key, UploadId=upload_id,
