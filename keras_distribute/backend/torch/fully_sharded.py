@@ -7,8 +7,15 @@ its gradient and its optimizer slots. When its layer runs, DTensor gathers
 it over the batch axis (`redistribute` to `Replicate`) into the model
 sub-mesh view the layer computes with; that view's gradient enters
 DTensor's backward as a partial sum over the replicas, which DTensor
-reduce-scatters back onto the shards. The gathered values live only for
-the step that needs them.
+reduce-scatters back onto the shards.
+
+The gathered values live only while their layer computes, as FSDP2's
+`reshard_after_forward`: what the layer's operations save for the backward
+pass of a gathered value is not the value but a note of where it came from
+(`torch.autograd.graph.saved_tensors_hooks`), and the backward pass gathers
+it again from the shards when it needs it. So at the end of the forward
+pass a process holds its shards and the activations, not every layer's
+gathered variables.
 
 `FullyShardedVariables` is the part of `ShardedTorchEngine`
 (`sharding.py`) that does this; it reads the engine's meshes and axes.
@@ -17,6 +24,7 @@ the step that needs them.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import List
@@ -90,6 +98,8 @@ class FullyShardedVariables:
             yield
             return
         swapped = []
+        regathered = _gathered_now()
+        keys = []
         try:
             for variable in own:
                 parameter = variable._value
@@ -100,16 +110,32 @@ class FullyShardedVariables:
                     grad_placements=[Partial()] + placements[1:])
                 if local.requires_grad:
                     local.register_hook(self._weigh_replica_gradient)
+                if local.requires_grad and local.numel():
+                    key = _storage_key(local)
+                    regathered[key] = (self, parameter, local)
+                    keys.append(key)
                 view = DTensor.from_local(local, self.model_mesh,
                                           placements[1:], run_check=False)
                 variable._value = view
                 swapped.append((variable, parameter, view))
-            yield
+            with _saving_gathered_as_notes(bool(keys)):
+                yield
         finally:
+            for key in keys:
+                regathered.pop(key, None)
             for variable, parameter, view in swapped:
                 if variable._value is not view or not variable.trainable:
                     self._write_back(variable._value, parameter)
                 variable._value = parameter
+
+    def gather_again(self, parameter: Any) -> torch.Tensor:
+        """The model sub-mesh local value of a fully sharded `parameter`,
+        gathered over the batch axis again (in the backward pass: a
+        collective every process makes at the same point)."""
+        placements = list(parameter.placements)
+        with torch.no_grad():
+            return parameter.detach().redistribute(
+                self.torch_mesh, [Replicate()] + placements[1:]).to_local()
 
     def _weigh_replica_gradient(self, grad: Any) -> Any:
         """This process's part of a fully sharded variable's gradient,
@@ -138,3 +164,90 @@ class FullyShardedVariables:
             shard = whole.redistribute(self.torch_mesh,
                                        list(parameter.placements))
             parameter.to_local().copy_(shard.to_local())
+
+
+# The gathered values of the layers computing now (nested layers each add
+# theirs), by their storage: what the saved-tensor hooks replace by notes.
+_GATHERED = threading.local()
+
+
+def _gathered_now() -> dict:
+    gathered = getattr(_GATHERED, "by_storage", None)
+    if gathered is None:
+        gathered = _GATHERED.by_storage = {}
+    return gathered
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class _GatheredNote:
+    """What the autograd graph keeps for a saved tensor that is (a view of)
+    a gathered value: the shards to gather it from and its geometry."""
+
+    __slots__ = ("engine", "parameter", "size", "stride", "offset",
+                 "dtensor")
+
+    def __init__(self, engine: Any, parameter: Any, local: torch.Tensor,
+                 saved: torch.Tensor, dtensor: Optional[DTensor]) -> None:
+        self.engine = engine
+        self.parameter = parameter
+        self.size = tuple(saved.size())
+        self.stride = tuple(saved.stride())
+        self.offset = saved.storage_offset() - local.storage_offset()
+        # (mesh, placements, global shape, global stride) of a DTensor
+        self.dtensor = None if dtensor is None else (
+            dtensor.device_mesh, tuple(dtensor.placements),
+            tuple(dtensor.shape), tuple(dtensor.stride()))
+
+    def unpack(self) -> torch.Tensor:
+        local = self.engine.gather_again(self.parameter)
+        view = local.as_strided(self.size, self.stride,
+                                local.storage_offset() + self.offset)
+        if self.dtensor is None:
+            return view
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(view, mesh, list(placements),
+                                  run_check=False, shape=shape,
+                                  stride=stride)
+
+
+def _pack(saved: Any) -> Any:
+    """Saves a note in place of a gathered value (or a view of one)."""
+    local = saved._local_tensor if isinstance(saved, DTensor) else saved
+    if (not isinstance(local, torch.Tensor) or local.device.type == "meta"
+            or isinstance(local, DTensor)):
+        return saved
+    try:
+        key = _storage_key(local)
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass)
+        return saved
+    entry = _gathered_now().get(key)
+    if entry is None:
+        return saved
+    engine, parameter, gathered = entry
+    if local.dtype != gathered.dtype:
+        return saved
+    return _GatheredNote(engine, parameter, gathered, local,
+                         saved if isinstance(saved, DTensor) else None)
+
+
+def _unpack(packed: Any) -> Any:
+    if isinstance(packed, _GatheredNote):
+        return packed.unpack()
+    return packed
+
+
+@contextlib.contextmanager
+def _saving_gathered_as_notes(active: bool):
+    """While a layer with gathered trainable variables computes: the
+    tensors its operations save for backward that are those variables'
+    gathered values are kept as notes (`_GatheredNote`) and gathered again
+    when the backward pass reads them. Not under torch.compile (its graph
+    keeps what it keeps)."""
+    if not active or torch.compiler.is_compiling():
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
