@@ -35,6 +35,9 @@ from _memory import reset_peak_resident
 from _results import record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# A row of torch processes whose variables are sharded over the batch axis.
+TORCH_FULLY_SHARDED = "torch, 2 processes, sharded over the batch axis"
+FULLY_SHARDED = {TORCH_FULLY_SHARDED: 2}
 
 
 def models(keras):
@@ -85,8 +88,26 @@ def batch(keras, make, size, input_shape):
     return x, rng.normal(size=(size, 10)).astype("float32")
 
 
-def measure_one_backend():
-    """In a process of one backend: every model's estimate and real step."""
+def fully_sharded_map(keras, kd, name, processes):
+    """The map a torch job of `processes` trains the model `name` with:
+    keras-hub's own `get_layout_map` for Gemma on a (processes, 1) mesh,
+    one-line FSDP (`kd.layouts.fully_sharded`) for the others."""
+    if "Gemma" in name:
+        import keras_hub
+
+        mesh = keras.distribution.DeviceMesh(
+            (processes, 1), ["batch", "model"],
+            [f"cpu:{i}" for i in range(processes)])
+        return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    mesh = keras.distribution.DeviceMesh(
+        (processes,), ["batch"], [f"cpu:{i}" for i in range(processes)])
+    return kd.layouts.fully_sharded(mesh)
+
+
+def measure_one_backend(processes=1):
+    """In a process of one backend: every model's estimate and real step
+    (with `processes` > 1, one torch process of a fully sharded job)."""
+    import contextlib
     import gc
 
     import keras
@@ -95,11 +116,16 @@ def measure_one_backend():
 
     results = {}
     for name, (make, size, input_shape) in models(keras).items():
+        layout_map, scope = None, contextlib.nullcontext()
+        if processes > 1:
+            layout_map = fully_sharded_map(keras, kd, name, processes)
+            scope = kd.MirroredStrategy(layout_map=layout_map).scope()
         estimate = kd.layouts.estimate_memory(
-            make, batch_size=size, optimizer="adam", loss="mse",
+            make, layout_map, batch_size=size, optimizer="adam", loss="mse",
             input_shape=input_shape)
-        model = make()
-        model.compile(optimizer="adam", loss="mse")
+        with scope:
+            model = make()
+            model.compile(optimizer="adam", loss="mse")
         x, y = batch(keras, make, size, input_shape)
         model.fit(x, y, batch_size=size, epochs=1, verbose=0)
         gc.collect()
@@ -133,22 +159,42 @@ def measure_one_backend():
             "real_from": real_from}
         del model
         gc.collect()
+    if processes > 1:
+        return results
     print(json.dumps(results))
+
+
+def measure_fully_sharded(processes=2):
+    """Every model's estimate and real step in each of `processes` torch
+    processes of a fully sharded job; prints the most loaded process's."""
+    import keras_distribute as kd
+
+    by_process = kd.launch(measure_one_backend, num_processes=processes,
+                           args=(processes,), timeout=1800)
+    print(json.dumps({name: max((p[name] for p in by_process),
+                                key=lambda m: m["real_transient_bytes"])
+                      for name in by_process[0]}))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+",
-                        default=["jax", "torch", "tensorflow"])
+                        default=["jax", "torch", "tensorflow",
+                                 TORCH_FULLY_SHARDED])
     parser.add_argument("--child", action="store_true",
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        measure_one_backend()
+        if os.environ.get("KD_BENCH_PROCESSES"):
+            measure_fully_sharded(int(os.environ["KD_BENCH_PROCESSES"]))
+        else:
+            measure_one_backend()
         return
     by_backend = {}
     for backend in args.backends:
-        env = dict(os.environ, KERAS_BACKEND=backend,
+        processes = FULLY_SHARDED.get(backend)
+        env = dict(os.environ, KERAS_BACKEND=backend.split(",")[0],
+                   KD_BENCH_PROCESSES=str(processes or ""),
                    MALLOC_MMAP_THRESHOLD_="65536", JAX_PLATFORMS="cpu",
                    XLA_FLAGS="--xla_force_host_platform_device_count=1",
                    TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true")

@@ -233,6 +233,28 @@ def test_tensorflow_traces_the_step_within_30_percent_of_its_allocator():
         assert estimate.activations > 0.05 * estimate.peak
 
 
+def test_torch_fully_sharded_step_within_ten_percent_across_processes():
+    # Two torch processes under one-line FSDP: each holds half of every
+    # variable, gathers a layer's while it computes and gathers it again
+    # in the backward pass (#45.1). The estimate runs the step on fake
+    # tensors as one of those processes; the real peak is every storage
+    # Keras' own train_step makes on the process's real tensors.
+    if BACKEND != "torch":
+        pytest.skip("torch processes (JAX's sharded steps are estimated by "
+                    "XLA: test_the_estimate_is_within_ten_percent_...)")
+    import workers_torch
+
+    results = kd.launch(workers_torch.fully_sharded_step_memory,
+                        num_processes=2, timeout=240)
+    for result in results:
+        assert "gathered while their layer computes" in result["method"]
+        assert abs(result["estimate"] - result["real"]) <= (
+            0.1 * result["real"]), result
+        # When the forward pass ends, no layer's gathered kernel is alive
+        # (4 of them would be): the backward pass gathers them again.
+        assert result["after_forward"] < result["kernel_bytes"], result
+
+
 def test_the_parts_are_exact_on_every_backend():
     device_mesh = mesh((2, 4))
     layout_map = keras.distribution.LayoutMap(device_mesh)

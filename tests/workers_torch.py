@@ -1245,3 +1245,84 @@ def fully_sharded_load_weights(weights_path):
                              if hasattr(v.value, "to_local") else None
                              for v in model.weights],
             "weights": model.get_weights()}
+
+
+def fully_sharded_step_memory(width=512, depth=4, rows=8):
+    """One process's step under one-line FSDP (every variable sharded over
+    the batch axis): kd's estimate of its peak, and the real one — every
+    storage Keras' train_step makes on this process's real tensors (a
+    DTensor's local part), counted as made and freed, plus what was
+    resident — and what is still alive when the forward pass ends."""
+    _setup()
+    import weakref
+
+    import keras
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_flatten
+
+    import keras_distribute as kd
+    from keras_distribute.backend.torch.memory import LiveStorageBytes
+
+    class LocalStorageBytes(LiveStorageBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, DTensor):
+                    tensor = tensor._local_tensor
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                storage = tensor.untyped_storage()
+                if id(storage) in self._counted:
+                    continue
+                self._counted.add(id(storage))
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, id(storage),
+                                 storage.nbytes())
+            return out
+
+    size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    mesh = keras.distribution.DeviceMesh(
+        (size,), ["batch"], [f"cpu:{r}" for r in range(size)])
+    layout_map = kd.layouts.fully_sharded(mesh, min_size=0)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential(
+            [keras.Input((width,))]
+            + [keras.layers.Dense(width, name=f"d{i}") for i in range(depth)])
+
+    estimate = kd.layouts.estimate_memory(
+        make, layout_map, batch_size=rows * size, optimizer="adam",
+        loss="mse")
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    with strategy.scope():
+        model = make()
+        model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows * size, width)).astype("float32")
+    model.fit(x, x, batch_size=rows * size, epochs=1, verbose=0)  # built
+    mine = torch.as_tensor(x[rank * rows:(rank + 1) * rows])
+
+    def local(variable):
+        value = variable.value
+        return value._local_tensor if isinstance(value, DTensor) else value
+
+    resident = [local(v) for v in model.variables + model.optimizer.variables
+                + model.metrics_variables] + [mine]
+    resident_bytes = sum(t.untyped_storage().nbytes() for t in resident)
+    with LocalStorageBytes(resident) as live:
+        model.train_step((mine, mine))
+    with LocalStorageBytes(resident) as forward:
+        loss = keras.ops.mean(keras.ops.square(model(mine, training=True)
+                                               - mine))
+        after_forward = forward.live
+        loss.backward()
+    for variable in model.trainable_variables:
+        variable.value.grad = None
+    return {"estimate": estimate.peak, "method": estimate.method,
+            "real": resident_bytes + live.peak,
+            "after_forward": after_forward,
+            "kernel_bytes": width * width * 4}

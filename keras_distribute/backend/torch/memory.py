@@ -17,7 +17,9 @@ import weakref
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
+from typing import Dict
 from typing import Iterable
+from typing import NamedTuple
 from typing import Optional
 
 import torch
@@ -25,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from keras_distribute.backend.interface import StepMemory
+from keras_distribute.common.layouts import axis_size
 from keras_distribute.common.layouts import layout_axes
 from keras_distribute.common.layouts import variable_layout
 
@@ -71,19 +74,29 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                 inputs: Any, targets: Any,
                 layout_map: LayoutMap | None) -> Optional[StepMemory]:
     """See `interface.BackendModule.step_memory`: one replica's step on
-    fake tensors; None when `layout_map` shards a variable (a process then
-    holds parts: the caller traces shapes)."""
+    fake tensors, as one process of the job runs it.
+
+    A variable sharded over the batch axis only (FSDP-style: kd's torch
+    engine holds it 1/N per process, `fully_sharded.py`) is held as its
+    shard; while its layer computes it is gathered whole, what the
+    layer's operations save of it is a note gathered again in the backward
+    pass, and its gradient is reduce-scattered onto the shard — each as
+    new storage of the sizes kd's engine makes. None when the map shards a
+    variable over a model axis of more than one process (tensor
+    parallelism: the caller traces shapes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     replicas = 1
+    shard_shapes: Dict[int, tuple] = {}
     if layout_map is not None:
-        replicas = int(layout_map.device_mesh.shape[0])
-        for variable in model.variables:
-            layout = variable_layout(layout_map, variable.path,
-                                     tuple(variable.shape))
-            if layout is not None and layout_axes(layout):
-                return None
-    variables = list(model.variables) + list(optimizer.variables)
+        sharded = _fully_sharded_shapes(model, layout_map)
+        if sharded is None:
+            return None
+        replicas, shard_shapes = int(layout_map.device_mesh.shape[0]), sharded
+    trainable = list(model.trainable_variables)
+    step_optimizer, stand_ins = _optimizer_on_shards(optimizer, trainable,
+                                                     shard_shapes)
+    variables = list(model.variables)
     values = [variable._value for variable in variables]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -95,30 +108,195 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
         with fake_mode:
             for variable in variables:
                 variable._value = torch.nn.Parameter(
-                    empty(variable.shape, variable.dtype),
+                    empty(shard_shapes.get(id(variable), variable.shape),
+                          variable.dtype),
                     requires_grad=variable.trainable)
+            for stand_in, variable in zip(stand_ins, trainable):
+                stand_in._value = variable._value
+            for slot in step_optimizer.variables:
+                slot._value = empty(slot.shape, slot.dtype)
             batch = [empty((int(spec.shape[0]) // replicas,)
                            + tuple(spec.shape[1:]) if len(spec.shape) else (),
                            spec.dtype)
                      for spec in tree_flatten((inputs, targets))[0]]
             x, y = _unflatten((inputs, targets), batch)
-            resident = [v._value for v in variables] + batch
-            with LiveStorageBytes(resident) as live:
+            resident = ([v._value for v in variables]
+                        + [v._value for v in step_optimizer.variables]
+                        + batch)
+            with LiveStorageBytes(resident) as live, _GatheringLayers(
+                    shard_shapes, variables):
                 y_pred = model(x, training=True)
                 value = loss(y, y_pred)
                 for extra in model.losses:
                     value = value + extra
                 value.backward()
-                grads = [v.value.grad for v in model.trainable_variables]
+                grads = [v._value.grad for v in trainable]
                 with torch.no_grad():
-                    optimizer.apply(grads, model.trainable_variables)
+                    step_optimizer.apply(grads, stand_ins)
             resident_bytes = sum(t.untyped_storage().nbytes()
                                  for t in resident)
     finally:
         for variable, value in zip(variables, values):
             variable._value = value
-    return StepMemory(resident_bytes + live.peak,
-                      "the step run on torch fake tensors")
+        for stand_in in stand_ins:
+            stand_in._value = None
+    method = "the step run on torch fake tensors"
+    if shard_shapes:
+        method += (" (variables sharded over the batch axis held as their "
+                   "shards, gathered while their layer computes)")
+    return StepMemory(resident_bytes + live.peak, method)
+
+
+def _fully_sharded_shapes(model: Model,
+                          layout_map: LayoutMap) -> Optional[dict]:
+    """`{id(variable): the shape of its shard}` of the variables the map
+    shards over the batch axis only, as one process holds them; None when
+    a variable is sharded over a model axis of more than one process."""
+    mesh = layout_map.device_mesh
+    batch_axis = mesh.axis_names[0]
+    replicas = int(mesh.shape[0])
+    shapes = {}
+    for variable in model.variables:
+        shape = tuple(int(s) for s in variable.shape)
+        layout = variable_layout(layout_map, variable.path, shape)
+        if layout is None:
+            continue
+        axes = [a for a in layout_axes(layout) if axis_size(mesh, a) > 1]
+        if not axes:
+            continue
+        if axes != [batch_axis] or replicas == 1:
+            return None
+        shapes[id(variable)] = tuple(
+            d if axis is None else d // axis_size(mesh, axis)
+            for d, axis in zip(shape, layout.axes))
+    return shapes
+
+
+def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
+                         shard_shapes: dict) -> tuple:
+    """`(optimizer, stand-ins)`: a fresh optimizer of `optimizer`'s
+    configuration built on stand-in variables of the shapes one process
+    holds (a shard, or the whole variable), without values."""
+    import keras
+
+    fresh = type(optimizer).from_config(optimizer.get_config())
+    with keras.StatelessScope():
+        stand_ins = [keras.Variable(
+            initializer="zeros",
+            shape=shard_shapes.get(id(v), tuple(v.shape)), dtype=v.dtype,
+            trainable=True, name=v.name) for v in trainable]
+        fresh.build(stand_ins)
+    return fresh, stand_ins
+
+
+class _Gathered(torch.autograd.Function):
+    """A shard gathered whole (new storage, as DTensor's all-gather makes);
+    in backward the whole gradient reduce-scattered onto the shard (new
+    storage of the shard's size)."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor,
+                shape: tuple) -> torch.Tensor:
+        ctx.shard_shape = tuple(shard.shape)
+        return shard.new_empty(shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad.new_empty(ctx.shard_shape), None
+
+
+class _GatheringLayers:
+    """While entered, every Keras layer with variables in `shard_shapes`
+    reads them gathered whole as it computes (global torch module hooks),
+    and what its operations save of them for backward is a note that the
+    backward pass gathers again (new storage), as kd's torch engine does
+    (`fully_sharded.FullyShardedVariables.gathered_variables`)."""
+
+    def __init__(self, shard_shapes: dict, variables: list) -> None:
+        self._sharded = {id(v): v for v in variables if id(v) in shard_shapes}
+        self._swapped: list = []
+        self._gathered: dict = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "_GatheringLayers":
+        if self._sharded:
+            hooks = torch.nn.modules.module
+            self._handles = [
+                hooks.register_module_forward_pre_hook(self._before),
+                hooks.register_module_forward_hook(self._after)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        while self._swapped:  # a layer that raised: its hooks too
+            swapped, notes = self._swapped.pop()
+            notes.__exit__(None, None, None)
+            for variable, shard, _ in swapped:
+                variable._value = shard
+        self._gathered.clear()
+
+    def _own(self, layer: Any) -> list:
+        own = list(layer.__dict__.get("_trainable_variables", ())) + list(
+            layer.__dict__.get("_non_trainable_variables", ()))
+        return [v for v in own if id(v) in self._sharded]
+
+    def _before(self, layer: Any, args: Any) -> None:
+        own = self._own(layer)
+        if not own:
+            return
+        swapped = []
+        for variable in own:
+            shard = variable._value
+            gathered = _Gathered.apply(
+                shard, tuple(int(s) for s in variable.shape))
+            variable._value = gathered
+            if variable.trainable:
+                self._gathered[id(gathered.untyped_storage())] = gathered
+            swapped.append((variable, shard, gathered))
+        notes = torch.autograd.graph.saved_tensors_hooks(self._pack,
+                                                         self._unpack)
+        notes.__enter__()
+        self._swapped.append((swapped, notes))
+
+    def _after(self, layer: Any, args: Any, output: Any) -> None:
+        if not self._own(layer) or not self._swapped:
+            return
+        swapped, notes = self._swapped.pop()
+        notes.__exit__(None, None, None)
+        for variable, shard, gathered in swapped:
+            variable._value = shard
+            self._gathered.pop(id(gathered.untyped_storage()), None)
+
+    def _pack(self, saved: torch.Tensor) -> Any:
+        try:
+            storage = saved.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a subclass without
+            return saved
+        if id(storage) in self._gathered:
+            return _Note(tuple(saved.size()), tuple(saved.stride()),
+                         saved.storage_offset(), saved.dtype,
+                         storage.nbytes())
+        return saved
+
+    @staticmethod
+    def _unpack(packed: Any) -> Any:
+        if isinstance(packed, _Note):  # gathered again: new storage
+            whole = torch.empty(packed.nbytes // packed.dtype.itemsize,
+                                dtype=packed.dtype)
+            return whole.as_strided(packed.size, packed.stride,
+                                    packed.offset)
+        return packed
+
+
+class _Note(NamedTuple):
+    """A saved gathered value's geometry (`_GatheringLayers._pack`)."""
+
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: Any
+    nbytes: int
 
 
 def _unflatten(structure: Any, leaves: list) -> Any:
