@@ -302,6 +302,45 @@ def test_the_pages_command_line_recipe_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["train.py"]  # nothing written
 
 
+def test_the_command_line_compiles_for_a_mesh_larger_than_this_machine(
+        tmp_path):
+    # 4 hosts x 8 devices: 32 devices, 4 times the 8 this suite's JAX has.
+    # The command gives JAX's CPU platform 32 devices before JAX starts,
+    # so the estimate is XLA's analysis of the step compiled for the mesh,
+    # not a shape trace; the layout check sees the same mesh.
+    if BACKEND != "jax":
+        pytest.skip("XLA's analysis: JAX (torch and TensorFlow estimate "
+                    "on shapes or fake tensors, needing no devices)")
+    (tmp_path / "train.py").write_text(PLAN_SCRIPT.replace(
+        "kernal", "kernel"))
+    env = dict(os.environ, KERAS_BACKEND="jax",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join(
+                   [os.path.dirname(TESTS), os.environ.get("PYTHONPATH",
+                                                           "")]))
+    run = subprocess.run(
+        [sys.executable, "-m", "keras_distribute.planning", "train.py",
+         "--hosts", "4", "--devices-per-host", "8", "--mesh", "4,8",
+         "--layout-map", "make_layout_map", "--batch-size", "256",
+         "--device-memory", "1GB"], cwd=tmp_path, capture_output=True,
+        text=True, env=env, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert ("from: XLA's memory analysis of the compiled step"
+            in run.stdout), run.stdout
+    assert "(32 device(s))" in run.stdout, run.stdout
+    # In a process whose JAX started with 8 devices, the same mesh falls
+    # back to the shape trace, and says so.
+    mesh = DeviceMesh((4, 8), ["batch", "model"],
+                      [f"cpu:{i}" for i in range(32)])
+    namespace = {}
+    exec(PLAN_SCRIPT.replace("kernal", "kernel").replace(
+        "if __name__", "if False and __name__"), namespace)
+    estimate = kd.layouts.estimate_memory(
+        namespace["make_model"], namespace["make_layout_map"](mesh),
+        batch_size=256)
+    assert estimate.method.startswith("every layer's output"), estimate.method
+
+
 @pytest.mark.parametrize("argv, match", [
     (["missing.py"], "No such file"),
     (["{script}", "--model", "nope"], "defines no model function named "

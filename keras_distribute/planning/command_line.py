@@ -13,7 +13,9 @@ model is built without values, the layout map (`--layout-map`: a
 when it takes an argument; `--plan`: `kd.layouts.plan_layout` on the mesh)
 is checked against it and against the cluster, and the verdict table is
 printed (`kd.layouts.dry_run`). Exit status: 0 ready to launch, 1 findings,
-2 a command line that cannot be used.
+2 a command line that cannot be used. On JAX the process's CPU platform is
+given as many devices as the mesh has before JAX starts, so the memory
+estimate is XLA's analysis of the step compiled for the job's mesh.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
+import math
 import os
 import re
 import runpy
@@ -126,6 +130,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def simulate_mesh_devices(args: argparse.Namespace) -> None:
+    """On JAX, before JAX starts in this process: its CPU platform is given
+    as many devices as the job's mesh has (XLA's
+    `--xla_force_host_platform_device_count`, added to `XLA_FLAGS`), so
+    the memory estimate is XLA's analysis of the step compiled for that
+    mesh rather than a shape trace. The dry run compiles; it never runs a
+    step. Nothing when JAX has started, when the backend is not JAX, or
+    when `XLA_FLAGS` gives as many devices already."""
+    if "jax" in sys.modules or _keras_backend() != "jax":
+        return
+    size = None
+    try:
+        if args.mesh:
+            size = math.prod(parse_ints(args.mesh, "--mesh"))
+        elif args.hosts and args.devices_per_host:
+            size = args.hosts * args.devices_per_host
+    except UsageError:
+        return  # (said once the command line is read: `_mesh`)
+    if not size or size < 2:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    given = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    if given and int(given.group(1)) >= size:
+        return
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = " ".join(
+        flags.split() + [f"--xla_force_host_platform_device_count={size}"])
+
+
+def _keras_backend() -> str:
+    """The backend Keras will start with: `KERAS_BACKEND`, else the
+    `backend` of its `keras.json` (`KERAS_HOME`, else `~/.keras`), else
+    TensorFlow, Keras' default — read without importing Keras."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as file:
+            return str(json.load(file).get("backend", "tensorflow"))
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
 def _mesh(args: argparse.Namespace, keras: Any) -> Optional[Any]:
     devices = (args.hosts * args.devices_per_host
                if args.hosts and args.devices_per_host else None)
@@ -179,6 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the dry run the command line asks for; returns the exit
     status (0: ready to launch, 1: findings, 2: unusable command line)."""
     args = build_parser().parse_args(argv)
+    simulate_mesh_devices(args)
     try:
         import keras
 

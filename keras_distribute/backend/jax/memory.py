@@ -34,7 +34,8 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                 layout_map: LayoutMap | None) -> Optional[StepMemory]:
     """See `interface.BackendModule.step_memory`: XLA's memory analysis
     of the compiled step; None when the mesh has more devices than JAX
-    sees here (the caller then traces shapes)."""
+    sees here, on its default platform or on CPU (the caller then traces
+    shapes)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -47,9 +48,18 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
         mesh = layout_map.device_mesh
         shape = tuple(int(s) for s in mesh.shape)
         names = tuple(mesh.axis_names)
-    devices = jax.devices()
+    devices, where = jax.devices(), ""
     if math.prod(shape) > len(devices):
-        return None
+        # More devices than the default platform's (one GPU, say): XLA
+        # compiles the step for the CPU platform's, when it has as many
+        # (`python -m keras_distribute.planning` gives it the mesh's).
+        try:
+            devices = jax.devices("cpu")
+        except RuntimeError:  # (no CPU platform: JAX_PLATFORMS=gpu)
+            return None
+        if math.prod(shape) > len(devices):
+            return None
+        where = f" (compiled for {math.prod(shape)} CPU devices here)"
     jax_mesh = Mesh(np.array(devices[:math.prod(shape)]).reshape(shape),
                     names)
     replicated = NamedSharding(jax_mesh, PartitionSpec())
@@ -121,4 +131,5 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     stats = compiled.memory_analysis()
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-    return StepMemory(peak, "XLA's memory analysis of the compiled step")
+    return StepMemory(peak,
+                      "XLA's memory analysis of the compiled step" + where)
