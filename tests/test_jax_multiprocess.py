@@ -196,6 +196,26 @@ def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
     launch_keras_callbacks_resume(workers, str(tmp_path), TIMEOUT)
 
 
+def test_a_large_sharded_variable_is_born_sharded_from_process_zeros_seed():
+    # #45.3 with several processes: each process computes only its shards
+    # of the 4 MiB kernel (never the whole value, never a whole broadcast),
+    # from process 0's seed, although each process drew its own.
+    import keras
+
+    results = kd.launch(workers.born_sharded_from_process_zero,
+                        num_processes=2, timeout=TIMEOUT)
+    assert results[0]["own_seed"] != results[1]["own_seed"]  # diverged
+    expected = np.asarray(keras.initializers.GlorotUniform(
+        seed=results[0]["own_seed"])((1024, 1024)))
+    for result in results:
+        assert result["processes"] == 2
+        assert result["shards"] == [(1024, 512)]
+        np.testing.assert_array_equal(result["kernel"], expected)
+        assert result["ones"] == 1.0
+        # Only small broadcasts (seeds, the small variables): no kernel.
+        assert result["largest_broadcast"] < 1024 * 1024, result
+
+
 def test_a_model_built_after_random_states_diverged_starts_from_the_chief():
     # #20.10 regression: JAX failed: "device_put ... not the same on each
     # process".

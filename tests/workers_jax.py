@@ -243,3 +243,59 @@ def different_cluster_descriptions():
     kd.MultiWorkerMirroredStrategy(
         resolver, kd.CommunicationOptions(timeout_seconds=20))
     return "trained"
+
+
+def born_sharded_from_process_zero():
+    """2 processes x 2 devices, a (2, 2) mesh, random states diverged: a
+    4 MiB kernel the map shards over the model axis, whose initializer
+    has no seed given (each process draws its own), is made as its shards
+    from process 0's seed; no process broadcasts it whole."""
+    _jax_process()
+    import random
+
+    import jax
+    import keras
+    from jax.experimental import multihost_utils
+
+    import keras_distribute as kd
+
+    rank = int(os.environ["RANK"])
+    kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*big/kernel"] = (None, "model")
+    layout_map[".*ones/kernel"] = ("model", None)
+    strategy = kd.MultiWorkerMirroredStrategy(
+        layout_map=layout_map,
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    broadcast_sizes = []
+    original = multihost_utils.broadcast_one_to_all
+
+    def recording(value, *args, **kwargs):
+        broadcast_sizes.append(int(np.size(value)))
+        return original(value, *args, **kwargs)
+
+    multihost_utils.broadcast_one_to_all = recording
+    random.seed(100 + rank)  # diverged: each process draws its own seed
+    try:
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((1024,)),
+                keras.layers.Dense(1024, name="big"),
+                keras.layers.Dense(1024, name="ones",
+                                   kernel_initializer="ones"),
+                keras.layers.Dense(3, name="head")])
+    finally:
+        multihost_utils.broadcast_one_to_all = original
+    big = model.get_layer("big").kernel
+    shards = {tuple(s.data.shape) for s in big.value.addressable_shards}
+    return {"own_seed": model.get_layer("big").kernel_initializer.seed,
+            "kernel": np.asarray(multihost_utils.process_allgather(
+                big.value, tiled=True)),
+            "ones": float(np.asarray(multihost_utils.process_allgather(
+                model.get_layer("ones").kernel.value, tiled=True)).min()),
+            "shards": sorted(shards),
+            "largest_broadcast": max(broadcast_sizes, default=0),
+            "processes": jax.process_count()}

@@ -266,6 +266,12 @@ def _install_jax_init_hook() -> None:
     distribution_lib = registry.resolve("distribution_lib")
     _patch(core, "should_shard_at_init", jax_initialization.born_sharded(
         core.should_shard_at_init, distribution_lib.distribution))
+    variable = registry.resolve("jax_Variable")
+    registry.resolve("jax_Variable._initialize_layout")
+    _patch(variable, "_initialize_with_initializer",
+           jax_initialization.seed_of_process_zero(
+               variable._initialize_with_initializer,
+               distribution_lib.distribution))
 
 
 def install_torch_sharding_hooks() -> None:

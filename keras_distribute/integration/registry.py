@@ -157,6 +157,17 @@ ROWS: Tuple[Row, ...] = (
         backends=("jax",)),
     Row("jax_core.should_shard_at_init", (), "see jax_core",
         "3.10-3.16", parameters=("init_layout", "shape"), backends=("jax",)),
+    Row("jax_Variable", ((_S + "backend.jax.ops.core", "Variable"),
+                         (_S + "backend.jax.core", "Variable")),
+        "several JAX processes: a large sharded variable whose initializer "
+        "has a seed is made as its shards from process 0's seed",
+        "3.10-3.15 (core), 3.16 (ops.core)",
+        "a size option for sharded initialisation in keras.distribution",
+        backends=("jax",)),
+    Row("jax_Variable._initialize_with_initializer", (), "see jax_Variable",
+        "3.10-3.16", parameters=("self", "initializer"), backends=("jax",)),
+    Row("jax_Variable._initialize_layout", (), "see jax_Variable",
+        "3.10-3.16", parameters=("self",), backends=("jax",)),
     Row("Loss", ((_S + "losses.loss", "Loss"),),
         "TF: each replica's loss weighted by local/global batch (Keras "
         "divides by the replica count: wrong for an uneven short batch)",
