@@ -17,11 +17,17 @@ The estimate's counterpart: its peak less what stays resident between
 steps (the variables and optimizer slots; on torch also the gradients,
 which Keras' torch trainer keeps in `.grad` until the next step). The
 estimate is made before the model is built for training, without its
-memory (the function that builds the model is passed). Prints one JSON
-object and writes benchmarks/results/memory_estimate.json.
+memory (the function that builds the model is passed). The last backend,
+"torch, 2 processes, ...", is a job of 2 gloo processes whose variables are
+sharded over the batch axis (one-line FSDP for the MLP and the CNN,
+keras-hub's own `get_layout_map` on a (2, 1) mesh for Gemma): the estimate
+is made for that map and the real step measured in each process (the more
+loaded one is recorded). Prints one JSON object and writes
+benchmarks/results/memory_estimate.json.
 
 Usage:
-    python benchmarks/bench_memory_estimate.py [--backends jax torch tensorflow]
+    python benchmarks/bench_memory_estimate.py [--backends jax torch tensorflow
+        "torch, 2 processes, sharded over the batch axis"]
 """
 
 import argparse
