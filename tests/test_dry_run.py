@@ -353,6 +353,11 @@ def test_the_command_line_compiles_for_a_mesh_larger_than_this_machine(
     (["{script}", "--plan"], "--plan needs a mesh"),
     (["{script}", "--hosts", "2"], "Give hosts and devices_per_host "
                                    "together"),
+    (["{script}", "--input-shape", "token_ids=16", "--input-shape", "16"],
+     "one name=dims per named input"),
+    (["{script}", "--input-shape", "a=16", "--input-shape", "a=8"],
+     "each named input once"),
+    (["{script}", "--input-shape", "=16"], "each named input once"),
 ])
 def test_the_command_line_refuses_what_it_cannot_use(argv, match, tmp_path,
                                                      capsys):
@@ -364,6 +369,15 @@ def test_the_command_line_refuses_what_it_cannot_use(argv, match, tmp_path,
             if a.endswith(".py") else a for a in argv]
     assert plan.main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_input_shapes_read_one_shape_or_one_per_named_input():
+    from keras_distribute.planning.command_line import parse_input_shape
+
+    assert parse_input_shape(None) is None
+    assert parse_input_shape(["28,28,1"]) == (28, 28, 1)
+    assert parse_input_shape(["token_ids=512", "padding_mask=512"]) == {
+        "token_ids": (512,), "padding_mask": (512,)}
 
 
 def test_sizes_read_as_people_write_them():

@@ -66,6 +66,29 @@ def parse_ints(text: str, flag: str) -> tuple:
     return values
 
 
+def parse_input_shape(given: Optional[List[str]]) -> Any:
+    """`--input-shape` as `estimate_memory` takes it: `["28,28,1"]` ->
+    `(28, 28, 1)`; `["token_ids=512", "padding_mask=512"]` ->
+    `{"token_ids": (512,), "padding_mask": (512,)}`; None when not given."""
+    if not given:
+        return None
+    named = [text.partition("=") for text in given]
+    if all(sep for _, sep, _ in named):
+        shapes = {name.strip(): parse_ints(dims, "--input-shape")
+                  for name, _, dims in named}
+        if len(shapes) != len(given) or not all(shapes):
+            raise UsageError(
+                "--input-shape: each named input once, as name=dims. "
+                f"Received: {given!r}.")
+        return shapes
+    if len(given) == 1 and not named[0][1]:
+        return parse_ints(given[0], "--input-shape")
+    raise UsageError(
+        "--input-shape takes one shape (e.g. 28,28,1), or one name=dims per "
+        "named input (e.g. --input-shape token_ids=512 --input-shape "
+        f"padding_mask=512). Received: {given!r}.")
+
+
 def load_definitions(target: str) -> Dict[str, Any]:
     """The names `target` (a .py file or a module name) defines, imported
     without running its `__main__` block."""
@@ -125,8 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's compiled one, else adam)")
     parser.add_argument("--loss", help="loss name (default: the model's "
                         "compiled one, else mean_squared_error)")
-    parser.add_argument("--input-shape", help="one example's input shape, "
-                        "e.g. 28,28,1 (a model without keras.Input)")
+    parser.add_argument("--input-shape", action="append",
+                        help="one example's input shape, e.g. 28,28,1 (a "
+                        "model without keras.Input); for named inputs one "
+                        "flag per input, e.g. --input-shape token_ids=512 "
+                        "--input-shape padding_mask=512")
     return parser
 
 
@@ -246,8 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            if args.device_memory else None),
             checkpoint_directory=args.checkpoint_dir,
             optimizer=args.optimizer, loss=args.loss,
-            input_shape=(parse_ints(args.input_shape, "--input-shape")
-                         if args.input_shape else None))
+            input_shape=parse_input_shape(args.input_shape))
     except (UsageError, TypeError, ValueError) as error:
         print(f"python -m keras_distribute.planning: {error}", file=sys.stderr)
         return 2
