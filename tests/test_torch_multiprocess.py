@@ -683,6 +683,37 @@ def test_fully_sharded_variables_train_like_one_process_and_reshard(
     assert_like_single_process(results, model, history, x, y, atol=1e-5)
 
 
+def test_a_large_sharded_variable_is_born_as_its_shards():
+    # #45.3 on torch: each process draws only its half of the 4 MiB
+    # kernel (in chunks of 65,536 values), from process 0's seed although
+    # each process drew its own; the values equal the unsharded
+    # GlorotUniform's from that seed bit for bit, and training from them
+    # equals one process.
+    import keras
+
+    results = kd.launch(workers.born_sharded_fit, num_processes=2,
+                        timeout=TIMEOUT)
+    assert results[0]["own_seed"] != results[1]["own_seed"]  # diverged
+    expected = keras.ops.convert_to_numpy(keras.initializers.GlorotUniform(
+        seed=results[0]["own_seed"])((1024, 1024)))
+    for result in results:
+        assert result["local"] == (512, 1024)
+        assert result["largest_draw"] <= 1 << 16, result["largest_draw"]
+        np.testing.assert_array_equal(result["initial"][0], expected)
+        for a, b in zip(result["trained"], results[0]["trained"]):
+            np.testing.assert_array_equal(a, b)
+    model = keras.Sequential([keras.Input((1024,)),
+                              keras.layers.Dense(1024),
+                              keras.layers.Dense(3)])
+    model.set_weights(results[0]["initial"])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(0).normal(size=(32, 1024)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), results[0]["trained"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_keras_hub_gemma_layout_map_with_a_batch_axis_matches_one_process():
     # keras-hub's own map, unchanged, on a (2, 1) mesh: it shards over the
     # batch axis (FSDP-style; the model axis, of size 1 here, too). On a

@@ -1326,3 +1326,53 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8):
             "real": resident_bytes + live.peak,
             "after_forward": after_forward,
             "kernel_bytes": width * width * 4}
+
+
+def born_sharded_fit():
+    """2 processes, one-line FSDP, random states diverged: a 4 MiB kernel
+    whose GlorotUniform has no seed given (each process draws its own) is
+    made as this process's half from process 0's seed, no draw of it
+    whole; then one fit epoch."""
+    _setup()
+    import random
+
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    rank = int(os.environ["RANK"])
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    strategy = kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh))
+    largest = []
+    for name in ("rand", "normal"):
+        original = getattr(torch, name)
+
+        def recording(*args, _original=original, **kwargs):
+            value = _original(*args, **kwargs)
+            largest.append(value.numel())
+            return value
+
+        setattr(torch, name, recording)
+    random.seed(100 + rank)  # diverged: each process draws its own seed
+    try:
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((1024,)),
+                keras.layers.Dense(1024, name="big"),
+                keras.layers.Dense(3, name="head")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    finally:
+        for name in ("rand", "normal"):
+            setattr(torch, name, getattr(torch, name).__kwdefaults__[
+                "_original"])
+    kernel = model.get_layer("big").kernel
+    local = tuple(kernel.value.to_local().shape)
+    initial = model.get_weights()
+    x = np.random.default_rng(0).normal(size=(32, 1024)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {"own_seed": model.get_layer("big").kernel_initializer.seed,
+            "local": local, "largest_draw": max(largest, default=0),
+            "initial": initial, "trained": model.get_weights()}

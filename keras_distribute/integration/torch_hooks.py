@@ -202,6 +202,7 @@ def _install_sharding() -> None:
     optimizer_class = registry.resolve("BaseOptimizer")
     torch_variable = registry.resolve("torch_Variable")
 
+    from keras_distribute.backend import torch as torch_backend
     from keras_distribute.backend.torch import variables as torch_variables
 
     original_post_build = layer_class._post_build
@@ -272,3 +273,18 @@ def _install_sharding() -> None:
     for module in (torch_core, torch_package, keras_backend):
         _patch(module, "convert_to_numpy", convert_to_numpy)
     _patch(torch_variable, "_direct_assign", _direct_assign)
+
+    torch_random = registry.resolve("torch_random")
+    original_with_initializer = torch_variable._initialize_with_initializer
+
+    @functools.wraps(original_with_initializer)
+    def _initialize_with_initializer(self, initializer):
+        value = torch_backend.born_sharded_value(self, initializer,
+                                                 torch_random)
+        if value is None:
+            return original_with_initializer(self, initializer)
+        self._initialize(value)  # (a Parameter: Keras keeps it as it is)
+        return None
+
+    _patch(torch_variable, "_initialize_with_initializer",
+           _initialize_with_initializer)

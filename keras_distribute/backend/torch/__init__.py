@@ -26,6 +26,7 @@ from keras_distribute.backend.torch.devices import host_rng_state  # noqa: F401
 from keras_distribute.backend.torch.devices import resolve_device  # noqa: F401
 from keras_distribute.backend.torch.devices import set_host_rng_state  # noqa: F401
 from keras_distribute.backend.torch.engine import TorchEngine
+from keras_distribute.backend.torch.engine import born_sharded_value  # noqa: F401
 from keras_distribute.backend.torch.engine import on_layer_built  # noqa: F401
 from keras_distribute.backend.torch.engine import on_variable_created  # noqa: F401
 from keras_distribute.backend.torch.groups import ensure_process_group

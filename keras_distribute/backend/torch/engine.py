@@ -317,6 +317,18 @@ def on_layer_built(layer: Layer) -> None:
         engine.layer_built(layer)
 
 
+def born_sharded_value(variable: Any, initializer: Any,
+                       random_module: Any) -> Any:
+    """Called by the Keras hook before a torch variable is initialised: in
+    a sharding engine's scope, its value made as this process's shard
+    (`ShardedTorchEngine.born_sharded_value`), else None."""
+    engine = _EngineScope.current()
+    make = getattr(engine, "born_sharded_value", None)
+    if engine is None or make is None or not engine.in_group:
+        return None
+    return make(variable, initializer, random_module)
+
+
 def on_variable_created(variable: Any) -> None:
     """Called by the Keras hook for every torch Keras variable created."""
     engine = _EngineScope.current()

@@ -23,6 +23,7 @@ layer runs: `fully_sharded.py`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import weakref
@@ -243,14 +244,17 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         Called once a layer is built, before Keras tracks its variables as
         torch parameters.
         """
-        own = [v for v in list(getattr(layer, "_trainable_variables", []))
-               + list(getattr(layer, "_non_trainable_variables", []))
-               if getattr(v, "_kd_engine", None) is self
-               and v._value is not None and not isinstance(v._value, DTensor)]
+        mine = [v for v in list(getattr(layer, "_trainable_variables", []))
+                + list(getattr(layer, "_non_trainable_variables", []))
+                if getattr(v, "_kd_engine", None) is self
+                and v._value is not None]
+        # (born sharded: made as their shards already, `born_sharded_value`)
+        born = [v for v in mine if isinstance(v._value, DTensor)]
+        own = [v for v in mine if not isinstance(v._value, DTensor)]
         layouts = [variable_layout(self.layout_map, v.path, v.shape)
                    for v in own]
-        if not any(layout is not None and layout_axes(layout)
-                   for layout in layouts):
+        if not born and not any(layout is not None and layout_axes(layout)
+                                for layout in layouts):
             return
         # Values equal everywhere before they are cut (the sub-meshes of
         # other replicas distribute their own first process's values).
@@ -271,9 +275,70 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         # The variables its forward gathers, found once here rather than
         # at every call (`gathered_variables`).
         object.__setattr__(layer, "_kd_fully_sharded", [
-            v for v in own if self._on_whole_mesh(v._value)])
+            v for v in mine if self._on_whole_mesh(v._value)])
         if hasattr(layer, "_torch_params"):  # tracked already: track again
             layer._track_variables()
+
+    def born_sharded_value(self, variable: Any, initializer: Any,
+                           random_module: Any) -> Optional[Any]:
+        """The value of a new `variable` the map shards, made as this
+        process's shard only (`born_sharded.py`) from process 0's seed, or
+        None: Keras makes it whole and `shard_layer` cuts it.
+        `random_module` is Keras' torch random module (`draw_region`).
+
+        Only for a variable of `BORN_SHARDED_MIN_BYTES` or more whose
+        initializer is one of Keras' one-draw initializers with an int
+        seed, each tensor dimension cut by at most one mesh axis. Every
+        process decides alike (same map, shape and initializer class) and
+        then joins one broadcast of the seed.
+        """
+        from keras_distribute.backend.torch import born_sharded
+
+        shape = tuple(int(d) for d in variable.shape)
+        layout = variable_layout(self.layout_map, variable.path, shape)
+        seed = getattr(initializer, "seed", None)
+        if (layout is None or not layout_axes(layout)
+                or math.prod(shape) * 4 < born_sharded.BORN_SHARDED_MIN_BYTES
+                or type(initializer).__name__
+                not in born_sharded.ONE_DRAW_INITIALIZERS
+                or not isinstance(seed, int) or isinstance(seed, bool)
+                or not -(1 << 63) <= seed < 1 << 63):
+            return None
+        check_layout_fits(layout, variable.path, shape)
+        if self.is_fully_sharded(layout):
+            placements = self.whole_mesh_placements(layout)
+            mesh = self.torch_mesh
+        else:
+            placements, mesh = self.placements(layout), self.model_mesh
+        cuts = [(p.dim, i) for i, p in enumerate(placements)
+                if isinstance(p, Shard)]
+        if len({dim for dim, _ in cuts}) != len(cuts):
+            return None  # a dimension cut by two mesh axes: Keras' path
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return None
+        region = [(0, n) for n in shape]
+        for dim, mesh_dim in cuts:
+            size = shape[dim] // mesh.size(mesh_dim)
+            region[dim] = (coordinate[mesh_dim] * size,
+                           (coordinate[mesh_dim] + 1) * size)
+        agreed = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(agreed, src=0)  # process 0's seed, in every process
+        chosen = copy.copy(initializer)
+        chosen.seed = int(agreed.item())
+        local = born_sharded.draw_region(
+            random_module, chosen, shape, variable.dtype, region)
+        if local is None:
+            return None
+        value = DTensor.from_local(local, mesh, placements, run_check=False,
+                                   shape=torch.Size(shape),
+                                   stride=_contiguous_strides(shape))
+        parameter = torch.nn.Parameter(value,
+                                       requires_grad=variable.trainable)
+        if variable.trainable:
+            parameter.register_post_accumulate_grad_hook(_align_gradient)
+        object.__setattr__(variable, "_layout", layout)
+        return parameter
 
     def shard_like(self, variable: Any, reference: Any) -> None:
         """Lays `variable` (an optimizer slot) out as `reference`."""
@@ -433,6 +498,14 @@ def _raised_in_ddp(error: BaseException) -> bool:
             return True
         traceback = traceback.tb_next
     return False
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _align_gradient(parameter: Any) -> None:
