@@ -126,6 +126,13 @@ class TorchEngine(DdpTraining, ProcessCollectives,
     # in `run` wait for the step's own broadcast.
     broadcasts_when_built = True
 
+    def born_sharded_value(self, variable: Any, initializer: Any,
+                           random_module: Any) -> Any:
+        """A new variable's value made as this process's shard, or None
+        (Keras makes it whole): nothing is sharded here; the sharding
+        engine makes large sharded variables so (`ShardedTorchEngine`)."""
+        return None
+
     def layer_built(self, layer: Layer) -> None:
         """Called when a layer made in this engine's scope is built."""
         if (self.in_group and self.broadcasts_when_built
@@ -323,10 +330,9 @@ def born_sharded_value(variable: Any, initializer: Any,
     a sharding engine's scope, its value made as this process's shard
     (`ShardedTorchEngine.born_sharded_value`), else None."""
     engine = _EngineScope.current()
-    make = getattr(engine, "born_sharded_value", None)
-    if engine is None or make is None or not engine.in_group:
+    if engine is None or not engine.in_group:
         return None
-    return make(variable, initializer, random_module)
+    return engine.born_sharded_value(variable, initializer, random_module)
 
 
 def on_variable_created(variable: Any) -> None:
