@@ -8,12 +8,15 @@ as on disk; the kill -9 and the throttling tests run on JAX only (the
 storage layer they test imports no framework).
 """
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 
 import keras
@@ -56,9 +59,22 @@ def endpoint():
 @pytest.fixture
 def prefix(endpoint, monkeypatch):
     """A fresh `s3://kd-test/<random>` for one test (seconds-long lease
-    settling cut for tests)."""
+    settling cut for tests). After the test, what its writers held is let
+    go (a fit an exception ended keeps its callbacks, and their lease, in
+    the traceback's cycle until collected), and no heartbeat may beat on:
+    one left beating would retry against the stopped server from a later
+    test, and botocore's retry jitter draws from Python's global `random`
+    (a test that builds a model twice from one seed saw its start differ)."""
     monkeypatch.setattr(remote_lease, "SETTLE_S", 0.05)
-    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    yield f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    gc.collect()
+    remote_lease.release_collected()
+    assert _heartbeats() == [], "a heartbeat outlived its test"
+
+
+def _heartbeats():
+    return [t for t in threading.enumerate()
+            if t.name == "kd-checkpoint-heartbeat" and t.is_alive()]
 
 
 def _fs():
@@ -251,6 +267,54 @@ def test_two_jobs_on_one_prefix_are_refused(prefix, monkeypatch):
     with pytest.raises(CheckpointError, match="did not write.*data.csv"):
         checkpoint.write(prefix + "/theirs")
     assert store.read_bytes(prefix + "/theirs/data.csv", 100) == b"1,2"
+
+
+def test_a_remote_lease_is_let_go_when_its_writer_is_collected_and_at_exit(
+        prefix, tmp_path, monkeypatch):
+    # A manager nobody closed: once collected, its lease goes at the next
+    # heartbeat (its finalizer only records it: it may run inside any
+    # allocation, even one made while the lease's lock is held).
+    monkeypatch.setattr(remote_checkpoints, "HEARTBEAT_S", 0.2)
+    store = object_store.store_for(prefix)
+    key = prefix + "/.keras_distribute-lease"
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=_model())
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    assert store.exists(key) and len(_heartbeats()) == 1
+    del manager
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while store.exists(key) or _heartbeats():
+        assert time.monotonic() < deadline, "the collected manager's lease"
+        time.sleep(0.05)
+    # In a process of its own (a hang is bounded there): a writer
+    # collected while the lease's lock is held (as any allocation may
+    # trigger) hangs nothing and is let go; one still held when the
+    # process ends (no close) is let go at exit.
+    program = tmp_path / "holds.py"
+    program.write_text(textwrap.dedent("""
+        import faulthandler
+        import gc
+        import sys
+        import keras
+        import keras_distribute as kd
+        from keras_distribute.checkpoint.storage import remote_lease
+        faulthandler.dump_traceback_later(60, exit=True)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        def manager(path):
+            return kd.checkpoint.CheckpointManager(
+                kd.checkpoint.ShardedCheckpoint(model=model), path)
+        collected = manager(sys.argv[1] + "/collected")
+        with remote_lease._lock:
+            del collected
+            gc.collect()
+        kept = manager(sys.argv[1] + "/kept")
+        print("held", flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(program), prefix],
+                          timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0 and "held" in done.stdout, done.stderr[-2000:]
+    for name in ("collected", "kept"):
+        assert not store.exists(f"{prefix}/{name}/.keras_distribute-lease")
 
 
 def test_a_throttling_slow_server_loses_nothing(prefix, endpoint):

@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from typing import Any
+from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
@@ -295,19 +296,25 @@ _registered_in: Optional[int] = None  # the process that registered end_all
 
 
 def _end_all_at_exit() -> None:
-    """Ends every lease this process holds when it exits: at interpreter
-    exit, and at a multiprocessing child's exit (`kd.launch`'s workers end
-    through `os._exit`, which runs no `atexit` handler, only
-    multiprocessing's finalizers, registered after the child started)."""
+    """Ends every lease this process holds when it exits (once per
+    process, `at_exit`)."""
     global _registered_in
     if _registered_in == os.getpid():
         return
     _registered_in = os.getpid()
+    at_exit(end_all)
+
+
+def at_exit(end: Callable[[], None]) -> None:
+    """Runs `end` when this process exits: at interpreter exit, and at a
+    multiprocessing child's exit (`kd.launch`'s workers end through
+    `os._exit`, which runs no `atexit` handler, only multiprocessing's
+    finalizers, registered after the child started)."""
     import atexit
     import multiprocessing.util
 
-    atexit.register(end_all)
-    multiprocessing.util.Finalize(None, end_all, exitpriority=10)
+    atexit.register(end)
+    multiprocessing.util.Finalize(None, end, exitpriority=10)
 
 
 def end_all() -> None:
@@ -361,25 +368,41 @@ def release(path: str) -> None:
     _release_one(path)
 
 
-# Paths whose writers were garbage-collected: a finalizer may run inside
-# any allocation, even one made while `_lock` is held, so it only records
-# the path (a list append is atomic) and the release happens later, in
-# `take`, `release` or the next heartbeat.
-_collected: List[str] = []
+class CollectedWriters:
+    """The keys (lease paths) whose writers were garbage-collected. A
+    finalizer may run inside any allocation, even one made while a lease's
+    lock is held, so it only records the key (`record`: a list append is
+    atomic); `release` lets go of them later, from `take`, `release` or
+    the next heartbeat, through `release_one(key)`."""
+
+    def __init__(self, release_one: Callable[[str], None]):
+        self._keys: List[str] = []
+        self._release_one = release_one
+
+    def record(self, key: str) -> None:
+        """Notes that a writer holding `key` was collected."""
+        self._keys.append(key)
+
+    def release(self) -> None:
+        """Lets go of the uses whose writers were collected meanwhile."""
+        while self._keys:
+            try:
+                key = self._keys.pop()
+            except IndexError:  # emptied by another thread meanwhile
+                return
+            self._release_one(key)
+
+    def clear(self) -> None:
+        """Forgets every key (a forked child holds nothing)."""
+        self._keys.clear()
 
 
-def _record_collected(path: str) -> None:
-    _collected.append(path)
+_collected = CollectedWriters(lambda path: _release_one(path))
 
 
 def release_collected() -> None:
     """Lets go of the uses whose writers were collected meanwhile."""
-    while _collected:
-        try:
-            path = _collected.pop()
-        except IndexError:  # emptied by another thread meanwhile
-            return
-        _release_one(path)
+    _collected.release()
 
 
 def _release_one(path: str) -> None:
@@ -414,7 +437,7 @@ def release_when_collected(owner: Any, path: str) -> "weakref.finalize":
     """Lets go of one use of `path` soon after `owner` is garbage-collected
     (at the next `take`, `release` or heartbeat; `end_all` at exit). To let
     go now: `release(path)` after `finalizer.detach()`."""
-    return weakref.finalize(owner, _record_collected, path)
+    return weakref.finalize(owner, _collected.record, path)
 
 
 def holder(directory: str) -> Optional[Dict[str, Any]]:

@@ -38,6 +38,10 @@ _BUCKET = re.compile(r"[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]")
 # Tries of one call when the network fails (the client retried already).
 _TRIES = 4
 _BACKOFF_S = 0.5
+# The retries' jitter: a stream of kd's own. A draw from Python's global
+# `random` would move the user's (Keras draws an unseeded initializer's seed
+# from it), at moments no one can predict when a heartbeat thread retries.
+_JITTER = random.Random()
 
 
 def is_remote(path: Any) -> bool:
@@ -186,7 +190,7 @@ class Store:
                             f"{type(error).__name__}: {error}") from error
                     raise
                 time.sleep(_BACKOFF_S * (2 ** attempt)
-                           * (0.5 + random.random()))
+                           * (0.5 + _JITTER.random()))
         raise AssertionError("unreachable")
 
     def exists(self, key: str) -> bool:

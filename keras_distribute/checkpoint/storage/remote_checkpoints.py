@@ -34,6 +34,7 @@ import json
 import re
 import threading
 import time
+from typing import Callable
 from typing import Dict
 from typing import List
 from typing import Optional
@@ -141,10 +142,14 @@ def is_live(record: Optional[dict],
 class Heartbeat:
     """Writes the JSON object `key` (`record` with a fresh `"beat"`) now,
     then every `HEARTBEAT_S` until stopped: a generation's marker while its
-    save runs, a lease while its job holds it."""
+    save runs, a lease while its job holds it. `before_beat`, if given, is
+    called in the heartbeat's thread before each later beat (it may stop
+    this heartbeat)."""
 
-    def __init__(self, key: str, record: dict):
+    def __init__(self, key: str, record: dict,
+                 before_beat: Optional[Callable[[], None]] = None):
         self._key, self._record = key, dict(record)
+        self._before_beat = before_beat
         self._stop = threading.Event()
         self._store = object_store.store_for(key)
         self._beat()
@@ -159,13 +164,18 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._beat()
+                if self._before_beat is not None:
+                    self._before_beat()
+                if not self._stop.is_set():
+                    self._beat()
             except Exception:  # noqa: BLE001 - the next beat tries again
                 pass
 
     def stop(self) -> None:
+        """Stops the beats; from another thread, waits for the last."""
         self._stop.set()
-        self._thread.join(timeout=HEARTBEAT_S + 30)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=HEARTBEAT_S + 30)
 
 
 def refuse_foreign(path: str) -> Dict[str, bool]:

@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from typing import Dict
+from typing import Optional
 
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
@@ -35,11 +36,13 @@ _lock = threading.Lock()
 
 
 class _Held:
-    """A lease this process holds: its users and its heartbeat."""
+    """A lease this process holds: its users and its heartbeat (which
+    first lets go of what collected writers held, `release_collected`)."""
 
     def __init__(self, key: str, record: dict):
         self.users = 0
-        self.heartbeat = remote_checkpoints.Heartbeat(key, record)
+        self.heartbeat = remote_checkpoints.Heartbeat(
+            key, record, before_beat=release_collected)
 
 
 def _refusal(directory: str, holder: dict) -> lease.DirectoryInUseError:
@@ -63,6 +66,7 @@ def take(directory: str) -> str:
         lease.DirectoryInUseError: if another live job holds it.
     """
     key = object_store.join(directory, LEASE)
+    release_collected()
     with _lock:
         held = _held.get(key)
         if held is not None:
@@ -85,12 +89,26 @@ def take(directory: str) -> str:
         if held is None:
             held = _held[key] = _Held(key, record)
         held.users += 1
+    _end_all_at_exit()
     return key
 
 
 def release(key: str) -> None:
     """Lets go of a lease `take` returned; the last user of this job
     deletes it (if it is still this job's)."""
+    release_collected()
+    _release_one(key)
+
+
+_collected = lease.CollectedWriters(lambda key: _release_one(key))
+
+
+def release_collected() -> None:
+    """Lets go of the uses whose writers were collected meanwhile."""
+    _collected.release()
+
+
+def _release_one(key: str) -> None:
     with _lock:
         held = _held.get(key)
         if held is None:
@@ -99,6 +117,12 @@ def release(key: str) -> None:
         if held.users > 0:
             return
         del _held[key]
+    _end(key, held)
+
+
+def _end(key: str, held: _Held) -> None:
+    """Stops `held`'s heartbeat and deletes the lease if it is still this
+    job's."""
     held.heartbeat.stop()
     try:
         holder = remote_checkpoints.read_record(key)
@@ -108,17 +132,42 @@ def release(key: str) -> None:
         pass
 
 
+_registered_in: Optional[int] = None  # the process that registered end_all
+
+
+def _end_all_at_exit() -> None:
+    """Ends every lease this process holds when it exits (once per
+    process, `lease.at_exit`)."""
+    global _registered_in
+    if _registered_in == os.getpid():
+        return
+    _registered_in = os.getpid()
+    lease.at_exit(end_all)
+
+
+def end_all() -> None:
+    """Lets go of every lease this process holds (its job is over)."""
+    with _lock:
+        held = list(_held.items())
+        _held.clear()
+    _collected.clear()
+    for key, lease_held in held:
+        _end(key, lease_held)
+
+
 class ReleaseWhenCollected:
     """A writer's hold on a lease `take` returned, let go by `detach()` or
     when the writer is collected (as `lease.release_when_collected`)."""
 
     def __init__(self, writer: object, key: str):
-        self._finalizer = weakref.finalize(writer, release, key)
+        self._key = key
+        self._finalizer = weakref.finalize(writer, _collected.record, key)
 
     def detach(self) -> None:
         """Lets go now (once). Returns `None`: nothing is left to
         release."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            release(self._key)
         return None
 
 
@@ -126,6 +175,7 @@ def _after_fork() -> None:
     # A forked child is a job of its own (`lease`): it holds nothing.
     global _lock
     _held.clear()
+    _collected.clear()
     _lock = threading.Lock()
 
 
