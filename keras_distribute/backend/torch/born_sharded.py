@@ -7,7 +7,8 @@ float dtype. Keras' torch initializers draw from a fresh generator seeded
 from the initializer's seed (`random.torch_seed_generator`). So a variable
 can be made as one process's region of it: while its initializer runs for
 the whole shape, Keras' torch `normal`, `uniform` and `truncated_normal`
-are replaced by functions that draw the same stream chunk by chunk and
+are replaced, in the thread that makes it (other threads keep Keras' own),
+by functions that draw the same stream chunk by chunk and
 keep only the region — the rows and columns this process holds — never
 holding more than a chunk, a row and the region. The region equals the
 slice of the value an unsharded model gets from the same seed, bit for bit.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from typing import Any
 from typing import Callable
 from typing import List
@@ -103,14 +105,34 @@ def chunked_draws_match(dtype: torch.dtype) -> bool:
     return True
 
 
+# While a region is drawn, Keras' torch `normal`, `uniform` and
+# `truncated_normal` are dispatchers: the thread drawing a region gets its
+# region functions, every other thread Keras' own (`_installed` counts the
+# threads drawing; the originals come back when the last one ends).
+_NAMES = ("normal", "uniform", "truncated_normal")
+_lock = threading.Lock()
+_installed: dict = {"count": 0, "originals": {}}
+_this_thread = threading.local()
+
+
+def _dispatcher(name: str) -> Callable:
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        own = getattr(_this_thread, "functions", None)
+        if own is not None:
+            return own[name](*args, **kwargs)
+        return _installed["originals"][name](*args, **kwargs)
+
+    dispatch.__name__ = name
+    return dispatch
+
+
 @contextlib.contextmanager
 def _drawing_region(random_module: Any, whole: tuple, region: Region,
                     calls: list):
-    """While entered, `random_module`'s (Keras' torch random) `normal`,
-    `uniform` and `truncated_normal` of the `whole` shape return only
-    `region` (their parameters keep Keras' names: it calls them by name)."""
-    names = ("normal", "uniform", "truncated_normal")
-    saved = {name: getattr(random_module, name) for name in names}
+    """While entered, in this thread only, `random_module`'s (Keras' torch
+    random) `normal`, `uniform` and `truncated_normal` of the `whole` shape
+    return only `region` (their parameters keep Keras' names: it calls them
+    by name); other threads get Keras' own functions."""
 
     def prepared(call_shape: Any, dtype: Any, seed: Any) -> tuple:
         if tuple(call_shape) != tuple(whole):
@@ -145,14 +167,27 @@ def _drawing_region(random_module: Any, whole: tuple, region: Region,
         return candidates.gather(-1, index).squeeze(-1).mul_(stddev).add_(
             mean)
 
-    for name, function in (("normal", normal), ("uniform", uniform),
-                           ("truncated_normal", truncated_normal)):
-        setattr(random_module, name, function)
+    if getattr(_this_thread, "functions", None) is not None:
+        raise _NotChunkable("a region is already being drawn here")
+    with _lock:
+        if _installed["count"] == 0:
+            _installed["originals"] = {
+                name: getattr(random_module, name) for name in _NAMES}
+            for name in _NAMES:
+                setattr(random_module, name, _dispatcher(name))
+        _installed["count"] += 1
+    _this_thread.functions = {"normal": normal, "uniform": uniform,
+                              "truncated_normal": truncated_normal}
     try:
         yield
     finally:
-        for name, function in saved.items():
-            setattr(random_module, name, function)
+        _this_thread.functions = None
+        with _lock:
+            _installed["count"] -= 1
+            if _installed["count"] == 0:
+                for name, function in _installed["originals"].items():
+                    setattr(random_module, name, function)
+                _installed["originals"] = {}
 
 
 def draw_region(random_module: Any, initializer: Any, shape: tuple,
