@@ -686,9 +686,9 @@ def test_fully_sharded_variables_train_like_one_process_and_reshard(
 def test_a_large_sharded_variable_is_born_as_its_shards():
     # #45.3 on torch: each process draws only its half of the 4 MiB
     # kernel (in chunks of 65,536 values), from process 0's seed although
-    # each process drew its own; the values equal the unsharded
-    # GlorotUniform's from that seed bit for bit, and training from them
-    # equals one process.
+    # each process drew its own, and fills only its half of a zeros one;
+    # the values equal the unsharded GlorotUniform's from that seed bit for
+    # bit, and training from them equals one process.
     import keras
 
     results = kd.launch(workers.born_sharded_fit, num_processes=2,
@@ -697,12 +697,16 @@ def test_a_large_sharded_variable_is_born_as_its_shards():
     expected = keras.ops.convert_to_numpy(keras.initializers.GlorotUniform(
         seed=results[0]["own_seed"])((1024, 1024)))
     for result in results:
-        assert result["local"] == (512, 1024)
+        assert result["local"] == result["zero_local"] == (512, 1024)
         assert result["largest_draw"] <= 1 << 16, result["largest_draw"]
+        # (the zeros kernel made as its half, never whole)
+        assert result["largest_fill"] <= 512 * 1024, result["largest_fill"]
         np.testing.assert_array_equal(result["initial"][0], expected)
+        np.testing.assert_array_equal(result["initial"][2], 0)
         for a, b in zip(result["trained"], results[0]["trained"]):
             np.testing.assert_array_equal(a, b)
     model = keras.Sequential([keras.Input((1024,)),
+                              keras.layers.Dense(1024),
                               keras.layers.Dense(1024),
                               keras.layers.Dense(3)])
     model.set_weights(results[0]["initial"])

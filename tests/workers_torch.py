@@ -1332,7 +1332,8 @@ def born_sharded_fit():
     """2 processes, one-line FSDP, random states diverged: a 4 MiB kernel
     whose GlorotUniform has no seed given (each process draws its own) is
     made as this process's half from process 0's seed, no draw of it
-    whole; then one fit epoch."""
+    whole, and a 4 MiB kernel of zeros as its half (no whole fill); then
+    one fit epoch."""
     _setup()
     import random
 
@@ -1345,13 +1346,13 @@ def born_sharded_fit():
     mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
     strategy = kd.MirroredStrategy(
         layout_map=kd.layouts.fully_sharded(mesh))
-    largest = []
-    for name in ("rand", "normal"):
+    largest = {"rand": [], "normal": [], "zeros": [], "ones": []}
+    for name in largest:
         original = getattr(torch, name)
 
-        def recording(*args, _original=original, **kwargs):
+        def recording(*args, _original=original, _name=name, **kwargs):
             value = _original(*args, **kwargs)
-            largest.append(value.numel())
+            largest[_name].append(value.numel())
             return value
 
         setattr(torch, name, recording)
@@ -1361,10 +1362,12 @@ def born_sharded_fit():
             model = keras.Sequential([
                 keras.Input((1024,)),
                 keras.layers.Dense(1024, name="big"),
+                keras.layers.Dense(1024, kernel_initializer="zeros",
+                                   name="zero"),
                 keras.layers.Dense(3, name="head")])
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     finally:
-        for name in ("rand", "normal"):
+        for name in largest:
             setattr(torch, name, getattr(torch, name).__kwdefaults__[
                 "_original"])
     kernel = model.get_layer("big").kernel
@@ -1374,5 +1377,10 @@ def born_sharded_fit():
     y = np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     return {"own_seed": model.get_layer("big").kernel_initializer.seed,
-            "local": local, "largest_draw": max(largest, default=0),
+            "local": local, "largest_draw": max(
+                largest["rand"] + largest["normal"], default=0),
+            "largest_fill": max(largest["zeros"] + largest["ones"],
+                                default=0),
+            "zero_local": tuple(
+                model.get_layer("zero").kernel.value.to_local().shape),
             "initial": initial, "trained": model.get_weights()}

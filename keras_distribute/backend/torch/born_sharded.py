@@ -14,9 +14,10 @@ holding more than a chunk, a row and the region. The region equals the
 slice of the value an unsharded model gets from the same seed, bit for bit.
 
 Only Keras' own initializers whose value is that one draw scaled element
-by element (`ONE_DRAW_INITIALIZERS`) are cut so; any other (orthogonal, a
-custom one or a subclass, zeros) gives None:
-the caller makes the whole value as Keras does. A first small draw checks
+by element (`ONE_DRAW_INITIALIZERS`) are cut so; those that draw nothing
+(zeros, ones, a scalar constant: `constant_region`) are made at the
+region's shape; any other (orthogonal, a custom one or a subclass) gives
+None: the caller makes the whole value as Keras does. A first small draw checks
 the chunked stream against a whole one (`chunked_draws_match`); if they
 ever differed (another torch), nothing is born sharded.
 """
@@ -50,6 +51,11 @@ ONE_DRAW_INITIALIZERS = (
     "RandomNormal", "RandomUniform", "TruncatedNormal", "VarianceScaling",
     "GlorotNormal", "GlorotUniform", "HeNormal", "HeUniform", "LecunNormal",
     "LecunUniform")
+
+# Keras' initializers that draw nothing: every region of their value is
+# the initializer's value of the region's shape (a Constant's value is a
+# scalar).
+DRAWING_NOTHING = ("Zeros", "Ones", "Constant")
 
 
 class _NotChunkable(Exception):
@@ -222,5 +228,38 @@ def draw_region(random_module: Any, initializer: Any, shape: tuple,
     if (len(calls) != 1 or not isinstance(value, torch.Tensor)
             or tuple(value.shape) != expected
             or not chunked_draws_match(value.dtype)):
+        return None
+    return value
+
+
+def draws_nothing(initializer: Any) -> bool:
+    """Whether `initializer` is one of Keras' own `DRAWING_NOTHING` (not a
+    subclass; a Constant of a scalar only)."""
+    kind = type(initializer)
+    if kind.__name__ not in DRAWING_NOTHING or not kind.__module__.startswith(
+            "keras."):
+        return False
+    return kind.__name__ != "Constant" or isinstance(
+        getattr(initializer, "value", None), (int, float))
+
+
+def constant_region(initializer: Any, dtype: Any,
+                    region: Region) -> Optional[torch.Tensor]:
+    """The `region` of a `draws_nothing` initializer's value, made at the
+    region's shape only; None if it is not one.
+
+    Args:
+        initializer: A Keras initializer.
+        dtype: The variable's dtype.
+        region: `(start, stop)` per dimension: the part to make.
+
+    Returns:
+        A tensor of the region's shape, or None.
+    """
+    if not draws_nothing(initializer):
+        return None
+    expected = tuple(b - a for a, b in region)
+    value = initializer(expected, dtype=dtype)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
         return None
     return value

@@ -288,21 +288,28 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
 
         Only for a variable of `BORN_SHARDED_MIN_BYTES` or more whose
         initializer is one of Keras' one-draw initializers with an int
-        seed, each tensor dimension cut by at most one mesh axis. Every
-        process decides alike (same map, shape and initializer class) and
-        then joins one broadcast of the seed.
+        seed, or, for a trainable variable, one that draws nothing (zeros,
+        ones, a scalar constant: no broadcast); each tensor dimension cut
+        by at most one mesh axis. Every process decides alike (same map,
+        shape, trainability and initializer class) and then joins one
+        broadcast of the seed (none for a constant).
         """
         from keras_distribute.backend.torch import born_sharded
 
         shape = tuple(int(d) for d in variable.shape)
         layout = variable_layout(self.layout_map, variable.path, shape)
         seed = getattr(initializer, "seed", None)
+        # (Drawing nothing: only a trainable variable — a layer's —, not an
+        # optimizer's zeros, which `shard_like` lays out as their variable.)
+        constant = variable.trainable and born_sharded.draws_nothing(
+            initializer)
         if (layout is None or not layout_axes(layout)
                 or math.prod(shape) * 4 < born_sharded.BORN_SHARDED_MIN_BYTES
-                or type(initializer).__name__
-                not in born_sharded.ONE_DRAW_INITIALIZERS
-                or not isinstance(seed, int) or isinstance(seed, bool)
-                or not -(1 << 63) <= seed < 1 << 63):
+                or not constant and (
+                    type(initializer).__name__
+                    not in born_sharded.ONE_DRAW_INITIALIZERS
+                    or not isinstance(seed, int) or isinstance(seed, bool)
+                    or not -(1 << 63) <= seed < 1 << 63)):
             return None
         check_layout_fits(layout, variable.path, shape)
         if self.is_fully_sharded(layout):
@@ -322,12 +329,16 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
             size = shape[dim] // mesh.size(mesh_dim)
             region[dim] = (coordinate[mesh_dim] * size,
                            (coordinate[mesh_dim] + 1) * size)
-        agreed = torch.tensor([seed], dtype=torch.int64)
-        dist.broadcast(agreed, src=0)  # process 0's seed, in every process
-        chosen = copy.copy(initializer)
-        chosen.seed = int(agreed.item())
-        local = born_sharded.draw_region(
-            random_module, chosen, shape, variable.dtype, region)
+        if constant:  # (its values are the same in every process)
+            local = born_sharded.constant_region(initializer, variable.dtype,
+                                                 region)
+        else:
+            agreed = torch.tensor([seed], dtype=torch.int64)
+            dist.broadcast(agreed, src=0)  # process 0's seed, everywhere
+            chosen = copy.copy(initializer)
+            chosen.seed = int(agreed.item())
+            local = born_sharded.draw_region(
+                random_module, chosen, shape, variable.dtype, region)
         if local is None:
             return None
         value = DTensor.from_local(local, mesh, placements, run_check=False,
