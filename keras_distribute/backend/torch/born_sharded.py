@@ -25,6 +25,7 @@ ever differed (another torch), nothing is born sharded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import threading
@@ -263,3 +264,62 @@ def constant_region(initializer: Any, dtype: Any,
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
         return None
     return value
+
+
+def local_shard(variable: Any, initializer: Any, shape: tuple,
+                placements: Sequence[Any], mesh: Any,
+                random_module: Any) -> Optional[torch.Tensor]:
+    """This process's shard of a new `variable` of `shape` laid out as
+    `placements` on the torch `mesh`, made without the rest; None when it
+    is to be made whole (Keras' path).
+
+    Only for a variable of `BORN_SHARDED_MIN_BYTES` or more whose
+    initializer is one of Keras' one-draw initializers with an int seed
+    (process 0's seed is broadcast first: every process then draws the same
+    values), or, for a trainable variable, one that draws nothing (zeros,
+    ones, a scalar constant: no broadcast); each tensor dimension cut by at
+    most one mesh axis. Every process decides alike (same layout, shape,
+    trainability and initializer class) before the one broadcast.
+
+    Args:
+        variable: The Keras variable being made (its `trainable`, `dtype`).
+        initializer: Its initializer.
+        shape: Its whole shape.
+        placements: Its DTensor placements on `mesh`.
+        mesh: The torch `DeviceMesh` it lies on.
+        random_module: Keras' torch random module (`draw_region`).
+
+    Returns:
+        A tensor of the shard's shape, or None.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    seed = getattr(initializer, "seed", None)
+    # (Drawing nothing: only a trainable variable — a layer's —, not an
+    # optimizer's zeros, which `shard_like` lays out as their variable.)
+    constant = variable.trainable and draws_nothing(initializer)
+    if math.prod(shape) * 4 < BORN_SHARDED_MIN_BYTES or not constant and (
+            type(initializer).__name__ not in ONE_DRAW_INITIALIZERS
+            or not isinstance(seed, int) or isinstance(seed, bool)
+            or not -(1 << 63) <= seed < 1 << 63):
+        return None
+    cuts = [(p.dim, i) for i, p in enumerate(placements)
+            if isinstance(p, Shard)]
+    if len({dim for dim, _ in cuts}) != len(cuts):
+        return None  # a dimension cut by two mesh axes: Keras' path
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    region = [(0, n) for n in shape]
+    for dim, mesh_dim in cuts:
+        size = shape[dim] // mesh.size(mesh_dim)
+        region[dim] = (coordinate[mesh_dim] * size,
+                       (coordinate[mesh_dim] + 1) * size)
+    if constant:  # (its values are the same in every process)
+        return constant_region(initializer, variable.dtype, region)
+    agreed = torch.tensor([seed], dtype=torch.int64)
+    dist.broadcast(agreed, src=0)  # process 0's seed, in every process
+    chosen = copy.copy(initializer)
+    chosen.seed = int(agreed.item())
+    return draw_region(random_module, chosen, shape, variable.dtype, region)

@@ -23,7 +23,6 @@ layer runs: `fully_sharded.py`.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import weakref
@@ -282,34 +281,14 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
     def born_sharded_value(self, variable: Any, initializer: Any,
                            random_module: Any) -> Optional[Any]:
         """The value of a new `variable` the map shards, made as this
-        process's shard only (`born_sharded.py`) from process 0's seed, or
-        None: Keras makes it whole and `shard_layer` cuts it.
-        `random_module` is Keras' torch random module (`draw_region`).
-
-        Only for a variable of `BORN_SHARDED_MIN_BYTES` or more whose
-        initializer is one of Keras' one-draw initializers with an int
-        seed, or, for a trainable variable, one that draws nothing (zeros,
-        ones, a scalar constant: no broadcast); each tensor dimension cut
-        by at most one mesh axis. Every process decides alike (same map,
-        shape, trainability and initializer class) and then joins one
-        broadcast of the seed (none for a constant).
-        """
+        process's shard only (`born_sharded.local_shard`), or None: Keras
+        makes it whole and `shard_layer` cuts it. `random_module` is
+        Keras' torch random module (`draw_region`)."""
         from keras_distribute.backend.torch import born_sharded
 
         shape = tuple(int(d) for d in variable.shape)
         layout = variable_layout(self.layout_map, variable.path, shape)
-        seed = getattr(initializer, "seed", None)
-        # (Drawing nothing: only a trainable variable — a layer's —, not an
-        # optimizer's zeros, which `shard_like` lays out as their variable.)
-        constant = variable.trainable and born_sharded.draws_nothing(
-            initializer)
-        if (layout is None or not layout_axes(layout)
-                or math.prod(shape) * 4 < born_sharded.BORN_SHARDED_MIN_BYTES
-                or not constant and (
-                    type(initializer).__name__
-                    not in born_sharded.ONE_DRAW_INITIALIZERS
-                    or not isinstance(seed, int) or isinstance(seed, bool)
-                    or not -(1 << 63) <= seed < 1 << 63)):
+        if layout is None or not layout_axes(layout):
             return None
         check_layout_fits(layout, variable.path, shape)
         if self.is_fully_sharded(layout):
@@ -317,39 +296,14 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
             mesh = self.torch_mesh
         else:
             placements, mesh = self.placements(layout), self.model_mesh
-        cuts = [(p.dim, i) for i, p in enumerate(placements)
-                if isinstance(p, Shard)]
-        if len({dim for dim, _ in cuts}) != len(cuts):
-            return None  # a dimension cut by two mesh axes: Keras' path
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            return None
-        region = [(0, n) for n in shape]
-        for dim, mesh_dim in cuts:
-            size = shape[dim] // mesh.size(mesh_dim)
-            region[dim] = (coordinate[mesh_dim] * size,
-                           (coordinate[mesh_dim] + 1) * size)
-        if constant:  # (its values are the same in every process)
-            local = born_sharded.constant_region(initializer, variable.dtype,
-                                                 region)
-        else:
-            agreed = torch.tensor([seed], dtype=torch.int64)
-            dist.broadcast(agreed, src=0)  # process 0's seed, everywhere
-            chosen = copy.copy(initializer)
-            chosen.seed = int(agreed.item())
-            local = born_sharded.draw_region(
-                random_module, chosen, shape, variable.dtype, region)
+        local = born_sharded.local_shard(variable, initializer, shape,
+                                         placements, mesh, random_module)
         if local is None:
             return None
         value = DTensor.from_local(local, mesh, placements, run_check=False,
                                    shape=torch.Size(shape),
                                    stride=_contiguous_strides(shape))
-        parameter = torch.nn.Parameter(value,
-                                       requires_grad=variable.trainable)
-        if variable.trainable:
-            parameter.register_post_accumulate_grad_hook(_align_gradient)
-        object.__setattr__(variable, "_layout", layout)
-        return parameter
+        return self._parameter(variable, value, layout)
 
     def shard_like(self, variable: Any, reference: Any) -> None:
         """Lays `variable` (an optimizer slot) out as `reference`."""
@@ -367,12 +321,18 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         # from rank 0 first, or are optimizer zeros).
         value = distribute_tensor(local, mesh or self.model_mesh, placements,
                                   src_data_rank=0)
+        variable._value = self._parameter(variable, value, layout)
+
+    @staticmethod
+    def _parameter(variable: Any, value: Any, layout: Any) -> Any:
+        """`variable`'s DTensor `value` as its torch parameter (its
+        gradient brought to its placement); `layout` recorded."""
         parameter = torch.nn.Parameter(value,
                                        requires_grad=variable.trainable)
         if variable.trainable:
             parameter.register_post_accumulate_grad_hook(_align_gradient)
-        variable._value = parameter
         object.__setattr__(variable, "_layout", layout)
+        return parameter
 
     @torch_peers.collective
     def broadcast_new_variables(self, only: Optional[list] = None) -> None:
