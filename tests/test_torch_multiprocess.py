@@ -761,6 +761,22 @@ def test_sharded_transformer_block_matches_one_process():
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_convolutions_with_kernels_cut_by_channels_match_one_process():
+    # A CNN under tensor parallelism (as plan_layout plans one): DTensor
+    # cannot convolve a kernel cut by channels, so a convolution computes
+    # on its gathered variables; they stay cut at rest, and training
+    # equals one process.
+    results = kd.launch(workers.sharded_convolutions, num_processes=2,
+                        timeout=TIMEOUT)
+    reference = workers.small_cnn()
+    x, y = workers.small_cnn_data()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for result in results:
+        assert result["local"] == [(3, 3, 3, 4), (3, 3, 4, 6)]
+        for a, b in zip(result["weights"], reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_keras_own_file_callbacks_resume_across_processes(tmp_path):
     # #20.6 regression, torch: the same programs as on TF and JAX.
     from worker_common import launch_keras_callbacks_resume

@@ -1384,3 +1384,48 @@ def born_sharded_fit():
             "zero_local": tuple(
                 model.get_layer("zero").kernel.value.to_local().shape),
             "initial": initial, "trained": model.get_weights()}
+
+
+def small_cnn():
+    """A CNN whose convolution kernels the tensor-parallel test shards."""
+    import keras
+
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([
+        keras.Input((12, 12, 3)),
+        keras.layers.Conv2D(8, 3, activation="relu", name="conv_a"),
+        keras.layers.Conv2D(6, 3, activation="relu", name="conv_b"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(3, name="head")])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def small_cnn_data():
+    rng = np.random.default_rng(2)
+    return (rng.normal(size=(32, 12, 12, 3)).astype("float32"),
+            rng.normal(size=(32, 3)).astype("float32"))
+
+
+def sharded_convolutions():
+    """2 processes, a (1, 2) mesh: conv_a's kernel and bias cut by output
+    channels, conv_b's kernel by input channels (tensor parallelism, as
+    `plan_layout` plans a CNN); fit 2 epochs."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         ["cpu:0", "cpu:1"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*conv_a/kernel"] = (None, None, None, "model")
+    layout_map[".*conv_a/bias"] = ("model",)
+    layout_map[".*conv_b/kernel"] = (None, None, "model", None)
+    with kd.MirroredStrategy(layout_map=layout_map).scope():
+        model = small_cnn()
+    x, y = small_cnn_data()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return {"weights": model.get_weights(),
+            "local": [tuple(model.get_layer(name).kernel.value.to_local()
+                            .shape) for name in ("conv_a", "conv_b")]}

@@ -455,9 +455,46 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
                    "meta" for leaf in keras.tree.flatten((args, kwargs))):
             return forward(layer, *args, **kwargs)  # symbolic call
         args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
-        with implicit_replication(), self.gathered_variables(layer):
+        with implicit_replication(), self.gathered_variables(
+                layer), _replicated_while_convolving(layer):
             outputs = forward(layer, *args, **kwargs)
         return keras.tree.map_structure(whole_value, outputs)
+
+
+@contextlib.contextmanager
+def _replicated_while_convolving(layer: Layer):
+    """While a Keras convolution runs, its trainable variables sharded over
+    a model axis read replicated (gathered by DTensor; their gradients go
+    back to the shards): DTensor's convolution does not compute on a
+    kernel cut by channels (torch 2.13: its local shapes disagree), so
+    such a layer keeps only its memory sharded, at rest, and computes
+    whole."""
+    if not isinstance(layer, _convolutions()):
+        yield
+        return
+    swapped = []
+    try:
+        for variable in layer.__dict__.get("_trainable_variables", ()):
+            value = variable._value
+            if isinstance(value, DTensor) and any(
+                    isinstance(p, Shard) for p in value.placements):
+                swapped.append((variable, value))
+                variable._value = value.redistribute(
+                    value.device_mesh,
+                    [Replicate()] * value.device_mesh.ndim)
+        yield
+    finally:
+        for variable, value in reversed(swapped):
+            variable._value = value
+
+
+def _convolutions() -> tuple:
+    """Keras' convolution layers (their subclasses are convolutions too)."""
+    layers = keras.layers
+    return tuple(getattr(layers, name) for name in (
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
+        "SeparableConv1D", "SeparableConv2D") if hasattr(layers, name))
 
 
 def _raised_in_ddp(error: BaseException) -> bool:
