@@ -41,29 +41,31 @@ from _memory import reset_peak_resident
 from _results import record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# A row of torch processes whose variables are sharded over the batch axis.
+# Rows of torch processes whose variables are sharded over the batch axis
+# (FSDP), or over the model axis (tensor parallelism): processes, kind.
 TORCH_FULLY_SHARDED = "torch, 2 processes, sharded over the batch axis"
-FULLY_SHARDED = {TORCH_FULLY_SHARDED: 2}
+TORCH_MODEL_PARALLEL = "torch, 2 processes, sharded over the model axis"
+JOBS = {TORCH_FULLY_SHARDED: (2, "batch"), TORCH_MODEL_PARALLEL: (2, "model")}
 
 
 def models(keras):
     def mlp():
         keras.utils.set_random_seed(1)
-        return keras.Sequential([
+        return keras.Sequential([  # (named: a planned map's keys)
             keras.Input((1024,)),
-            keras.layers.Dense(4096, activation="relu"),
-            keras.layers.Dense(4096, activation="relu"),
-            keras.layers.Dense(10)], name="mlp")
+            keras.layers.Dense(4096, activation="relu", name="dense_in"),
+            keras.layers.Dense(4096, activation="relu", name="dense_mid"),
+            keras.layers.Dense(10, name="dense_out")], name="mlp")
 
     def cnn():
         keras.utils.set_random_seed(1)
         return keras.Sequential([
             keras.Input((64, 64, 3)),
-            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.Conv2D(64, 3, activation="relu", name="conv_in"),
             keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(128, 3, activation="relu"),
+            keras.layers.Conv2D(128, 3, activation="relu", name="conv_out"),
             keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(10)], name="cnn")
+            keras.layers.Dense(10, name="head")], name="cnn")
 
     def gemma():
         import keras_hub
@@ -94,25 +96,35 @@ def batch(keras, make, size, input_shape):
     return x, rng.normal(size=(size, 10)).astype("float32")
 
 
-def fully_sharded_map(keras, kd, name, processes):
-    """The map a torch job of `processes` trains the model `name` with:
-    keras-hub's own `get_layout_map` for Gemma on a (processes, 1) mesh,
-    one-line FSDP (`kd.layouts.fully_sharded`) for the others."""
+def job_map(keras, kd, name, make, processes, axis):
+    """The map a torch job of `processes` trains the model `name` with.
+    Over the batch axis: keras-hub's own `get_layout_map` for Gemma on a
+    (processes, 1) mesh, one-line FSDP (`kd.layouts.fully_sharded`) for the
+    others. Over the model axis: keras-hub's map for Gemma on a
+    (1, processes) mesh, `kd.layouts.plan_layout` for the others."""
+    devices = [f"cpu:{i}" for i in range(processes)]
+    if axis == "model":
+        mesh = keras.distribution.DeviceMesh((1, processes),
+                                             ["batch", "model"], devices)
+        if "Gemma" in name:
+            import keras_hub
+
+            return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        return kd.layouts.plan_layout(make, mesh, fsdp=False).layout_map
     if "Gemma" in name:
         import keras_hub
 
         mesh = keras.distribution.DeviceMesh(
-            (processes, 1), ["batch", "model"],
-            [f"cpu:{i}" for i in range(processes)])
+            (processes, 1), ["batch", "model"], devices)
         return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    mesh = keras.distribution.DeviceMesh(
-        (processes,), ["batch"], [f"cpu:{i}" for i in range(processes)])
+    mesh = keras.distribution.DeviceMesh((processes,), ["batch"], devices)
     return kd.layouts.fully_sharded(mesh)
 
 
-def measure_one_backend(processes=1):
+def measure_one_backend(processes=1, axis="batch"):
     """In a process of one backend: every model's estimate and real step
-    (with `processes` > 1, one torch process of a fully sharded job)."""
+    (with `processes` > 1, one torch process of a job sharded over
+    `axis`)."""
     import contextlib
     import gc
 
@@ -124,7 +136,7 @@ def measure_one_backend(processes=1):
     for name, (make, size, input_shape) in models(keras).items():
         layout_map, scope = None, contextlib.nullcontext()
         if processes > 1:
-            layout_map = fully_sharded_map(keras, kd, name, processes)
+            layout_map = job_map(keras, kd, name, make, processes, axis)
             scope = kd.MirroredStrategy(layout_map=layout_map).scope()
         estimate = kd.layouts.estimate_memory(
             make, layout_map, batch_size=size, optimizer="adam", loss="mse",
@@ -170,13 +182,14 @@ def measure_one_backend(processes=1):
     print(json.dumps(results))
 
 
-def measure_fully_sharded(processes=2):
+def measure_job(processes=2, axis="batch"):
     """Every model's estimate and real step in each of `processes` torch
-    processes of a fully sharded job; prints the most loaded process's."""
+    processes of a job sharded over `axis`; prints the most loaded
+    process's."""
     import keras_distribute as kd
 
     by_process = kd.launch(measure_one_backend, num_processes=processes,
-                           args=(processes,), timeout=1800)
+                           args=(processes, axis), timeout=1800)
     print(json.dumps({name: max((p[name] for p in by_process),
                                 key=lambda m: m["real_transient_bytes"])
                       for name in by_process[0]}))
@@ -186,21 +199,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+",
                         default=["jax", "torch", "tensorflow",
-                                 TORCH_FULLY_SHARDED])
+                                 TORCH_FULLY_SHARDED, TORCH_MODEL_PARALLEL])
     parser.add_argument("--child", action="store_true",
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if os.environ.get("KD_BENCH_PROCESSES"):
-            measure_fully_sharded(int(os.environ["KD_BENCH_PROCESSES"]))
+            measure_job(int(os.environ["KD_BENCH_PROCESSES"]),
+                        os.environ["KD_BENCH_AXIS"])
         else:
             measure_one_backend()
         return
     by_backend = {}
     for backend in args.backends:
-        processes = FULLY_SHARDED.get(backend)
+        processes, axis = JOBS.get(backend, (None, ""))
         env = dict(os.environ, KERAS_BACKEND=backend.split(",")[0],
                    KD_BENCH_PROCESSES=str(processes or ""),
+                   KD_BENCH_AXIS=axis,
                    MALLOC_MMAP_THRESHOLD_="65536", JAX_PLATFORMS="cpu",
                    XLA_FLAGS="--xla_force_host_platform_device_count=1",
                    TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true")

@@ -1247,12 +1247,14 @@ def fully_sharded_load_weights(weights_path):
             "weights": model.get_weights()}
 
 
-def fully_sharded_step_memory(width=512, depth=4, rows=8):
+def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
     """One process's step under one-line FSDP (every variable sharded over
-    the batch axis): kd's estimate of its peak, and the real one — every
-    storage Keras' train_step makes on this process's real tensors (a
-    DTensor's local part), counted as made and freed, plus what was
-    resident — and what is still alive when the forward pass ends."""
+    the batch axis; with `axis="model"`, every kernel cut by columns over
+    the model axis of a (1, N) mesh instead: tensor parallelism): kd's
+    estimate of its peak, and the real one — every storage Keras'
+    train_step makes on this process's real tensors (a DTensor's local
+    part), counted as made and freed, plus what was resident — and what is
+    still alive when the forward pass ends."""
     _setup()
     import weakref
 
@@ -1284,9 +1286,17 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8):
 
     size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    mesh = keras.distribution.DeviceMesh(
-        (size,), ["batch"], [f"cpu:{r}" for r in range(size)])
-    layout_map = kd.layouts.fully_sharded(mesh, min_size=0)
+    devices = [f"cpu:{r}" for r in range(size)]
+    if axis == "model":
+        mesh = keras.distribution.DeviceMesh((1, size), ["batch", "model"],
+                                             devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*kernel"] = (None, "model")
+        replicas = 1
+    else:
+        mesh = keras.distribution.DeviceMesh((size,), ["batch"], devices)
+        layout_map = kd.layouts.fully_sharded(mesh, min_size=0)
+        replicas = size
 
     def make():
         keras.utils.set_random_seed(1)
@@ -1295,16 +1305,17 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8):
             + [keras.layers.Dense(width, name=f"d{i}") for i in range(depth)])
 
     estimate = kd.layouts.estimate_memory(
-        make, layout_map, batch_size=rows * size, optimizer="adam",
+        make, layout_map, batch_size=rows * replicas, optimizer="adam",
         loss="mse")
     strategy = kd.MirroredStrategy(layout_map=layout_map)
     with strategy.scope():
         model = make()
         model.compile(optimizer="adam", loss="mse")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(rows * size, width)).astype("float32")
-    model.fit(x, x, batch_size=rows * size, epochs=1, verbose=0)  # built
-    mine = torch.as_tensor(x[rank * rows:(rank + 1) * rows])
+    x = rng.normal(size=(rows * replicas, width)).astype("float32")
+    model.fit(x, x, batch_size=rows * replicas, epochs=1, verbose=0)
+    replica = rank if replicas > 1 else 0
+    mine = torch.as_tensor(x[replica * rows:(replica + 1) * rows])
 
     def local(variable):
         value = variable.value

@@ -6,11 +6,10 @@ the layout each takes. The peak of the step — with the activations the
 backward pass keeps and the workspace — comes from the framework's own
 accounting where it has one that needs no memory: on JAX, XLA's memory
 analysis of the compiled step on the mesh; on torch, the step run on fake
-tensors, counting every storage it makes and frees (variables sharded
-over the batch axis held as their shards and gathered as kd's engine
-gathers them); on TensorFlow, its graph of the step traced on shapes.
-Elsewhere (a JAX mesh larger than this machine's devices, torch with
-variables sharded over a model axis) the activations are traced from the
+tensors, counting every storage it makes and frees (sharded variables
+held as their shards and gathered while their layer computes); on
+TensorFlow, its graph of the step traced on shapes. Elsewhere (a JAX mesh
+larger than this machine's devices) the activations are traced from the
 model's layer outputs.
 The model is built without values (as `plan_layout` builds it), so a model
 far larger than this machine is estimated here. Imports Keras' public API

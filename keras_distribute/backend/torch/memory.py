@@ -13,6 +13,7 @@ variables' own values are put back after.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import TYPE_CHECKING
 from typing import Any
@@ -81,18 +82,22 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     shard; while its layer computes it is gathered whole, what the
     layer's operations save of it is a note gathered again in the backward
     pass, and its gradient is reduce-scattered onto the shard — each as
-    new storage of the sizes kd's engine makes. None when the map shards a
-    variable over a model axis of more than one process (tensor
-    parallelism: the caller traces shapes)."""
+    new storage of the sizes kd's engine makes. A variable sharded over a
+    model axis (tensor parallelism) is held as its shard too, and its
+    gradient is made at the shard's size, as kd's engine makes them; its
+    layer, which kd's engine runs on the shards with its output gathered
+    whole, is run here on the gathered weights (one layer's whole weights
+    at a time over the real step: an upper bound)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     replicas = 1
     shard_shapes: Dict[int, tuple] = {}
+    model_axes = False
     if layout_map is not None:
-        sharded = _fully_sharded_shapes(model, layout_map)
-        if sharded is None:
-            return None
-        replicas, shard_shapes = int(layout_map.device_mesh.shape[0]), sharded
+        shard_shapes = _shard_shapes(model, layout_map)
+        mesh = layout_map.device_mesh
+        replicas = int(mesh.shape[0])
+        model_axes = any(int(size) > 1 for size in tuple(mesh.shape)[1:])
     trainable = list(model.trainable_variables)
     step_optimizer, stand_ins = _optimizer_on_shards(optimizer, trainable,
                                                      shard_shapes)
@@ -141,33 +146,34 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
         for stand_in in stand_ins:
             stand_in._value = None
     method = "the step run on torch fake tensors"
-    if shard_shapes:
+    if shard_shapes and not model_axes:
         method += (" (variables sharded over the batch axis held as their "
                    "shards, gathered while their layer computes)")
+    elif shard_shapes:
+        method += (" (sharded variables held as their shards, gathered "
+                   "while their layer computes: tensor parallelism computes "
+                   "on the shards instead, so one layer's whole weights at "
+                   "a time are counted above it)")
     return StepMemory(resident_bytes + live.peak, method)
 
 
-def _fully_sharded_shapes(model: Model,
-                          layout_map: LayoutMap) -> Optional[dict]:
+def _shard_shapes(model: Model, layout_map: LayoutMap) -> dict:
     """`{id(variable): the shape of its shard}` of the variables the map
-    shards over the batch axis only, as one process holds them; None when
-    a variable is sharded over a model axis of more than one process."""
+    shards (over the batch axis, a model axis or both), as one process
+    holds them."""
     mesh = layout_map.device_mesh
-    batch_axis = mesh.axis_names[0]
-    replicas = int(mesh.shape[0])
     shapes = {}
     for variable in model.variables:
         shape = tuple(int(s) for s in variable.shape)
         layout = variable_layout(layout_map, variable.path, shape)
         if layout is None:
             continue
-        axes = [a for a in layout_axes(layout) if axis_size(mesh, a) > 1]
-        if not axes:
+        if not any(axis_size(mesh, a) > 1 for a in layout_axes(layout)):
             continue
-        if axes != [batch_axis] or replicas == 1:
-            return None
         shapes[id(variable)] = tuple(
-            d if axis is None else d // axis_size(mesh, axis)
+            d // math.prod(axis_size(mesh, a) for a in (
+                () if axis is None else axis if isinstance(axis, tuple)
+                else (axis,)))
             for d, axis in zip(shape, layout.axes))
     return shapes
 
