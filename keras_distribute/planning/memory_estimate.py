@@ -202,7 +202,9 @@ def estimate_memory(model: ModelOrBuilder,
                               max(0, step.peak - resident),
                               max(step.peak, resident), step.method,
                               devices)
-    activations = _layer_outputs_bytes(model, batch_size // replicas)
+    unknown = _unknown_dimension(model, inputs, keras)
+    activations = _layer_outputs_bytes(model, batch_size // replicas,
+                                       unknown)
     if activations is None:
         return MemoryEstimate(
             parameters, gradients, optimizer_bytes, batch, None, resident,
@@ -212,8 +214,9 @@ def estimate_memory(model: ModelOrBuilder,
     return MemoryEstimate(
         parameters, gradients, optimizer_bytes, batch, activations,
         resident + activations,
-        "every layer's output at one replica's batch (a shape trace)",
-        devices)
+        "every layer's output at one replica's batch (a shape trace"
+        + (f"; unknown dimensions at {unknown}, as input_shape gave them"
+           if unknown > 1 else "") + ")", devices)
 
 
 def _fresh_optimizer(optimizer: Any, model: Layer, keras: Any) -> Any:
@@ -357,10 +360,26 @@ def _symbolic(model: Layer, which: str) -> Any:
     return tensors[0] if len(tensors) == 1 else list(tensors)
 
 
-def _layer_outputs_bytes(model: Layer, replica_batch: int) -> Optional[int]:
-    """The bytes of every layer's output at one replica's batch, for a
-    model that is a graph of layers (functional, Sequential); None for
-    one that is not."""
+def _unknown_dimension(model: Layer, inputs: Any, keras: Any) -> int:
+    """The size `input_shape` gave the unknown dimensions of the model's
+    `keras.Input`s (a sequence length): the largest if they differ, 1 when
+    there are none. Layer outputs have the same unknown dimensions."""
+    symbolic = _symbolic(model, "input")
+    if symbolic is None:
+        return 1
+    tensors, specs = keras.tree.flatten(symbolic), keras.tree.flatten(inputs)
+    if len(tensors) != len(specs):
+        return 1
+    sizes = [int(s) for tensor, spec in zip(tensors, specs)
+             for d, s in zip(tensor.shape[1:], spec.shape[1:]) if d is None]
+    return max(sizes, default=1)
+
+
+def _layer_outputs_bytes(model: Layer, replica_batch: int,
+                         unknown: int = 1) -> Optional[int]:
+    """The bytes of every layer's output at one replica's batch (unknown
+    dimensions at `unknown`), for a model that is a graph of layers
+    (functional, Sequential); None for one that is not."""
     import keras
 
     if _symbolic(model, "output") is None:
@@ -378,6 +397,7 @@ def _layer_outputs_bytes(model: Layer, replica_batch: int) -> Optional[int]:
             continue
         for tensor in keras.tree.flatten(output):
             shape = (replica_batch,) + tuple(
-                int(d) if d is not None else 1 for d in tensor.shape[1:])
+                int(d) if d is not None else unknown
+                for d in tensor.shape[1:])
             total += nbytes_of(shape, str(tensor.dtype))
     return total
