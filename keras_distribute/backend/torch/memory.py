@@ -71,6 +71,21 @@ class LiveStorageBytes(TorchDispatchMode):
         self._counted.discard(key)
 
 
+class _ScalarsReadAsOne(TorchDispatchMode):
+    """A fake tensor's value read as a Python number (`.item()`: Keras'
+    torch SGD passes its learning rate as `alpha=`) reads as 1: a fake
+    tensor has no value, and the memory of a step does not depend on it."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return True
+            return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+        return func(*args, **(kwargs or {}))
+
+
 def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                 inputs: Any, targets: Any,
                 layout_map: LayoutMap | None) -> Optional[StepMemory]:
@@ -129,7 +144,7 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                         + [v._value for v in step_optimizer.variables]
                         + batch)
             with LiveStorageBytes(resident) as live, _GatheringLayers(
-                    shard_shapes, variables):
+                    shard_shapes, variables), _ScalarsReadAsOne():
                 y_pred = model(x, training=True)
                 value = loss(y, y_pred)
                 for extra in model.losses:
