@@ -13,7 +13,6 @@ variables' own values are put back after.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import TYPE_CHECKING
 from typing import Any
@@ -186,10 +185,7 @@ def _shard_shapes(model: Model, layout_map: LayoutMap) -> dict:
         if not any(axis_size(mesh, a) > 1 for a in layout_axes(layout)):
             continue
         shapes[id(variable)] = tuple(
-            d // math.prod(axis_size(mesh, a) for a in (
-                () if axis is None else axis if isinstance(axis, tuple)
-                else (axis,)))
-            for d, axis in zip(shape, layout.axes))
+            d // axis_size(mesh, axis) for d, axis in zip(shape, layout.axes))
     return shapes
 
 

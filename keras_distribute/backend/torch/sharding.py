@@ -23,6 +23,7 @@ layer runs: `fully_sharded.py`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import weakref
@@ -488,6 +489,7 @@ def _replicated_while_convolving(layer: Layer):
             variable._value = value
 
 
+@functools.lru_cache(maxsize=None)
 def _convolutions() -> tuple:
     """Keras' convolution layers (their subclasses are convolutions too)."""
     layers = keras.layers
