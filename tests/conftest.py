@@ -197,6 +197,27 @@ if _RECORD:
             json.dump(_recorded, f, indent=0)
 
 
+def proc_status(field):
+    """A `/proc/self/status` size in bytes (`"VmRSS"`, `"VmHWM"`)."""
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_resident():
+    """Resets the peak resident memory (Linux `VmHWM`) to the current one
+    and returns that: the baseline a peak is measured above (the test
+    skips where it cannot be reset)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError as error:
+        pytest.skip(f"the peak resident memory cannot be reset: {error}")
+    return proc_status("VmRSS")
+
+
 def keras_hub_or_skip():
     """keras_hub, or the test skips where it does not import."""
     try:

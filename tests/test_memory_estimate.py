@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 from conftest import keras_hub_or_skip
+from conftest import proc_status
+from conftest import reset_peak_resident
 from keras.distribution import DeviceMesh
 
 import keras_distribute as kd
@@ -312,6 +314,63 @@ def test_the_parts_are_exact_on_every_backend():
     sgd = kd.layouts.estimate_memory(mlp, layout_map, batch_size=64,
                                      optimizer="sgd")
     assert sgd.optimizer <= 16 and sgd.parameters == estimate.parameters
+
+
+OPTIMIZERS = ["sgd", "adam", "adamw", "adamax", "nadam", "rmsprop",
+              "adagrad", "adadelta", "adafactor", "ftrl", "lion"]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_keras_optimizer_is_estimated_with_its_own_slots(name):
+    # Nadam and Adafactor make variables from values (Nadam's momentum
+    # product, Adafactor's placeholders) and torch's Nadam reads a scalar
+    # as a number: each builds and steps without values on every backend.
+    estimate = kd.layouts.estimate_memory(mlp, batch_size=16, optimizer=name)
+    real = keras.optimizers.get(name)
+    real.build(mlp().trainable_variables)
+    assert estimate.optimizer == sum(
+        math.prod(v.shape) * np.dtype(v.dtype).itemsize
+        for v in real.variables)
+    assert estimate.peak > (estimate.parameters + estimate.gradients
+                            + estimate.optimizer)
+    assert estimate.activations is not None
+
+
+def test_a_built_model_whose_names_a_graph_refuses_is_estimated():
+    # The optimizer is built on stand-ins of the model's variables (on
+    # TensorFlow in a graph, where "<" may not name a scope): the slots
+    # still take their variable's layout.
+    model = keras.Sequential([keras.Input((64,)),
+                              keras.layers.Dense(512, name="up<b>"),
+                              keras.layers.Dense(10, name="head")], name="m")
+    layout_map = keras.distribution.LayoutMap(mesh((2, 4)))
+    layout_map["m/up<b>/kernel"] = (None, "model")
+    estimate = kd.layouts.estimate_memory(model, layout_map, batch_size=64,
+                                          optimizer="adam")
+    kernel = 4 * 64 * 512
+    assert estimate.parameters == 4 * (512 + 512 * 10 + 10) + kernel // 4
+    assert 0 < estimate.optimizer - 2 * estimate.parameters <= 16
+    # (TensorFlow's trace of the step refused the name as well, and Keras
+    # left the scope on its stack: kd put the stack back.)
+    after = keras.Sequential([keras.Input((4,)),
+                              keras.layers.Dense(2, name="after")],
+                             name="next")
+    assert after.weights[0].path == "next/after/kernel"
+
+
+def test_a_model_larger_than_the_estimate_may_hold_is_never_made():
+    # 2 x Dense 8192 x 8192: 512 MiB of float32 weights, 1 GiB of Adam
+    # slots, 512 MiB of gradients: none of it is allocated.
+    def large():
+        return keras.Sequential([keras.Input((8192,)),
+                                 keras.layers.Dense(8192, name="a"),
+                                 keras.layers.Dense(8192, name="b")])
+
+    before = reset_peak_resident()
+    estimate = kd.layouts.estimate_memory(large, batch_size=8,
+                                          optimizer="nadam")
+    assert estimate.parameters == 4 * 2 * (8192 * 8192 + 8192)
+    assert proc_status("VmHWM") - before < 256 * 2**20
 
 
 def test_a_subclassed_model_needs_its_input_shape():

@@ -385,28 +385,6 @@ def whole_region(shape: Sequence[int]) -> tuple:
     return tuple((0, int(n)) for n in shape)
 
 
-def build_in_stateless_scope(build: Callable[[], Any]) -> Any:
-    """`BackendModule.build_without_values` by `keras.StatelessScope`:
-    variables made in it stay uninitialised (no memory); a read of one
-    outside a trace runs its initializer, so a large model builds slowly
-    (a backend that can trace the build, as JAX can, is faster)."""
-    import keras
-
-    with keras.StatelessScope():
-        try:
-            return build()
-        except ValueError as error:
-            if "stateless scope" not in str(error):
-                raise
-            raise ValueError(
-                "The model is built without values here (in a "
-                "keras.StatelessScope), where a variable made from a value "
-                "cannot be made: an optimizer's, by compile(), or one a "
-                "layer makes from an array. Return the model before "
-                f"compile(). Keras said: {str(error).splitlines()[0]}"
-            ) from None
-
-
 def assign_whole(variable: Variable, read_regions: Callable) -> None:
     """Restores a replicated variable from its whole saved region
     (`read_regions([region]) -> [array]`)."""

@@ -62,12 +62,23 @@ def variable_layout(layout_map: LayoutMap, path: str, shape: Any) -> Any:
 def slot_owner(slot: Any, trainable: List[Any]) -> Any:
     """The trainable variable an optimizer slot belongs to (Keras names a
     slot `<optimizer>/<variable path, '/' -> '_'>_<slot>` and gives it its
-    variable's shape), or None (a counter, a factored slot)."""
+    variable's shape; one built on stand-ins of the variables may name
+    it after their `graph_safe` paths), or None (a counter, a factored slot)."""
     name = slot.path.split("/", 1)[-1]
     shape = tuple(slot.shape)
     return next((v for v in trainable
-                 if name.startswith(v.path.replace("/", "_") + "_")
-                 and tuple(v.shape) == shape), None)
+                 if tuple(v.shape) == shape and any(
+                     name.startswith(path.replace("/", "_") + "_")
+                     for path in (v.path, graph_safe(v.path)))), None)
+
+
+def graph_safe(path: str) -> str:
+    """`path` with every character a TensorFlow graph refuses in a name
+    (all but letters, digits and `_.-/>`) written `_`."""
+    return _GRAPH_REFUSES.sub("_", path)
+
+
+_GRAPH_REFUSES = re.compile(r"[^A-Za-z0-9_.\-/>]")
 
 
 def axis_size(mesh: Any, axis: Any) -> int:

@@ -129,6 +129,21 @@ ROWS: Tuple[Row, ...] = (
     Row("stateless_scope", ((_S + "backend.common.stateless_scope", ""),),
         "a deferred restore waits out Keras' stateless symbolic build",
         "3.10-3.16", "a public in_stateless_scope()"),
+    Row("seed_generator", ((_S + "random.seed_generator", ""),),
+        "a model built without values (kd.layouts) must not leave Keras' "
+        "global seed generator holding a value-less state (it is hidden "
+        "while the build runs), nor its name scope stack holding a scope "
+        "a TensorFlow graph refused", "3.10-3.16",
+        "a public way to scope the global seed generator; TF's name_scope "
+        "joining the stack only once TensorFlow took the name"),
+    Row("seed_generator.GLOBAL_SEED_GENERATOR", (), "see seed_generator",
+        "3.10-3.16"),
+    Row("global_state", ((_S + "backend.common.global_state", ""),),
+        "see seed_generator", "3.10-3.16"),
+    Row("global_state.get_global_attribute", (), "see seed_generator",
+        "3.10-3.16", parameters=("name",)),
+    Row("global_state.set_global_attribute", (), "see seed_generator",
+        "3.10-3.16", parameters=("name", "value")),
     Row("jax_trainer", ((_S + "backend.jax.trainer", ""),),
         "a short last batch gets its own data layout (the trainer reuses "
         "the first batch's)", "3.10-3.16", backends=("jax",)),

@@ -22,9 +22,10 @@ paired column- and row-parallel layers, as keras-hub's hand-written
 A dimension is sharded only when the axis size divides it: a plan never
 holds an indivisible shard (the report says where a rule gave way).
 
-It plans from shapes: a model built in a `keras.StatelessScope` (what
-`plan_layout` does with a function that builds one) has no values, so a
-model far larger than this machine's memory is planned in its memory.
+It plans from shapes: a function that builds the model is run without
+values (`jax.eval_shape` on JAX, torch's fake tensors, a TensorFlow graph:
+the backend's `build_without_values`), so a model far larger than this
+machine's memory is planned in its memory.
 Imports Keras' public API only, and only when called.
 """
 
@@ -173,9 +174,11 @@ def plan_layout(model: ModelOrBuilder, mesh: DeviceMesh, *,
 
     Args:
         model: A built Keras model or layer, or a function of no arguments
-            that builds one: it is called in a `keras.StatelessScope`, so
-            the variables get shapes but no values (a model larger than
-            this machine's memory is planned within it). Its variable
+            that builds one: it is called without values (under
+            `jax.eval_shape`, torch's fake tensors or a TensorFlow graph;
+            `compile()` may be part of it), so the variables get shapes
+            but no memory (a model larger than this machine's memory is
+            planned within it). Its variable
             paths are the map's keys: build the model you train with the
             same layer names (explicitly named layers, keras-hub models,
             or the same function after `keras.backend.clear_session()`).
@@ -274,15 +277,23 @@ def built_model(model: ModelOrBuilder, keras: ModuleType) -> Layer:
                 "Expected a built Keras model or layer, or a function that "
                 f"builds one. Received: model={model!r} of type "
                 f"{type(model).__name__}.")
-        from keras_distribute.backend import get_backend
-
-        built = get_backend().build_without_values(model)
+        built = build_without_values(model)
         if not isinstance(built, keras.layers.Layer):
             raise TypeError(
                 "The function given as `model` must return a Keras model "
                 f"or layer. It returned {type(built).__name__}.")
         model = built
     return model
+
+
+def build_without_values(build: Callable[[], object]) -> object:
+    """Runs `build()` as the backend builds without values, Keras' global
+    state kept (`keras_global_state_kept`); returns what it returned."""
+    from keras_distribute.backend import get_backend
+    from keras_distribute.integration.builds import keras_global_state_kept
+
+    with keras_global_state_kept():
+        return get_backend().build_without_values(build)
 
 
 def variables_of(model: Layer) -> List[Variable]:

@@ -18,6 +18,7 @@ only, and only when called.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import TYPE_CHECKING
@@ -30,13 +31,17 @@ from typing import Union
 from keras_distribute.common.layout_picture import human_bytes
 from keras_distribute.common.layout_picture import nbytes_of
 from keras_distribute.common.layouts import axis_size
+from keras_distribute.common.layouts import graph_safe
 from keras_distribute.common.layouts import slot_owner
 from keras_distribute.common.layouts import variable_layout
+from keras_distribute.integration.builds import keras_global_state_kept
+from keras_distribute.planning.layout_planner import build_without_values
 from keras_distribute.planning.layout_planner import built_model
 from keras_distribute.planning.layout_planner import variables_of
 
 if TYPE_CHECKING:
     from keras import Layer
+    from keras import Variable
     from keras.distribution import LayoutMap
     from keras.optimizers import Optimizer
 
@@ -166,8 +171,7 @@ def estimate_memory(model: ModelOrBuilder,
     loss_fn, sparse = _loss(loss, model, keras)
     inputs = _input_specs(model, input_shape, input_dtype, batch_size, keras)
     targets = _target_specs(model, inputs, sparse, batch_size, keras)
-    backend.build_without_values(
-        lambda: optimizer.build(model.trainable_variables))
+    _build_on_stand_ins(optimizer, model.trainable_variables, keras)
 
     def per_device(path: str, shape: tuple, dtype: str) -> int:
         nbytes = nbytes_of(shape, dtype)
@@ -195,8 +199,9 @@ def estimate_memory(model: ModelOrBuilder,
     batch = sum(nbytes_of(spec.shape, str(spec.dtype)) for spec in
                 keras.tree.flatten((inputs, targets))) // replicas
     resident = parameters + gradients + optimizer_bytes + batch
-    step = backend.step_memory(model, optimizer, loss_fn, inputs, targets,
-                               layout_map)
+    with keras_global_state_kept():  # (a step traced in a TF graph too)
+        step = backend.step_memory(model, optimizer, loss_fn, inputs,
+                                   targets, layout_map)
     if step is not None:
         return MemoryEstimate(parameters, gradients, optimizer_bytes, batch,
                               max(0, step.peak - resident),
@@ -237,6 +242,28 @@ def _fresh_optimizer(optimizer: Any, model: Layer, keras: Any) -> Any:
         raise TypeError(
             f"optimizer={optimizer!r} is not an optimizer Keras knows "
             f"({error}). Pass e.g. 'adam', 'sgd' or an instance.") from None
+
+
+def _build_on_stand_ins(optimizer: Any, trainable: List[Variable],
+                        keras: Any) -> None:
+    """Builds `optimizer` without values on stand-ins of `trainable` of
+    their shapes, dtypes and paths (`graph_safe`), so that its slots are
+    named and shaped as the real step's. Not on the variables themselves:
+    an optimizer ties its slots to them (TensorFlow colocates each with its
+    variable, which a graph cannot do with a variable that has a value)."""
+    def build() -> None:
+        stand_ins = []
+        for variable in trainable:
+            *scopes, name = graph_safe(variable.path).split("/")
+            with contextlib.ExitStack() as stack:
+                for scope in filter(None, scopes):
+                    stack.enter_context(keras.name_scope(scope))
+                stand_ins.append(keras.Variable(
+                    initializer="zeros", shape=tuple(variable.shape),
+                    dtype=variable.dtype, trainable=True, name=name))
+        optimizer.build(stand_ins)
+
+    build_without_values(build)
 
 
 def _loss(loss: Any, model: Layer, keras: Any) -> tuple:

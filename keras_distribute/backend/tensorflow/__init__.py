@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Callable
 from typing import Optional
 from typing import Sequence
 
@@ -230,7 +231,28 @@ def set_host_rng_state(state: Any) -> None:
     """Nothing to set (see `host_rng_state`)."""
 
 
-build_without_values = interface.build_in_stateless_scope
+def build_without_values(build: Callable[[], Any]) -> Any:
+    """Builds in a graph of its own (`tf.Graph().as_default()`): every
+    variable made, the model's and an optimizer's (`compile()` may be part
+    of the build), is a node of that graph, never run, so a model of any
+    size builds in seconds and holds no memory. The model returned holds
+    graph variables: read its variables' shapes, dtypes and paths only.
+
+    Raises:
+        ValueError: if a layer's name is not one a TensorFlow graph takes
+            (letters, digits and `_.-/>`; eager TensorFlow takes any)."""
+    with tf.Graph().as_default():
+        try:
+            return build()
+        except ValueError as error:
+            if "is not a valid scope name" not in str(error):
+                raise
+            raise ValueError(
+                "TensorFlow builds the model without values in a graph, "
+                "where a layer's name may hold only letters, digits and "
+                f"'_.-/>'. TensorFlow said: {error}. Rename the layer, or "
+                "pass the model built instead of a function that builds "
+                "it.") from None
 
 
 def refuse_tpu_strategy() -> None:

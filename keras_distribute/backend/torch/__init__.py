@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Callable
 from typing import Optional
 from typing import Sequence
 
@@ -49,7 +50,19 @@ if TYPE_CHECKING:
     from keras_distribute.cluster_resolver.base import ClusterResolver
 
 name = "torch"
-build_without_values = interface.build_in_stateless_scope
+
+
+def build_without_values(build: Callable[[], Any]) -> Any:
+    """Builds under torch's `FakeTensorMode`: every tensor the build makes,
+    each variable's value (the model's and an optimizer's: `compile()` may
+    be part of the build), has a shape and a dtype but no memory, so a
+    model of any size builds in seconds. A value read as a number (a
+    random initializer's seed) reads as 1. The model returned holds fake
+    tensors: read its variables' shapes, dtypes and paths only."""
+    from keras_distribute.backend.torch.memory import without_values
+
+    with without_values():
+        return build()
 
 
 def apply_gradients(engine: ReplicaEngine, optimizer: Optimizer,

@@ -13,16 +13,22 @@ variables' own values are put back after.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import Iterable
+from typing import Iterator
 from typing import NamedTuple
 from typing import Optional
 
+import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -85,6 +91,32 @@ class _ScalarsReadAsOne(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _ScalarArraysReadAsOne(TorchFunctionMode):
+    """A fake scalar read as a numpy array (Keras' torch Nadam converts its
+    momentum product with `convert_to_numpy`) reads as 1, as
+    `_ScalarsReadAsOne` reads its value; a larger fake tensor still cannot
+    be read."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func in (torch.Tensor.numpy, torch.Tensor.__array__) and (
+                isinstance(args[0], FakeTensor) and args[0].numel() == 1):
+            name = str(args[0].dtype).replace("torch.", "")
+            dtype = np.dtype(name if hasattr(np, name) else "float32")
+            return np.ones(tuple(args[0].shape), dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def without_values() -> Iterator[None]:
+    """While entered, every tensor made is a fake tensor of a new
+    `FakeTensorMode` (a shape, a dtype, no memory) and a value read as a
+    number reads as 1 (`_ScalarsReadAsOne`)."""
+    with FakeTensorMode(allow_non_fake_inputs=True), _ScalarsReadAsOne(), \
+            _ScalarArraysReadAsOne():
+        yield
+
+
 def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                 inputs: Any, targets: Any,
                 layout_map: LayoutMap | None) -> Optional[StepMemory]:
@@ -102,8 +134,6 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     layer, which kd's engine runs on the shards with its output gathered
     whole, is run here on the gathered weights (one layer's whole weights
     at a time over the real step: an upper bound)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     replicas = 1
     shard_shapes: Dict[int, tuple] = {}
     model_axes = False
@@ -143,7 +173,8 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                         + [v._value for v in step_optimizer.variables]
                         + batch)
             with LiveStorageBytes(resident) as live, _GatheringLayers(
-                    shard_shapes, variables), _ScalarsReadAsOne():
+                    shard_shapes, variables), _ScalarsReadAsOne(), \
+                    _ScalarArraysReadAsOne():
                 y_pred = model(x, training=True)
                 value = loss(y, y_pred)
                 for extra in model.losses:
@@ -197,7 +228,7 @@ def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
     import keras
 
     fresh = type(optimizer).from_config(optimizer.get_config())
-    with keras.StatelessScope():
+    with without_values():
         stand_ins = [keras.Variable(
             initializer="zeros",
             shape=shard_shapes.get(id(v), tuple(v.shape)), dtype=v.dtype,
