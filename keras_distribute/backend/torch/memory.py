@@ -7,7 +7,9 @@ the model's variables and the optimizer's slots are given fake values, a
 step as Keras' torch trainer takes it (forward, loss, `backward()`, the
 optimizer's in-place update) runs on a fake batch of one replica, and a
 dispatch mode counts the bytes of every storage the step makes, less
-those it frees, keeping the highest count. Nothing is allocated; the
+those it frees, keeping the highest count, and the copies a convolution's
+or a max pooling's backward kernel makes inside itself when its arguments'
+memory formats differ (`kernel_copy_bytes`). Nothing is allocated; the
 variables' own values are put back after.
 """
 
@@ -46,13 +48,18 @@ if TYPE_CHECKING:
 class LiveStorageBytes(TorchDispatchMode):
     """Counts the bytes of the storages made while it is entered (`live`)
     and their highest count (`peak`); storages that existed before
-    (`resident` tensors') are not counted."""
+    (`resident` tensors') are not counted. With `kernel_copies`, the
+    copies an operator's kernel makes inside itself, unseen by the
+    dispatcher (`kernel_copy_bytes`), count towards the peak while it
+    runs."""
 
-    def __init__(self, resident: Iterable[torch.Tensor]) -> None:
+    def __init__(self, resident: Iterable[torch.Tensor],
+                 kernel_copies: bool = False) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self._counted = {id(t.untyped_storage()) for t in resident}
+        self._kernel_copies = kernel_copies
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -69,11 +76,54 @@ class LiveStorageBytes(TorchDispatchMode):
             self.live += nbytes
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._freed, key, nbytes)
+        if self._kernel_copies:
+            self.peak = max(self.peak,
+                            self.live + kernel_copy_bytes(func, args))
         return out
 
     def _freed(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
         self._counted.discard(key)
+
+
+def kernel_copy_bytes(func: Any, args: Any) -> int:
+    """The bytes of the copies `func`'s kernel makes inside itself when its
+    arguments are laid out in different memory formats (a Keras layer
+    hands torch channels-last views; an operator between may return
+    contiguous tensors): a convolution's backward copies the output
+    gradient into its input's format, a max pooling's backward copies its
+    input and indices into the output gradient's (measured on CPU: the
+    resident memory of the real kernels)."""
+    aten = torch.ops.aten
+    if func is aten.convolution_backward.default:
+        grad, given = args[0], args[1]
+        return 0 if _same_format(grad, given) else _nbytes(grad)
+    if func in (aten.max_pool2d_with_indices_backward.default,
+                aten.max_pool3d_with_indices_backward.default):
+        grad, given, indices = args[0], args[1], args[-1]
+        return 0 if _same_format(grad, given) else (
+            _nbytes(given) + _nbytes(indices))
+    return 0
+
+
+def _same_format(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _memory_format(a) == _memory_format(b)
+
+
+def _memory_format(tensor: torch.Tensor) -> str:
+    if tensor.is_contiguous():
+        return "contiguous"
+    for name, memory_format in (("channels_last", torch.channels_last),
+                                ("channels_last_3d",
+                                 torch.channels_last_3d)):
+        if tensor.dim() == (4 if name == "channels_last" else 5) and (
+                tensor.is_contiguous(memory_format=memory_format)):
+            return name
+    return "strided"
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class _ScalarsReadAsOne(TorchDispatchMode):
@@ -172,7 +222,8 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
             resident = ([v._value for v in variables]
                         + [v._value for v in step_optimizer.variables]
                         + batch)
-            with LiveStorageBytes(resident) as live, _GatheringLayers(
+            with LiveStorageBytes(resident, kernel_copies=True) as live, \
+                    _GatheringLayers(
                     shard_shapes, variables), _ScalarsReadAsOne(), \
                     _ScalarArraysReadAsOne():
                 y_pred = model(x, training=True)
