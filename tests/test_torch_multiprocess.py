@@ -560,10 +560,10 @@ def test_sharded_layout_errors_in_one_process():
         kd.MirroredStrategy(layout_map=twice)
     import torch
 
-    from keras_distribute.backend.torch import sharding as torch_sharding
+    from keras_distribute.backend.torch import mesh as torch_mesh
 
     cpu = torch.device("cpu")
-    ranks = torch_sharding.mesh_ranks(
+    ranks = torch_mesh.mesh_ranks(
         DeviceMesh((2, 2), ["batch", "model"],
                    ["cpu:0", "cpu:2", "cpu:1", "cpu:3"]), cpu, 4)
     assert ranks.tolist() == [[0, 2], [1, 3]]
@@ -578,7 +578,7 @@ def test_sharded_layout_errors_in_one_process():
             (["cpu:1", "cpu:0"], "ranks must increase.*\\[\\[1, 0\\]\\] "
              "along axis 'model'")):
         with pytest.raises(ValueError, match=message):
-            torch_sharding.mesh_ranks(
+            torch_mesh.mesh_ranks(
                 DeviceMesh((1, 2), ["batch", "model"], devices), cpu, 2)
     replicated = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
                                       ["cpu:0", "cpu:1"]))

@@ -23,8 +23,6 @@ layer runs: `fully_sharded.py`.
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 import os
 import weakref
 from typing import TYPE_CHECKING
@@ -34,7 +32,6 @@ from typing import Optional
 from typing import Sequence
 from typing import Tuple
 
-import keras
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -51,7 +48,9 @@ from keras_distribute.backend import interface
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch.engine import TorchEngine
 from keras_distribute.backend.torch.fully_sharded import FullyShardedVariables
-from keras_distribute.backend.torch.variables import whole_value
+from keras_distribute.backend.torch.layer_calls import call_sharded
+from keras_distribute.backend.torch.mesh import check_mesh
+from keras_distribute.backend.torch.mesh import mesh_ranks
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import check_layout_fits
@@ -64,96 +63,6 @@ if TYPE_CHECKING:
     from keras import Model
     from keras.distribution import LayoutMap
     from keras.layers import Layer
-
-
-def check_mesh(layout_map: LayoutMap, world_size: int) -> None:
-    """Raises unless the mesh and its layouts fit a torch job of
-    `world_size` processes."""
-    mesh = layout_map.device_mesh
-    size = math.prod(mesh.shape)
-    for key, layout in layout_map.items():
-        named = [name for axis in layout.axes for name in axis_names(axis)]
-        twice = sorted({name for name in named if named.count(name) > 1})
-        if twice:
-            raise ValueError(
-                f"The layout for {key!r} shards two dimensions over mesh "
-                f"axis {twice[0]!r}; a mesh axis can cut one dimension of a "
-                f"variable. Received: layout axes={tuple(layout.axes)}. Name "
-                "each mesh axis at most once per layout.")
-    if size != world_size:
-        raise ValueError(
-            f"On the torch backend each process is one device of the mesh, "
-            f"so a mesh of shape {tuple(mesh.shape)} ({size} devices) needs "
-            f"{size} processes. Received: {world_size} process(es). Launch "
-            f"{size} processes (kd.launch(fn, num_processes={size}), "
-            "torchrun), or build the mesh for the processes you have.")
-
-
-_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
-
-
-def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
-    """The rank of the process at each position of `device_mesh`.
-
-    A torch mesh names its processes as Keras' torch backend does: the index
-    of a device name is the rank of its process (`"cpu:3"`, `"gpu:3"`: rank
-    3), each rank once, of this process's device type, the ranks
-    increasing along every mesh axis (torch's groups are ordered by rank).
-
-    Args:
-        device_mesh: A `keras.distribution.DeviceMesh`.
-        device: This process's `torch.device`.
-        world_size: The number of processes of the job.
-
-    Returns:
-        The ranks as an array of the mesh's shape.
-
-    Raises:
-        ValueError: A device name without an index, a rank outside the job
-            or named twice, another device type than this process's, or
-            ranks that decrease along a mesh axis.
-
-    Example:
-
-    >>> mesh = keras.distribution.DeviceMesh(
-    ...     (2, 2), ["batch", "model"], ["cpu:0", "cpu:2", "cpu:1", "cpu:3"])
-    >>> mesh_ranks(mesh, torch.device("cpu"), 4).tolist()
-    [[0, 2], [1, 3]]
-    """
-    names = [str(d) for d in np.asarray(device_mesh.devices).flat]
-    expected = device.type
-    prefix = "gpu" if expected == "cuda" else expected  # Keras' spelling
-    ranks = []
-    for name in names:
-        kind, _, index = name.lower().rpartition(":")
-        if _DEVICE_TYPES.get(kind) != expected or not index.isdigit():
-            raise ValueError(
-                f"On the torch backend each device of the mesh is one "
-                f"process, named by its device type ({expected!r}) and rank, "
-                f"e.g. '{prefix}:0'. Received: device {name!r} in devices "
-                f"{names}. Build the mesh with "
-                "devices=keras.distribution.list_devices() or "
-                f"[f'{prefix}:{{r}}' for r in range({world_size})].")
-        ranks.append(int(index))
-    if sorted(ranks) != list(range(world_size)):
-        raise ValueError(
-            f"The mesh's devices must name each rank of the job "
-            f"(0..{world_size - 1}) once. Received: ranks {ranks} (devices "
-            f"{names}). Build the mesh with "
-            "devices=keras.distribution.list_devices(), or list each "
-            "process once.")
-    grid = np.asarray(ranks).reshape(tuple(device_mesh.shape))
-    for dim, axis in enumerate(device_mesh.axis_names):
-        if not np.all(np.diff(grid, axis=dim) > 0):
-            raise ValueError(
-                f"Along each mesh axis the ranks must increase: torch orders "
-                f"the processes of a group by rank (`new_group` sorts them) "
-                f"and DTensor's collectives follow that order, so a shard "
-                f"would land on another process than its position says. "
-                f"Received: ranks {grid.tolist()} along axis {axis!r} "
-                f"(devices {names}). List the devices so that each axis "
-                "counts up, e.g. keras.distribution.list_devices() in order.")
-    return grid
 
 
 class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
@@ -443,60 +352,10 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
 
     def sharded_forward(self, forward: Callable, layer: Layer, args: tuple,
                         kwargs: dict) -> Any:
-        """Calls a sharded layer: replicated DTensors in, whole tensors out."""
-        def enter(leaf):
-            if isinstance(leaf, torch.Tensor) and not isinstance(
-                    leaf, DTensor) and leaf.device.type != "meta":
-                return DTensor.from_local(
-                    leaf, self.model_mesh,
-                    [Replicate()] * self.model_mesh.ndim, run_check=False)
-            return leaf
-
-        if not any(isinstance(leaf, torch.Tensor) and leaf.device.type !=
-                   "meta" for leaf in keras.tree.flatten((args, kwargs))):
-            return forward(layer, *args, **kwargs)  # symbolic call
-        args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
-        with implicit_replication(), self.gathered_variables(
-                layer), _replicated_while_convolving(layer):
-            outputs = forward(layer, *args, **kwargs)
-        return keras.tree.map_structure(whole_value, outputs)
-
-
-@contextlib.contextmanager
-def _replicated_while_convolving(layer: Layer):
-    """While a Keras convolution runs, its trainable variables sharded over
-    a model axis read replicated (gathered by DTensor; their gradients go
-    back to the shards): DTensor's convolution does not compute on a
-    kernel cut by channels (torch 2.13: its local shapes disagree), so
-    such a layer keeps only its memory sharded, at rest, and computes
-    whole."""
-    if not isinstance(layer, _convolutions()):
-        yield
-        return
-    swapped = []
-    try:
-        for variable in layer.__dict__.get("_trainable_variables", ()):
-            value = variable._value
-            if isinstance(value, DTensor) and any(
-                    isinstance(p, Shard) for p in value.placements):
-                swapped.append((variable, value))
-                variable._value = value.redistribute(
-                    value.device_mesh,
-                    [Replicate()] * value.device_mesh.ndim)
-        yield
-    finally:
-        for variable, value in reversed(swapped):
-            variable._value = value
-
-
-@functools.lru_cache(maxsize=None)
-def _convolutions() -> tuple:
-    """Keras' convolution layers (their subclasses are convolutions too)."""
-    layers = keras.layers
-    return tuple(getattr(layers, name) for name in (
-        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
-        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D",
-        "SeparableConv1D", "SeparableConv2D") if hasattr(layers, name))
+        """Calls a sharded layer: replicated DTensors in, whole tensors out
+        (`layer_calls.call_sharded`)."""
+        return call_sharded(forward, layer, args, kwargs, self.model_mesh,
+                            self.gathered_variables)
 
 
 def _raised_in_ddp(error: BaseException) -> bool:
