@@ -21,8 +21,13 @@ compiling first epoch) and the largest weight difference from the same
 steps on one device. Goal: step time at most 1.05x the anchor's, weights
 equal to one device's (1e-5).
 
+With `--backend tensorflow` or `--backend torch`, only the planning of the
+7B shape is measured (built in a TensorFlow graph of its own, or on torch's
+fake tensors) and recorded as `plan_layout_7b_<backend>`; training under a
+planned map on torch processes is `bench_plan_layout_torch.py`.
+
 Usage:
-    python benchmarks/bench_plan_layout.py
+    python benchmarks/bench_plan_layout.py [--backend jax|tensorflow|torch]
 """
 
 import argparse
@@ -35,10 +40,12 @@ import time
 PARSER = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 PARSER.add_argument("--trials", type=int, default=3)
 PARSER.add_argument("--steps", type=int, default=20)
+PARSER.add_argument("--backend", default="jax",
+                    choices=["jax", "tensorflow", "torch"])
 ARGS = PARSER.parse_args() if __name__ == "__main__" else None
 
 if ARGS is not None:
-    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["KERAS_BACKEND"] = ARGS.backend
     os.environ.setdefault("XLA_FLAGS",
                           "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -103,8 +110,11 @@ def main():
 
     import keras_distribute as kd
 
-    mesh = keras.distribution.DeviceMesh(
-        (2, 4), ["batch", "model"], keras.distribution.list_devices())
+    # (A plan needs the mesh's shape only: on torch and TensorFlow one
+    # process names the 8 devices a job of 8 would have.)
+    devices = (keras.distribution.list_devices() if ARGS.backend == "jax"
+               else [f"cpu:{i}" for i in range(8)])
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], devices)
     before = peak_rss_bytes()
     times = []
     for _ in range(ARGS.trials + 1):  # the first warms up
@@ -122,35 +132,7 @@ def main():
         whole = row.bytes_per_device * _shards(row.axes, sizes)
         anchor_bytes += whole // _shards(axes, sizes)
         differ += axes != row.axes
-    small_plan = kd.layouts.plan_layout(small_gemma, mesh)
-    small = small_plan.layout_map
-    by_hand = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    small_differ = sum(
-        (tuple(by_hand[row.path].axes) if by_hand[row.path] is not None
-         else (None,) * len(row.shape)) != row.axes
-        for row in small_plan.variables)
-    step_times = {"plan": [], "keras_hub": []}
-    weights = {}
-    for _ in range(ARGS.trials):
-        for name, layout_map in (("plan", small), ("keras_hub", by_hand)):
-            step, weights[name] = train(layout_map, ARGS.steps)
-            step_times[name].append(step)
-    _, reference = train(None, ARGS.steps)
-    differences = {name: max(float(abs(a - b).max()) for a, b in zip(
-        found, reference)) for name, found in weights.items()}
-    from _results import record
-
-    record("plan_layout", {
-        "train_model": "keras-hub GemmaBackbone, 4 layers, hidden 256, "
-                       "sequence 64, batch 32, float32",
-        "train_steps": 2 * ARGS.steps,
-        "train_variables_laid_out_differently":
-            f"{small_differ} of {len(small_plan.variables)}",
-        "plan_step_s": statistics.median(step_times["plan"]),
-        "anchor_step_s": statistics.median(step_times["keras_hub"]),
-        "step_ratio": statistics.median(step_times["plan"])
-        / statistics.median(step_times["keras_hub"]),
-        "max_weight_difference_from_one_device": differences,
+    planned = {
         "model": "keras-hub GemmaBackbone, Gemma-7B shape, bfloat16",
         "parameters": sum(
             row.bytes_per_device * _shards(row.axes, sizes) // 2
@@ -167,7 +149,42 @@ def main():
         "variables_laid_out_differently": differ,
         "replicated_bytes": plan.replicated_bytes,
         "goal": f"< {GOAL_S:.0f} s, < 2 GB, <= {GOAL_RATIO}x the anchor",
-    })
+    }
+    from _results import record
+
+    if ARGS.backend != "jax":
+        record(f"plan_layout_7b_{ARGS.backend}", dict(
+            planned, built={"tensorflow": "in a TensorFlow graph of its own",
+                            "torch": "on torch fake tensors"}[ARGS.backend]))
+        return
+    small_plan = kd.layouts.plan_layout(small_gemma, mesh)
+    small = small_plan.layout_map
+    by_hand = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    small_differ = sum(
+        (tuple(by_hand[row.path].axes) if by_hand[row.path] is not None
+         else (None,) * len(row.shape)) != row.axes
+        for row in small_plan.variables)
+    step_times = {"plan": [], "keras_hub": []}
+    weights = {}
+    for _ in range(ARGS.trials):
+        for name, layout_map in (("plan", small), ("keras_hub", by_hand)):
+            step, weights[name] = train(layout_map, ARGS.steps)
+            step_times[name].append(step)
+    _, reference = train(None, ARGS.steps)
+    differences = {name: max(float(abs(a - b).max()) for a, b in zip(
+        found, reference)) for name, found in weights.items()}
+    record("plan_layout", dict(planned, **{
+        "train_model": "keras-hub GemmaBackbone, 4 layers, hidden 256, "
+                       "sequence 64, batch 32, float32",
+        "train_steps": 2 * ARGS.steps,
+        "train_variables_laid_out_differently":
+            f"{small_differ} of {len(small_plan.variables)}",
+        "plan_step_s": statistics.median(step_times["plan"]),
+        "anchor_step_s": statistics.median(step_times["keras_hub"]),
+        "step_ratio": statistics.median(step_times["plan"])
+        / statistics.median(step_times["keras_hub"]),
+        "max_weight_difference_from_one_device": differences,
+    }))
 
 
 def _shards(axes, sizes):

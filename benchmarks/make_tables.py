@@ -414,6 +414,19 @@ def memory_jax_table():
         (("param_bytes", "params"), ("optimizer_bytes", "optimizer")))
 
 
+def _planned_row(entry, built):
+    r = entry["result"]
+    return (f"| {r['model']} ({r['parameters'] / 1e9:.1f} B parameters, "
+            f"{r['variables']} variables), built {built} | {r['mesh']} | "
+            f"{r['plan_s']:.2f} s; {r['first_plan_s']:.2f} s | "
+            f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB "
+            f"({r['planning_added_rss_bytes'] / 2**20:,.0f} MiB) | "
+            f"{r['plan_bytes_per_device'] / 2**30:.2f} GiB / "
+            f"{r['anchor_bytes_per_device'] / 2**30:.2f} GiB "
+            f"({r['ratio']:.2f}x) | {r['variables_laid_out_differently']} of "
+            f"{r['variables']} | {r['goal']} | {_run(entry)} |")
+
+
 def plan_layout_table():
     entry = _load("plan_layout")
     r = entry["result"]
@@ -421,15 +434,12 @@ def plan_layout_table():
             "(planning added) | bytes/device: plan / keras-hub's map | "
             "laid out differently | goal | run |",
             "|---|---|---|---|---|---|---|---|",
-            f"| {r['model']} ({r['parameters'] / 1e9:.1f} B parameters, "
-            f"{r['variables']} variables) | {r['mesh']} | "
-            f"{r['plan_s']:.2f} s; {r['first_plan_s']:.2f} s | "
-            f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB "
-            f"({r['planning_added_rss_bytes'] / 2**20:,.0f} MiB) | "
-            f"{r['plan_bytes_per_device'] / 2**30:.2f} GiB / "
-            f"{r['anchor_bytes_per_device'] / 2**30:.2f} GiB "
-            f"({r['ratio']:.2f}x) | {r['variables_laid_out_differently']} of "
-            f"{r['variables']} | {r['goal']} | {_run(entry)} |"]
+            _planned_row(entry, "by jax.eval_shape (JAX)")]
+    for backend in ("tensorflow", "torch"):
+        if os.path.exists(os.path.join(RESULTS,
+                                       f"plan_layout_7b_{backend}.json")):
+            other = _load(f"plan_layout_7b_{backend}")
+            rows.append(_planned_row(other, other["result"]["built"]))
     if "plan_step_s" in r:
         d = r["max_weight_difference_from_one_device"]
         rows += ["", "| trained | laid out differently | steps | step: plan "
