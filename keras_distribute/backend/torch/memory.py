@@ -113,12 +113,12 @@ def _same_format(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _memory_format(tensor: torch.Tensor) -> str:
     if tensor.is_contiguous():
         return "contiguous"
-    for name, memory_format in (("channels_last", torch.channels_last),
-                                ("channels_last_3d",
-                                 torch.channels_last_3d)):
-        if tensor.dim() == (4 if name == "channels_last" else 5) and (
-                tensor.is_contiguous(memory_format=memory_format)):
-            return name
+    if tensor.dim() == 4 and tensor.is_contiguous(
+            memory_format=torch.channels_last):
+        return "channels_last"
+    if tensor.dim() == 5 and tensor.is_contiguous(
+            memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
     return "strided"
 
 
@@ -160,10 +160,10 @@ class _ScalarArraysReadAsOne(TorchFunctionMode):
 @contextlib.contextmanager
 def without_values() -> Iterator[None]:
     """While entered, every tensor made is a fake tensor of a new
-    `FakeTensorMode` (a shape, a dtype, no memory) and a value read as a
-    number reads as 1 (`_ScalarsReadAsOne`)."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _ScalarsReadAsOne(), \
-            _ScalarArraysReadAsOne():
+    `FakeTensorMode` (a shape, a dtype, no memory), and a fake scalar read
+    as a number or a numpy array reads as 1."""
+    with (FakeTensorMode(allow_non_fake_inputs=True), _ScalarsReadAsOne(),
+          _ScalarArraysReadAsOne()):
         yield
 
 
@@ -222,10 +222,9 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
             resident = ([v._value for v in variables]
                         + [v._value for v in step_optimizer.variables]
                         + batch)
-            with LiveStorageBytes(resident, kernel_copies=True) as live, \
-                    _GatheringLayers(
-                    shard_shapes, variables), _ScalarsReadAsOne(), \
-                    _ScalarArraysReadAsOne():
+            with (LiveStorageBytes(resident, kernel_copies=True) as live,
+                  _GatheringLayers(shard_shapes, variables),
+                  _ScalarsReadAsOne(), _ScalarArraysReadAsOne()):
                 y_pred = model(x, training=True)
                 value = loss(y, y_pred)
                 for extra in model.losses:
