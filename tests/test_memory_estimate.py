@@ -297,6 +297,26 @@ def test_torch_kernel_copies_are_the_resident_memory_of_the_real_kernels():
     assert measured["storages"] < 0.85 * real, measured
 
 
+def test_gloo_collectives_hold_a_second_whole_buffer_while_they_run():
+    # What the estimate emulates for a job on gloo (kd's process group on a
+    # machine without CUDA): an all-gather through DTensor peaks at twice
+    # the whole tensor, a reduce-scatter at its input once more beside its
+    # result — the second inside gloo, which no dispatcher sees
+    # (`kernel_copy_bytes`). Measured as the processes' resident memory.
+    if BACKEND != "torch":
+        pytest.skip("torch processes")
+    import workers_torch
+
+    for result in kd.launch(workers_torch.gloo_collective_staging,
+                            num_processes=2, timeout=240):
+        gather, scatter = result["all_gather"], result["reduce_scatter"]
+        assert abs(gather["real"] - 2 * gather["result"]) <= (
+            0.1 * gather["real"]), result
+        assert abs(scatter["counted"] - scatter["real"]) <= (
+            0.1 * scatter["real"]), result
+        assert scatter["real"] > 2 * scatter["result"], result  # material
+
+
 @pytest.mark.parametrize("axis", ["batch", "model"])
 def test_torch_sharded_step_within_ten_percent_across_processes(axis):
     # Two torch processes. Over the batch axis (one-line FSDP): each holds

@@ -1265,8 +1265,12 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
 
     import keras_distribute as kd
     from keras_distribute.backend.torch.memory import LiveStorageBytes
+    from keras_distribute.backend.torch.memory import kernel_copy_bytes
 
     class LocalStorageBytes(LiveStorageBytes):
+        # (with what a kernel holds inside itself: gloo's collectives'
+        # staging buffers, checked against the resident memory by
+        # test_gloo_collectives_stage_...)
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for tensor in tree_flatten(out)[0]:
@@ -1282,6 +1286,8 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
                 self.peak = max(self.peak, self.live)
                 weakref.finalize(storage, self._freed, id(storage),
                                  storage.nbytes())
+            self.peak = max(self.peak,
+                            self.live + kernel_copy_bytes(func, args))
             return out
 
     size = int(os.environ["WORLD_SIZE"])
@@ -1440,3 +1446,43 @@ def sharded_convolutions():
     return {"weights": model.get_weights(),
             "local": [tuple(model.get_layer(name).kernel.value.to_local()
                             .shape) for name in ("conv_a", "conv_b")]}
+
+
+def gloo_collective_staging(rows=4096):
+    """A gloo all-gather of a (rows, 1024) tensor cut over the processes,
+    and a reduce-scatter of a whole one onto them: each collective's peak
+    resident memory above what was resident before it, and kd's count of
+    it (the storages it makes and `kernel_copy_bytes`)."""
+    _setup()
+    import ctypes
+
+    import torch
+    from conftest import proc_status
+    from conftest import reset_peak_resident
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Partial
+
+    from keras_distribute.backend.torch.memory import LiveStorageBytes
+
+    # glibc maps every block over 64 KiB on its own (M_MMAP_THRESHOLD):
+    # freed tensors leave the resident set.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    measured = {}
+    cut = distribute_tensor(torch.rand(rows, 1024), mesh, [Shard(0)])
+    partial = torch.distributed.tensor.DTensor.from_local(
+        torch.rand(rows, 1024), mesh, [Partial()], run_check=False)
+    for name, value, placement in (("all_gather", cut, Replicate()),
+                                   ("reduce_scatter", partial, Shard(0))):
+        before = reset_peak_resident()
+        with LiveStorageBytes([value.to_local()],
+                              kernel_copies=True) as counted:
+            result = value.redistribute(mesh, [placement]).to_local()
+            real = proc_status("VmHWM") - before
+        measured[name] = {"real": real, "counted": counted.peak,
+                          "result": result.numel() * 4}
+        del result
+    return measured

@@ -87,13 +87,17 @@ class LiveStorageBytes(TorchDispatchMode):
 
 
 def kernel_copy_bytes(func: Any, args: Any) -> int:
-    """The bytes of the copies `func`'s kernel makes inside itself when its
-    arguments are laid out in different memory formats (a Keras layer
-    hands torch channels-last views; an operator between may return
-    contiguous tensors): a convolution's backward copies the output
-    gradient into its input's format, a max pooling's backward copies its
-    input and indices into the output gradient's (measured on CPU: the
-    resident memory of the real kernels)."""
+    """The bytes `func`'s kernel holds inside itself while it runs, unseen
+    by the dispatcher: the copies it makes when its arguments are laid out
+    in different memory formats (a Keras layer hands torch channels-last
+    views; an operator between may return contiguous tensors) — a
+    convolution's backward copies the output gradient into its input's
+    format, a max pooling's backward copies its input and indices into the
+    output gradient's —, and a gloo reduce-scatter's copy of its whole
+    input (`_gloo_stages_collectives`) (measured on CPU: the resident
+    memory of the real kernels)."""
+    if func is torch.ops._c10d_functional.reduce_scatter_tensor.default:
+        return _nbytes(args[0]) if _gloo_stages_collectives() else 0
     aten = torch.ops.aten
     if func is aten.convolution_backward.default:
         grad, given = args[0], args[1]
@@ -187,8 +191,11 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     replicas = 1
     shard_shapes: Dict[int, tuple] = {}
     model_axes = False
+    staged: set = set()
     if layout_map is not None:
         shard_shapes = _shard_shapes(model, layout_map)
+        if _gloo_stages_collectives():
+            staged = _batch_sharded(model, layout_map)
         mesh = layout_map.device_mesh
         replicas = int(mesh.shape[0])
         model_axes = any(int(size) > 1 for size in tuple(mesh.shape)[1:])
@@ -223,7 +230,7 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                         + [v._value for v in step_optimizer.variables]
                         + batch)
             with (LiveStorageBytes(resident, kernel_copies=True) as live,
-                  _GatheringLayers(shard_shapes, variables),
+                  _GatheringLayers(shard_shapes, variables, staged),
                   _ScalarsReadAsOne(), _ScalarArraysReadAsOne()):
                 y_pred = model(x, training=True)
                 value = loss(y, y_pred)
@@ -287,20 +294,61 @@ def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
     return fresh, stand_ins
 
 
+def _gloo_stages_collectives() -> bool:
+    """Whether the job's process group is gloo — kd's on a machine without
+    CUDA (`groups.py`), as here —, whose all-gather (through DTensor) and
+    reduce-scatter each hold a second buffer of the whole tensor while
+    they run: the all-gather one torch makes (a storage the dispatcher
+    sees, absent from `_Gathered`'s emulation), the reduce-scatter a copy
+    of its input inside gloo (measured: a 2-process job's resident memory
+    peaks at twice the whole tensor for an all-gather, one and a half for
+    a reduce-scatter onto half)."""
+    return not torch.cuda.is_available()
+
+
+def _batch_sharded(model: Model, layout_map: LayoutMap) -> set:
+    """The ids of the variables the map shards over the batch axis (kd's
+    engine gathers them over it with a collective while their layer
+    computes, and reduce-scatters their gradients)."""
+    mesh = layout_map.device_mesh
+    batch_axis = mesh.axis_names[0]
+    if axis_size(mesh, batch_axis) <= 1:
+        return set()
+    found = set()
+    for variable in model.variables:
+        shape = tuple(int(s) for s in variable.shape)
+        layout = variable_layout(layout_map, variable.path, shape)
+        if layout is not None and batch_axis in layout_axes(layout):
+            found.add(id(variable))
+    return found
+
+
+def _staging(like: torch.Tensor, shape: tuple, staged: bool) -> None:
+    """A collective's staging buffer of `shape`, made and freed at once
+    (it counts towards the peak while the collective runs)."""
+    if staged:
+        like.new_empty(shape)
+
+
 class _Gathered(torch.autograd.Function):
     """A shard gathered whole (new storage, as DTensor's all-gather makes);
     in backward the whole gradient reduce-scattered onto the shard (new
-    storage of the shard's size)."""
+    storage of the shard's size). `staged`: each collective also holds a
+    staging buffer of the whole while it runs (gloo)."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor,
-                shape: tuple) -> torch.Tensor:
-        ctx.shard_shape = tuple(shard.shape)
-        return shard.new_empty(shape)
+    def forward(ctx: Any, shard: torch.Tensor, shape: tuple,
+                staged: bool) -> torch.Tensor:
+        ctx.shard_shape, ctx.staged = tuple(shard.shape), staged
+        whole = shard.new_empty(shape)
+        _staging(shard, shape, staged)
+        return whole
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad.new_empty(ctx.shard_shape), None
+        shard = grad.new_empty(ctx.shard_shape)
+        _staging(grad, tuple(grad.shape), ctx.staged)
+        return shard, None, None
 
 
 class _GatheringLayers:
@@ -308,10 +356,14 @@ class _GatheringLayers:
     reads them gathered whole as it computes (global torch module hooks),
     and what its operations save of them for backward is a note that the
     backward pass gathers again (new storage), as kd's torch engine does
-    (`fully_sharded.FullyShardedVariables.gathered_variables`)."""
+    (`fully_sharded.FullyShardedVariables.gathered_variables`); each
+    gathering of a variable in `staged` holds a collective's staging
+    buffer while it runs (`_gloo_stages_collectives`)."""
 
-    def __init__(self, shard_shapes: dict, variables: list) -> None:
+    def __init__(self, shard_shapes: dict, variables: list,
+                 staged: set) -> None:
         self._sharded = {id(v): v for v in variables if id(v) in shard_shapes}
+        self._staged = staged
         self._swapped: list = []
         self._gathered: dict = {}
         self._handles: list = []
@@ -346,11 +398,12 @@ class _GatheringLayers:
         swapped = []
         for variable in own:
             shard = variable._value
+            staged = id(variable) in self._staged
             gathered = _Gathered.apply(
-                shard, tuple(int(s) for s in variable.shape))
+                shard, tuple(int(s) for s in variable.shape), staged)
             variable._value = gathered
             if variable.trainable:
-                self._gathered[id(gathered.untyped_storage())] = gathered
+                self._gathered[id(gathered.untyped_storage())] = staged
             swapped.append((variable, shard, gathered))
         notes = torch.autograd.graph.saved_tensors_hooks(self._pack,
                                                          self._unpack)
@@ -374,14 +427,15 @@ class _GatheringLayers:
         if id(storage) in self._gathered:
             return _Note(tuple(saved.size()), tuple(saved.stride()),
                          saved.storage_offset(), saved.dtype,
-                         storage.nbytes())
+                         storage.nbytes(), self._gathered[id(storage)])
         return saved
 
     @staticmethod
     def _unpack(packed: Any) -> Any:
         if isinstance(packed, _Note):  # gathered again: new storage
-            whole = torch.empty(packed.nbytes // packed.dtype.itemsize,
-                                dtype=packed.dtype)
+            count = packed.nbytes // packed.dtype.itemsize
+            whole = torch.empty(count, dtype=packed.dtype)
+            _staging(whole, (count,), packed.staged)
             return whole.as_strided(packed.size, packed.stride,
                                     packed.offset)
         return packed
@@ -395,6 +449,7 @@ class _Note(NamedTuple):
     offset: int
     dtype: Any
     nbytes: int
+    staged: bool  # its gathering holds a collective's staging buffer
 
 
 def _unflatten(structure: Any, leaves: list) -> Any:
