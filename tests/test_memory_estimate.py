@@ -141,7 +141,7 @@ def torch_peak_of_keras_step(make, data):
     memory formats differ (the rule itself: test_torch_kernel_copies_...)."""
     import torch
 
-    from keras_distribute.backend.torch.memory import LiveStorageBytes
+    from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
 
     model = make()
     model.compile(optimizer="adam", loss="mse")
@@ -259,7 +259,7 @@ _TORCH_RESIDENT_STEP = textwrap.dedent("""
         before = reset_peak_resident()
         model.train_on_batch(x, y)
         real.append(proc_status("VmHWM") - before)
-    from keras_distribute.backend.torch.memory import LiveStorageBytes
+    from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
     import torch
     xt, yt = torch.as_tensor(x), torch.as_tensor(y)
     resident = [v.value for v in model.variables + model.optimizer.variables

@@ -1264,8 +1264,10 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
     from torch.utils._pytree import tree_flatten
 
     import keras_distribute as kd
-    from keras_distribute.backend.torch.memory import LiveStorageBytes
-    from keras_distribute.backend.torch.memory import kernel_copy_bytes
+    from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
+    from keras_distribute.backend.torch.storage_counting import (
+        kernel_copy_bytes,
+    )
 
     class LocalStorageBytes(LiveStorageBytes):
         # (with what a kernel holds inside itself: gloo's collectives'
@@ -1465,7 +1467,7 @@ def gloo_collective_staging(rows=4096):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import Partial
 
-    from keras_distribute.backend.torch.memory import LiveStorageBytes
+    from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
 
     # glibc maps every block over 64 KiB on its own (M_MMAP_THRESHOLD):
     # freed tensors leave the resident set.
