@@ -1451,16 +1451,20 @@ def sharded_convolutions():
 
 
 def gloo_collective_staging(rows=4096):
-    """A gloo all-gather of a (rows, 1024) tensor cut over the processes,
-    and a reduce-scatter of a whole one onto them: each collective's peak
-    resident memory above what was resident before it, and kd's count of
-    it (the storages it makes and `kernel_copy_bytes`)."""
+    """A gloo reduce-scatter of a whole (rows, 1024) tensor onto the
+    processes, then an all-gather of one cut over them: each collective's
+    peak resident memory above what was resident before it, and kd's count
+    of it (the storages it makes and `kernel_copy_bytes`). The
+    reduce-scatter comes first: gloo may reuse for its copy memory an
+    earlier collective left it (then none of it shows in the resident
+    set)."""
     _setup()
     import ctypes
 
     import torch
     from conftest import proc_status
     from conftest import reset_peak_resident
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard
@@ -1477,12 +1481,14 @@ def gloo_collective_staging(rows=4096):
     cut = distribute_tensor(torch.rand(rows, 1024), mesh, [Shard(0)])
     partial = torch.distributed.tensor.DTensor.from_local(
         torch.rand(rows, 1024), mesh, [Partial()], run_check=False)
-    for name, value, placement in (("all_gather", cut, Replicate()),
-                                   ("reduce_scatter", partial, Shard(0))):
+    for name, value, placement in (("reduce_scatter", partial, Shard(0)),
+                                   ("all_gather", cut, Replicate())):
         before = reset_peak_resident()
         with LiveStorageBytes([value.to_local()],
                               kernel_copies=True) as counted:
             result = value.redistribute(mesh, [placement]).to_local()
+            if isinstance(result, AsyncCollectiveTensor):
+                result = result.wait()  # (measured once the work is done)
             real = proc_status("VmHWM") - before
         measured[name] = {"real": real, "counted": counted.peak,
                           "result": result.numel() * 4}
