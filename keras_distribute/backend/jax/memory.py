@@ -6,7 +6,8 @@ on abstract arrays (`jax.ShapeDtypeStruct`s carrying each variable's
 sharding) and compiled for the mesh; `memory_analysis()` of the compiled
 program says what one device holds: its arguments, its outputs less those
 aliased to donated arguments, and the temporaries (gradients, activations,
-workspace) at their peak. Nothing is allocated: the model may be built
+workspace) at their peak. On the CPU platform, the most one kernel takes
+outside XLA's buffers is added (`cpu_scratch`). Nothing is allocated: the model may be built
 without values (`build_without_values`).
 """
 
@@ -20,6 +21,7 @@ from typing import Optional
 from typing import Tuple
 
 from keras_distribute.backend.interface import StepMemory
+from keras_distribute.backend.jax.cpu_scratch import largest_kernel_scratch
 from keras_distribute.common.layouts import slot_owner
 from keras_distribute.common.layouts import variable_layout
 
@@ -131,5 +133,11 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     stats = compiled.memory_analysis()
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-    return StepMemory(peak,
-                      "XLA's memory analysis of the compiled step" + where)
+    method = "XLA's memory analysis of the compiled step" + where
+    if devices[0].platform == "cpu":
+        scratch, what = largest_kernel_scratch(compiled.as_text())
+        if scratch:
+            peak += scratch
+            method += (", plus the most one CPU kernel takes outside "
+                       f"XLA's buffers ({what}: {scratch / 2**20:,.1f} MiB)")
+    return StepMemory(peak, method)
