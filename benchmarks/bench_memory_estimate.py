@@ -3,10 +3,11 @@
 For each backend (a fresh process each: JAX on one CPU device, TensorFlow,
 torch) and three models — an MLP, a CNN and a keras-hub `GemmaBackbone` —
 the model is compiled (Adam, MSE) and `fit` one batch (everything is built
-and compiled); then the process's peak resident memory (Linux `VmHWM`) is
-reset (`/proc/self/clear_refs`), one more step runs (`train_on_batch`), and
-the real step's transient memory is its peak less the resident memory just
-before it. glibc is told to map every block over 64 KiB on its own
+and compiled); then, five times, the process's peak resident memory
+(Linux `VmHWM`) is reset (`/proc/self/clear_refs`), one more step runs
+(`train_on_batch`), and the real step's transient memory is its peak less
+the resident memory just before it (the median of the five is recorded).
+glibc is told to map every block over 64 KiB on its own
 (`MALLOC_MMAP_THRESHOLD_`), so a freed tensor leaves the resident set and
 the next step's allocations show in it. On TensorFlow, whose CPU allocator
 keeps freed memory for the next step, the real step is the allocator's own
@@ -46,6 +47,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_FULLY_SHARDED = "torch, 2 processes, sharded over the batch axis"
 TORCH_MODEL_PARALLEL = "torch, 2 processes, sharded over the model axis"
 JOBS = {TORCH_FULLY_SHARDED: (2, "batch"), TORCH_MODEL_PARALLEL: (2, "model")}
+# Steps measured after the first `fit` (the median is recorded: the first
+# of them may still allocate what later steps reuse).
+STEPS = 5
 
 
 def models(keras):
@@ -121,6 +125,32 @@ def job_map(keras, kd, name, make, processes, axis):
     return kd.layouts.fully_sharded(mesh)
 
 
+def steps_in_use(keras, model, x, y, steps=STEPS):
+    """The bytes each of `steps` more steps (`train_on_batch`) takes above
+    what was in use before it, and where they are read from."""
+    real = []
+    for _ in range(steps):
+        if keras.backend.backend() == "tensorflow":
+            # TensorFlow's CPU allocator keeps what a step freed for the
+            # next one (the resident set barely moves); its own count of
+            # the bytes in use (TF_CPU_ALLOCATOR_USE_BFC) is the real step.
+            import tensorflow as tf
+
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = tf.config.experimental.get_memory_info("CPU:0")[
+                "current"]
+            model.train_on_batch(x, y)
+            real.append(tf.config.experimental.get_memory_info("CPU:0")[
+                "peak"] - before)
+            real_from = "TensorFlow's CPU allocator (BFC)"
+        else:
+            before = reset_peak_resident()
+            model.train_on_batch(x, y)
+            real.append(proc_status("VmHWM") - before)
+            real_from = "the process's resident memory (VmHWM)"
+    return real, real_from + f", median of {steps}"
+
+
 def measure_one_backend(processes=1, axis="batch"):
     """In a process of one backend: every model's estimate and real step
     (with `processes` > 1, one torch process of a job sharded over
@@ -147,30 +177,15 @@ def measure_one_backend(processes=1, axis="batch"):
         x, y = batch(keras, make, size, input_shape)
         model.fit(x, y, batch_size=size, epochs=1, verbose=0)
         gc.collect()
-        if keras.backend.backend() == "tensorflow":
-            # TensorFlow's CPU allocator keeps what a step freed for the
-            # next one (the resident set barely moves); its own count of
-            # the bytes in use (TF_CPU_ALLOCATOR_USE_BFC) is the real step.
-            import tensorflow as tf
-
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            before = tf.config.experimental.get_memory_info("CPU:0")[
-                "current"]
-            model.train_on_batch(x, y)
-            real = tf.config.experimental.get_memory_info("CPU:0")[
-                "peak"] - before
-            real_from = "TensorFlow's CPU allocator (BFC)"
-        else:
-            before = reset_peak_resident()
-            model.train_on_batch(x, y)
-            real = proc_status("VmHWM") - before
-            real_from = "the process's resident memory (VmHWM)"
+        steps, real_from = steps_in_use(keras, model, x, y)
+        real = sorted(steps)[len(steps) // 2]
         between_steps = estimate.parameters + estimate.optimizer + (
             estimate.gradients if keras.backend.backend() == "torch" else 0)
         estimated = estimate.peak - between_steps
         results[name] = {
             "estimated_transient_bytes": estimated,
             "real_transient_bytes": real,
+            "real_steps_bytes": steps,
             "ratio": estimated / real if real else None,
             "estimated_peak_bytes": estimate.peak,
             "method": estimate.method,

@@ -513,14 +513,18 @@ def memory_estimate_table():
     entry = _load("memory_estimate")
     r = entry["result"]
     rows = ["| backend | model | estimated (MiB) | real (MiB) | "
+            "real, least and most of the steps (MiB) | "
             "estimated / real | the estimate's peak from | real from |",
-            "|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|"]
     for backend, models in r["by_backend"].items():
         for model, m in models.items():
+            steps = m.get("real_steps_bytes") or [m["real_transient_bytes"]]
             rows.append(
                 f"| {backend} | {model} | "
                 f"{_mib(m['estimated_transient_bytes'])} | "
-                f"{_mib(m['real_transient_bytes'])} | {m['ratio']:.2f} | "
+                f"{_mib(m['real_transient_bytes'])} | "
+                f"{_mib(min(steps))}–{_mib(max(steps))} | "
+                f"{m['ratio']:.2f} | "
                 f"{m['method']} | "
                 f"{m.get('real_from', 'resident memory (VmHWM)')} |")
     rows.append("")
