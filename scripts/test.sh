@@ -93,7 +93,8 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # here. Checkpoints in object storage (test_object_store.py) add an upload
   # and a download around the same gather and assignment the checkpoint
   # tests run here. The dry run (test_dry_run.py) adds verdicts over the
-  # layout check and the memory estimate, whose own tests run here.
+  # layout check and the memory estimate, whose own tests run here; the
+  # scratch XLA:CPU's kernels take (test_xla_cpu_kernels_...) runs no Keras.
   # Of the files that start jobs of several processes, it runs the
   # comparisons of a whole job with one process (tests/conftest.py,
   # KD_KERAS_STACK=next).
@@ -106,7 +107,7 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
     --ignore=tests/test_soak.py --ignore=tests/test_gpu_tier_script.py \
     --ignore=tests/test_several_hosts.py --ignore=tests/test_object_store.py \
     --ignore=tests/test_dry_run.py \
-    -k "not lost_worker and not never_joins and not frozen_rank and not hung and not started_by_hand and not torchrun_launches and not launch_module_runs and not listens_on_loopback and not taken_port and not different_clusters and not another_backend" \
+    -k "not lost_worker and not never_joins and not frozen_rank and not hung and not started_by_hand and not torchrun_launches and not launch_module_runs and not listens_on_loopback and not taken_port and not different_clusters and not another_backend and not xla_cpu_kernels" \
     tests "$@" 2>&1 | tee "$logs/next-$backend.log" || fail
 done
 stage "docs: mkdocs build --strict"
