@@ -1256,41 +1256,21 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
     part), counted as made and freed, plus what was resident — and what is
     still alive when the forward pass ends."""
     _setup()
-    import weakref
 
     import keras
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_flatten
 
     import keras_distribute as kd
     from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
-    from keras_distribute.backend.torch.storage_counting import (
-        kernel_copy_bytes,
-    )
 
     class LocalStorageBytes(LiveStorageBytes):
-        # (with what a kernel holds inside itself: gloo's collectives'
-        # staging buffers, checked against the resident memory by
-        # test_gloo_collectives_stage_...)
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, DTensor):
-                    tensor = tensor._local_tensor
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                storage = tensor.untyped_storage()
-                if id(storage) in self._counted:
-                    continue
-                self._counted.add(id(storage))
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._freed, id(storage),
-                                 storage.nbytes())
-            self.peak = max(self.peak,
-                            self.live + kernel_copy_bytes(func, args))
-            return out
+        # (a DTensor's storage is its local tensor's; made with
+        # kernel_copies: gloo's collectives' staging buffers too, checked
+        # against the resident memory by test_gloo_collectives_hold_...)
+        def storage_holder(self, value):
+            return value._local_tensor if isinstance(value, DTensor) else (
+                value)
 
     size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -1332,9 +1312,9 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
     resident = [local(v) for v in model.variables + model.optimizer.variables
                 + model.metrics_variables] + [mine]
     resident_bytes = sum(t.untyped_storage().nbytes() for t in resident)
-    with LocalStorageBytes(resident) as live:
+    with LocalStorageBytes(resident, kernel_copies=True) as live:
         model.train_step((mine, mine))
-    with LocalStorageBytes(resident) as forward:
+    with LocalStorageBytes(resident, kernel_copies=True) as forward:
         loss = keras.ops.mean(keras.ops.square(model(mine, training=True)
                                                - mine))
         after_forward = forward.live

@@ -110,9 +110,9 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     model_axes = False
     staged: set = set()
     if layout_map is not None:
-        shard_shapes = _shard_shapes(model, layout_map)
+        shard_shapes, batch_sharded = _sharded_variables(model, layout_map)
         if gloo_stages_collectives():
-            staged = _batch_sharded(model, layout_map)
+            staged = batch_sharded
         mesh = layout_map.device_mesh
         replicas = int(mesh.shape[0])
         model_axes = any(int(size) > 1 for size in tuple(mesh.shape)[1:])
@@ -176,22 +176,29 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     return StepMemory(resident_bytes + live.peak, method)
 
 
-def _shard_shapes(model: Model, layout_map: LayoutMap) -> dict:
-    """`{id(variable): the shape of its shard}` of the variables the map
-    shards (over the batch axis, a model axis or both), as one process
-    holds them."""
+def _sharded_variables(model: Model, layout_map: LayoutMap) -> tuple:
+    """`(shard shapes, batch-sharded)`: `{id(variable): the shape of its
+    shard}` of the variables the map shards (over the batch axis, a model
+    axis or both), as one process holds them, and the ids of those it
+    shards over the batch axis (kd's engine gathers them over it with a
+    collective while their layer computes, and reduce-scatters their
+    gradients)."""
     mesh = layout_map.device_mesh
-    shapes = {}
+    batch_axis = mesh.axis_names[0]
+    shapes, batch_sharded = {}, set()
     for variable in model.variables:
         shape = tuple(int(s) for s in variable.shape)
         layout = variable_layout(layout_map, variable.path, shape)
         if layout is None:
             continue
-        if not any(axis_size(mesh, a) > 1 for a in layout_axes(layout)):
+        axes = layout_axes(layout)
+        if not any(axis_size(mesh, a) > 1 for a in axes):
             continue
         shapes[id(variable)] = tuple(
             d // axis_size(mesh, axis) for d, axis in zip(shape, layout.axes))
-    return shapes
+        if batch_axis in axes and axis_size(mesh, batch_axis) > 1:
+            batch_sharded.add(id(variable))
+    return shapes, batch_sharded
 
 
 def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
@@ -209,23 +216,6 @@ def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
             trainable=True, name=v.name) for v in trainable]
         fresh.build(stand_ins)
     return fresh, stand_ins
-
-
-def _batch_sharded(model: Model, layout_map: LayoutMap) -> set:
-    """The ids of the variables the map shards over the batch axis (kd's
-    engine gathers them over it with a collective while their layer
-    computes, and reduce-scatters their gradients)."""
-    mesh = layout_map.device_mesh
-    batch_axis = mesh.axis_names[0]
-    if axis_size(mesh, batch_axis) <= 1:
-        return set()
-    found = set()
-    for variable in model.variables:
-        shape = tuple(int(s) for s in variable.shape)
-        layout = variable_layout(layout_map, variable.path, shape)
-        if layout is not None and batch_axis in layout_axes(layout):
-            found.add(id(variable))
-    return found
 
 
 def _staging(like: torch.Tensor, shape: tuple, staged: bool) -> None:

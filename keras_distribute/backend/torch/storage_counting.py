@@ -38,6 +38,7 @@ class LiveStorageBytes(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
+            tensor = self.storage_holder(tensor)
             if not isinstance(tensor, torch.Tensor):
                 continue
             storage = tensor.untyped_storage()
@@ -53,6 +54,12 @@ class LiveStorageBytes(TorchDispatchMode):
             self.peak = max(self.peak,
                             self.live + kernel_copy_bytes(func, args))
         return out
+
+    def storage_holder(self, value: Any) -> Any:
+        """The tensor whose storage an operator's output `value` holds:
+        itself here (a subclass unwraps tensor subclasses, such as a
+        DTensor's local tensor)."""
+        return value
 
     def _freed(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
