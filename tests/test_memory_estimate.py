@@ -344,6 +344,20 @@ _JAX_KERNEL_SCRATCH = textwrap.dedent("""
     def dot_across(a, b):  # (a contracted on its first dimension)
         return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))
 
+    def grouped(groups):
+        return lambda x, w: jax.lax.conv_general_dilated(
+            x, w, (1, 1), "VALID", feature_group_count=groups,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def volume(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, (1, 1, 1), "SAME",
+            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
+
+    def in_a_loop(x, kernels):  # (the convolution in a while loop's body)
+        return jax.lax.scan(lambda c, w: (c, jnp.sum(conv("VALID")(c, w))),
+                            x, kernels)[1]
+
     cases = {  # name: (program, argument shapes)
         "im2col once (64 output features)": (
             conv("VALID"), [(32, 32, 32, 64), (3, 3, 64, 64)]),
@@ -355,6 +369,11 @@ _JAX_KERNEL_SCRATCH = textwrap.dedent("""
         "padded input packed": (
             conv("SAME"), [(64, 64, 64, 128), (3, 3, 128, 128)]),
         "dot transposed": (dot_across, [(1024, 4096), (1024, 4096)]),
+        "4 groups": (grouped(4), [(32, 32, 32, 128), (3, 3, 32, 128)]),
+        "depthwise (none)": (grouped(64), [(32, 64, 64, 64), (3, 3, 1, 64)]),
+        "volume (Eigen's)": (volume, [(8, 16, 32, 32, 32), (3, 3, 3, 32, 64)]),
+        "in a loop's body": (
+            in_a_loop, [(32, 32, 32, 128), (3, 3, 3, 128, 128)]),
     }
     measured = {}
     for name, (program, shapes) in cases.items():

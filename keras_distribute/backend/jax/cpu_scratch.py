@@ -4,15 +4,18 @@
 arguments, outputs and temporaries. On the CPU platform some kernels take
 more memory of their own while they run, which no analysis sees but the
 process's resident memory does (measured: `test_memory_estimate.py`,
-`test_xla_cpu_kernels_take_the_scratch_this_module_counts`):
+`test_xla_cpu_kernels_take_the_scratch_the_estimate_counts`):
 
 - a convolution XLA hands to YNNPACK (a `__ynn_fusion` fusion)
   materialises its im2col matrix — one row per output position, one column
-  per kernel tap and input feature — or, when it is padded, its input with
-  the padding. When the kernel is wider than one 64-column tile and its
-  tiles are large (over 340 KiB, measured on x86 with the XLA of jax 0.10),
-  YNNPACK packs that and the kernel again: twice as much, plus the kernel;
-- a convolution XLA runs itself copies its input with the padding;
+  per kernel tap and input feature, over every group — or, when it is
+  padded, its input with the padding; a depthwise one takes none. When a
+  group's kernel is wider than one 64-column tile and its tiles are large
+  (over 340 KiB, measured on x86 with the XLA of jax 0.10), YNNPACK packs
+  that and the kernel again: twice as much, plus the kernel;
+- a convolution XLA runs itself (Eigen's: over volumes, or padded more than
+  YNNPACK takes) holds one more output's bytes over a volume, nothing
+  measurable over an image or a sequence;
 - a dot XLA runs itself (Eigen's) on an operand whose contracting
   dimension is not the one its kernel reads along packs that operand in
   blocks the caches size: counted as one transposed copy of it (measured
@@ -98,9 +101,11 @@ def _computations(hlo_text: str) -> Tuple[Dict[str, List[_Instruction]],
 
 def _convolution_parts(convolution: _Instruction,
                        shapes: Dict[str, _Instruction]) -> Optional[tuple]:
-    """(im2col bytes, kernel bytes, kernel columns, kernel rows) of a
-    convolution: rows are taps times input features, columns output
-    features; None when its attributes do not read as expected."""
+    """(im2col bytes, kernel bytes, a group's columns, taps, rows, groups)
+    of a convolution: rows are taps times a group's input features, columns a
+    group's output features, and its im2col matrix holds every group's
+    rows for each output position; None when its attributes do not read
+    as expected."""
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)",
                        convolution.attributes)
     if labels is None or len(convolution.operands) < 2:
@@ -110,14 +115,17 @@ def _convolution_parts(convolution: _Instruction,
     if kernel is None or len(kernel.dims) != len(kernel_labels) or len(
             convolution.dims) != len(out_labels):
         return None
+    grouped = re.search(r"feature_group_count=(\d+)", convolution.attributes)
+    groups = int(grouped.group(1)) if grouped else 1
     taps = math.prod(kernel.dims[i] for i, c in enumerate(kernel_labels)
                      if c.isdigit())
     rows = taps * kernel.dims[kernel_labels.index("i")]
-    columns = kernel.dims[kernel_labels.index("o")]
+    columns = kernel.dims[kernel_labels.index("o")] // groups
     positions = math.prod(convolution.dims[i] for i, c in
                           enumerate(out_labels) if c != "f")
     element = _ELEMENT_BYTES.get(convolution.dtype, 4)
-    return positions * rows * element, kernel.nbytes, columns, rows
+    return (positions * rows * groups * element, kernel.nbytes, columns,
+            taps, rows, groups)
 
 
 def _ynn_convolution_scratch(convolution: _Instruction,
@@ -125,7 +133,9 @@ def _ynn_convolution_scratch(convolution: _Instruction,
     parts = _convolution_parts(convolution, shapes)
     if parts is None:
         return 0
-    im2col, kernel_bytes, columns, rows = parts
+    im2col, kernel_bytes, columns, taps, rows, groups = parts
+    if groups > 1 and rows == taps:
+        return 0  # (depthwise: one input feature a group, no im2col)
     # (a padded one works on its padded input instead of an im2col matrix)
     im2col = _padded_input_bytes(convolution, shapes) or im2col
     tiles = -(-columns // _YNN_TILE_COLUMNS) * _YNN_TILE_COLUMNS
@@ -138,8 +148,8 @@ def _ynn_convolution_scratch(convolution: _Instruction,
 
 def _padded_input_bytes(convolution: _Instruction,
                         shapes: Dict[str, _Instruction]) -> int:
-    """A convolution XLA runs itself: the copy of its input with the
-    padding added (none when unpadded)."""
+    """A convolution's input with the padding added (none when
+    unpadded)."""
     window = re.search(r"window=\{([^}]*)\}", convolution.attributes)
     labels = re.search(r"dim_labels=(\w+)_", convolution.attributes)
     pads = re.search(r"pad=([0-9_x\-]+)", window.group(1)) if window else None
@@ -153,6 +163,15 @@ def _padded_input_bytes(convolution: _Instruction,
         low, _, high = pad.partition("_")
         padded[axis] += max(int(low), 0) + max(int(high or 0), 0)
     return math.prod(padded) * _ELEMENT_BYTES.get(source.dtype, 4)
+
+
+def _eigen_convolution_scratch(convolution: _Instruction) -> int:
+    """A convolution XLA runs itself (Eigen's): one more output's bytes
+    for a volume (three spatial dimensions), none for an image or a
+    sequence (measured)."""
+    labels = re.search(r"->(\w+)", convolution.attributes)
+    spatial = sum(c.isdigit() for c in labels.group(1)) if labels else 0
+    return convolution.nbytes if spatial >= 3 else 0
 
 
 def _transposed_operand_bytes(dot: _Instruction,
@@ -181,8 +200,8 @@ def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
 
     Returns:
         `(bytes, what)`: the most bytes, and what takes them in words;
-        `(0, "")` when no kernel of the entry computation takes any (or
-        the text is not an HLO module).
+        `(0, "")` when no kernel the program runs takes any (or the text
+        is not an HLO module).
 
     Example:
     ```python
@@ -194,19 +213,32 @@ def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
     if entry is None:
         return 0, ""
     shapes = {i.name: i for body in computations.values() for i in body}
+    # A fusion's computation runs as one kernel, the fusion's.
+    fused: Dict[str, List[_Instruction]] = {}
+    fused_names = set()
+    for body in computations.values():
+        for instruction in body:
+            called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
+            if instruction.opcode == "fusion" and called:
+                fused_names.add(called.group(1))
+                fused[instruction.name] = computations.get(called.group(1),
+                                                           [])
     largest: Tuple[int, str] = (0, "")
-    for instruction in computations[entry]:
+    # The entry computation's kernels and those of the computations it
+    # runs (a while loop's body, a call's, a conditional's branches).
+    running = [i for name, body in computations.items()
+               if name not in fused_names for i in body]
+    for instruction in running:
         scratch, what = 0, ""
         if instruction.opcode == "fusion" and (
                 "__ynn_fusion" in instruction.attributes):
-            called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
-            body = computations.get(called.group(1), []) if called else []
-            scratch = sum(_ynn_convolution_scratch(i, shapes) for i in body
+            scratch = sum(_ynn_convolution_scratch(i, shapes)
+                          for i in fused.get(instruction.name, [])
                           if i.opcode == "convolution")
             what = "a convolution's im2col matrix"
         elif instruction.opcode == "convolution":
-            scratch = _padded_input_bytes(instruction, shapes)
-            what = "a convolution's padded input"
+            scratch = _eigen_convolution_scratch(instruction)
+            what = "a volume convolution's second output"
         elif instruction.opcode == "dot":
             scratch = _transposed_operand_bytes(instruction, shapes)
             what = "a dot's operand, transposed"
