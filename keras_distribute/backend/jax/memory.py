@@ -6,9 +6,10 @@ on abstract arrays (`jax.ShapeDtypeStruct`s carrying each variable's
 sharding) and compiled for the mesh; `memory_analysis()` of the compiled
 program says what one device holds: its arguments, its outputs less those
 aliased to donated arguments, and the temporaries (gradients, activations,
-workspace) at their peak. On the CPU platform, the most one kernel takes
-outside XLA's buffers is added (`cpu_scratch`). Nothing is allocated: the model may be built
-without values (`build_without_values`).
+workspace) at their peak. For a step that runs on this machine's CPU, the
+most one kernel takes outside XLA's buffers is added (`cpu_scratch`).
+Nothing is allocated: the model may be built without values
+(`build_without_values`).
 """
 
 from __future__ import annotations
@@ -134,7 +135,9 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     method = "XLA's memory analysis of the compiled step" + where
-    if devices[0].platform == "cpu":
+    if devices[0].platform == "cpu" and not where:
+        # (a step that runs on this CPU; not one compiled here for CPU
+        # devices standing in for a mesh of another platform's)
         scratch, what = largest_kernel_scratch(compiled.as_text())
         if scratch:
             peak += scratch
