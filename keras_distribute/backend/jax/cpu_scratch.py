@@ -40,7 +40,10 @@ _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                   "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
                   "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 # YNNPACK's output tile width, and the tile size above which it packs the
-# im2col matrix and the kernel (measured: between 333 and 342 KiB).
+# im2col matrix and the kernel (measured between 333 and 342 KiB on an x86
+# CPU with 2 MiB of L2 cache a core: a CPU with other caches may choose
+# otherwise, and the estimate then counts one im2col matrix too many or
+# too few).
 _YNN_TILE_COLUMNS = 64
 _YNN_PACKED_ABOVE_BYTES = 340 * 1024
 
