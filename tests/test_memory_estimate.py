@@ -435,7 +435,8 @@ _JAX_RESIDENT_STEP = _fresh_step_script("""
             keras.layers.Dense(10)])
 
     {estimate_then_three_real_steps}
-    scratch = float(estimate.method.rpartition(": ")[2].split()[0])
+    scratch = float(estimate.method.rpartition(": ")[2].split()[0].replace(
+        ",", ""))
     print(json.dumps({
         "estimated": estimate.peak - estimate.parameters
         - estimate.optimizer, "scratch": scratch * 2**20,
