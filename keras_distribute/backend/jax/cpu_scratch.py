@@ -194,6 +194,13 @@ def _transposed_operand_bytes(dot: _Instruction,
     return copied
 
 
+def _called(instruction: _Instruction) -> str:
+    """The computation a fusion (or call) instruction runs; "" for one
+    that names none."""
+    called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
+    return called.group(1) if called else ""
+
+
 def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
     """The most bytes one kernel of a compiled XLA:CPU program takes
     outside XLA's buffers while it runs (see the module's docstring).
@@ -217,15 +224,8 @@ def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
         return 0, ""
     shapes = {i.name: i for body in computations.values() for i in body}
     # A fusion's computation runs as one kernel, the fusion's.
-    fused: Dict[str, List[_Instruction]] = {}
-    fused_names = set()
-    for body in computations.values():
-        for instruction in body:
-            called = re.search(r"calls=%([\w.\-]+)", instruction.attributes)
-            if instruction.opcode == "fusion" and called:
-                fused_names.add(called.group(1))
-                fused[instruction.name] = computations.get(called.group(1),
-                                                           [])
+    fused_names = {_called(i) for body in computations.values()
+                   for i in body if i.opcode == "fusion"}
     largest: Tuple[int, str] = (0, "")
     # The entry computation's kernels and those of the computations it
     # runs (a while loop's body, a call's, a conditional's branches).
@@ -236,7 +236,7 @@ def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
         if instruction.opcode == "fusion" and (
                 "__ynn_fusion" in instruction.attributes):
             scratch = sum(_ynn_convolution_scratch(i, shapes)
-                          for i in fused.get(instruction.name, [])
+                          for i in computations.get(_called(instruction), [])
                           if i.opcode == "convolution")
             what = "a convolution's im2col matrix"
         elif instruction.opcode == "convolution":
