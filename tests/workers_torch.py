@@ -478,6 +478,16 @@ def sharded_checkpoints(directory):
 
 
 # ------------------------------------------------- sharded layouts (DTensor)
+def sharded_optimizer():
+    """The optimizer of the sharded-layout runs and of their one-process
+    reference: Adam with a global norm clip that cuts most steps (the
+    global norm over gradients sharded in several ways, e.g. DTensors on
+    two meshes under FSDP)."""
+    import keras
+
+    return keras.optimizers.Adam(1e-2, global_clipnorm=0.3)
+
+
 def make_sharded_parts(seed=3, dropout=True):
     """A model with a sharded Embedding, a column- then row-sharded Dense
     pair and a plain Dense, its data, and the layout map's (key, axes)
@@ -520,7 +530,7 @@ def sharded_fit(directory):
     strategy = kd.MirroredStrategy(layout_map=layout_map)
     with strategy.scope():
         model, _, _, _ = make_sharded_parts()
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+        model.compile(optimizer=sharded_optimizer(), loss="mse",
                       metrics=["mae"])
     initial = model.get_weights()
     # Keras' file callbacks: the chief writes; reading the sharded weights
@@ -677,7 +687,7 @@ def sharded_data_parallel_fit(directory):
     strategy = kd.MirroredStrategy(layout_map=layout_map)
     with strategy.scope():
         model, _, _, _ = make_sharded_parts(dropout=False)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+        model.compile(optimizer=sharded_optimizer(), loss="mse",
                       metrics=["mae"])
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
                         verbose=0)
@@ -688,7 +698,7 @@ def sharded_data_parallel_fit(directory):
     def fit(callbacks):
         with strategy.scope():
             again, _, _, _ = make_sharded_parts(dropout=False)
-            again.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+            again.compile(optimizer=sharded_optimizer(), loss="mse",
                           metrics=["mae"])
         logs = again.fit(x, y, batch_size=16, epochs=2, shuffle=False,
                          verbose=0, callbacks=callbacks)
@@ -1164,7 +1174,7 @@ def fully_sharded_fit(directory, shape, kind, restore_from=None):
     _, x, y, _ = make_sharded_parts(dropout=False)
     with strategy.scope():
         model, _, _, _ = make_sharded_parts(dropout=False)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse",
+        model.compile(optimizer=sharded_optimizer(), loss="mse",
                       metrics=["mae"])
     restored = None
     if restore_from is not None:

@@ -261,6 +261,15 @@ def _install_sharding() -> None:
                                                                grads):
             original_increment(self, group, accumulators)
 
+    optimizers_module = registry.resolve("optimizers_module")
+    original_clip = optimizers_module.clip_by_global_norm
+
+    @functools.wraps(original_clip)
+    def clip_by_global_norm(value_list, clip_norm):
+        return torch_variables.clip_by_global_norm(value_list, clip_norm,
+                                                   original_clip)
+
+    _patch(optimizers_module, "clip_by_global_norm", clip_by_global_norm)
     _patch(parallel, "_backend_update_step", _backend_update_step)
     _patch(parallel, "_backend_reset_gradient_accumulators",
            _backend_reset_gradient_accumulators)

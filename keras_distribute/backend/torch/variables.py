@@ -154,6 +154,38 @@ def split_sharded(variables: Sequence[Any], *parallel: Sequence[Any]):
                     for values in (variables,) + parallel)
 
 
+def clip_by_global_norm(values: Sequence[Any], clip_norm: float,
+                        keras_clip: Callable) -> list:
+    """Keras' `clip_by_global_norm` (`keras_clip`) where some `values`
+    (gradients) are DTensors, possibly on different meshes (a fully
+    sharded variable's on the whole mesh, the others' on the model
+    sub-mesh), which Keras' one `stack` of the squared norms refuses:
+    each squared norm is made whole first (a DTensor's is summed over its
+    shards, a collective every process makes in the same order), so every
+    process scales by the same global norm, the one of the whole tensors.
+    """
+    if not any(_is_dtensor(v) for v in values if v is not None):
+        return keras_clip(values, clip_norm)
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with torch.no_grad():
+        squares = []
+        for value in values:
+            if value is None:
+                continue
+            square = torch.sum(torch.square(value))
+            squares.append((square.full_tensor() if _is_dtensor(square)
+                            else square).to(torch.float32))
+        norm = torch.sqrt(torch.sum(torch.stack(squares)))
+        # As Keras: a no-op for a finite norm under the clip, NaN for a
+        # non-finite one.
+        scale = clip_norm * torch.clamp(1.0 / norm, max=1.0 / clip_norm)
+        scale = scale + (norm - norm)
+    with implicit_replication():  # a plain scale times each DTensor
+        return [None if value is None else value * scale.to(value.dtype)
+                for value in values]
+
+
 def zero_variables(variables: Sequence[Any]) -> None:
     """Sets every variable (sharded or not) to zeros, in place."""
     with torch.no_grad():
