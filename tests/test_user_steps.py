@@ -1,7 +1,8 @@
 """Steps users write are distributed (#42): an overridden `train_step` or
 `test_step`, a GAN's two optimizers, a step through its own DDP, one that
-never calls an optimizer, one that calls it twice, gradient accumulation;
-and the guard that says when replicas diverge, on every backend."""
+never calls an optimizer, one that calls it twice, gradient accumulation,
+a loop of the user's own outside `strategy.run`; and the guard that says
+when replicas diverge, on every backend."""
 
 import warnings
 
@@ -54,6 +55,34 @@ def test_a_users_step_trains_like_one_process_in_every_process(
                          1e-5)
     assert rank0[kind]["batch_logs"] == rank1[kind]["batch_logs"]
     assert rank0[kind]["history"] == rank1[kind]["history"]
+
+
+@torch_only
+def test_a_users_own_loop_outside_run_trains_like_one_process():
+    # keras-io's torch loop from scratch, each process on its half of every
+    # batch: a Keras optimizer made in the scope applies the processes'
+    # averaged gradients (clipping sees them averaged; gradients the loop
+    # all-reduced itself stay as they are). A torch optimizer is the
+    # user's: the processes diverge, and the check says so.
+    reference = workers.own_loops(1)
+    ranks = kd.launch(workers.own_loops, num_processes=2, args=(2,),
+                      timeout=TIMEOUT)
+    for kind in ("adam", "clipped", "reduced_by_hand"):
+        for rank in ranks:
+            _assert_same_weights(reference[kind], rank[kind], 1e-5)
+            _assert_same_weights(ranks[0][kind], rank[kind], 0)
+    assert not all(np.array_equal(a, b) for a, b in zip(
+        ranks[0]["torch_optim"], ranks[1]["torch_optim"]))
+    for rank in ranks:
+        assert "The replicas diverged" in rank["torch_optim_check"]
+    # Every variable sharded over the processes (FSDP): DTensor sums the
+    # gradients of the sharded ones; they are averaged all the same.
+    ranks = kd.launch(workers.own_loops, num_processes=2, args=(2, True),
+                      timeout=TIMEOUT)
+    for kind in ("adam", "clipped"):
+        for rank in ranks:
+            _assert_same_weights(reference[kind], rank[kind], 1e-5)
+            _assert_same_weights(ranks[0][kind], rank[kind], 0)
 
 
 @torch_only

@@ -289,6 +289,21 @@ def user_steps():
     return out
 
 
+def _mirrored(processes, fully_sharded):
+    """`kd.MirroredStrategy()`; `fully_sharded`: every variable sharded
+    over the batch axis of a 1-D mesh of `processes`."""
+    import keras
+
+    import keras_distribute as kd
+
+    if not fully_sharded:
+        return kd.MirroredStrategy()
+    mesh = keras.distribution.DeviceMesh(
+        (processes,), ["batch"], [f"cpu:{r}" for r in range(processes)])
+    return kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=0))
+
+
 def fully_sharded_user_steps(processes):
     """The guide's step, a step that calls its optimizer twice and the GAN
     with every variable sharded over the batch axis of a 1-D mesh of
@@ -296,17 +311,9 @@ def fully_sharded_user_steps(processes):
     import keras
     import torch
 
-    import keras_distribute as kd
-
     torch.set_num_threads(1)
     models = _models()
-    if processes > 1:
-        mesh = keras.distribution.DeviceMesh(
-            (processes,), ["batch"], [f"cpu:{r}" for r in range(processes)])
-        strategy = kd.MirroredStrategy(
-            layout_map=kd.layouts.fully_sharded(mesh, min_size=0))
-    else:
-        strategy = kd.MirroredStrategy()
+    strategy = _mirrored(processes, fully_sharded=processes > 1)
     out = {}
     x, y = _data(101)  # the last batch, 5 rows, splits 2 + 3
     for kind in ("guide", "twice"):
@@ -330,6 +337,73 @@ def fully_sharded_user_steps(processes):
             out["ddp_error"] = None
         except RuntimeError as error:
             out["ddp_error"] = str(error)
+    return out
+
+
+def own_loops(processes, fully_sharded=False):
+    """keras-io's "Writing a training loop from scratch in PyTorch", its
+    loop as written (`loss.backward()`, then the Keras optimizer's `apply`
+    on the variables' `.grad`), outside `fit` and `strategy.run`: with a
+    Keras optimizer (Adam, then SGD with `global_clipnorm`: the clip must
+    see the averaged gradients), with gradients the loop all-reduces itself
+    first, and with a torch optimizer. Each of `processes` processes trains
+    on its half of every 32-row batch; with 1, on the whole batch (the
+    reference). `fully_sharded`: every variable sharded over the processes
+    (kd.layouts.fully_sharded), Keras optimizers only."""
+    import os
+
+    import keras
+    import torch
+    import torch.distributed as dist
+
+    import keras_distribute as kd
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    strategy = _mirrored(processes, fully_sharded)
+    x, y = _data(128)
+    rows = 32 // processes
+    out = {}
+    makers = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "clipped": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
+        "reduced_by_hand": lambda: keras.optimizers.Adam(0.01),
+        "torch_optim": None,
+    }
+    if fully_sharded:
+        makers = {kind: makers[kind] for kind in ("adam", "clipped")}
+    for kind, make_optimizer in makers.items():
+        with strategy.scope():
+            model = _regressor(_models()["guide"], 1)
+            optimizer = make_optimizer() if make_optimizer else None
+        if optimizer is None:
+            torch_optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss_fn = keras.losses.MeanSquaredError()
+        for epoch in range(2):
+            for start in range(0, 128, 32):
+                mine = slice(start + rank * rows, start + (rank + 1) * rows)
+                logits = model(torch.as_tensor(x[mine]))
+                loss = loss_fn(torch.as_tensor(y[mine]), logits)
+                model.zero_grad()
+                loss.backward()
+                if optimizer is None:
+                    torch_optimizer.step()
+                    continue
+                weights = [v for v in model.trainable_weights]
+                gradients = [v.value.grad for v in weights]
+                if kind == "reduced_by_hand" and processes > 1:
+                    for gradient in gradients:
+                        dist.all_reduce(gradient)
+                        gradient /= processes
+                with torch.no_grad():
+                    optimizer.apply(gradients, weights)
+        out[kind] = model.get_weights()
+        if kind == "torch_optim" and processes > 1:
+            try:  # a torch optimizer is not kd's to sync: the check says so
+                strategy.check_replicas_agree(model)
+                out["torch_optim_check"] = None
+            except kd.ReplicasDivergedError as raised:
+                out["torch_optim_check"] = str(raised)
     return out
 
 

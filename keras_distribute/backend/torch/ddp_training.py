@@ -160,6 +160,13 @@ class DdpTraining:
                     offset += part.numel()
         return grads
 
+    def average_gradients(self, grads: Sequence[Any]) -> list:
+        """This process's `grads` averaged over the replicas (in place, as
+        DDP leaves them): an optimizer called in a loop of the user's own,
+        each process's loss the mean over its own batch
+        (`user_steps.apply_with_global_gradients`)."""
+        return self.sum_gradients(grads, 1.0 / self.num_replicas)
+
     @torch_peers.collective
     def weighted_mean_logs(self, logs: dict, share: float) -> dict:
         """`logs` with each scalar value replaced by its mean over the

@@ -36,6 +36,7 @@ from keras_distribute.backend import interface
 from keras_distribute.backend import trainer_call
 from keras_distribute.backend.torch import peers as torch_peers
 from keras_distribute.backend.torch import training as torch_training
+from keras_distribute.backend.torch import user_steps
 from keras_distribute.backend.torch.ddp_training import DdpTraining
 from keras_distribute.backend.torch.groups import ensure_process_group
 from keras_distribute.backend.torch.process_collectives import (
@@ -212,6 +213,7 @@ class TorchEngine(DdpTraining, ProcessCollectives,
         self._trainer_calls += 1
         try:
             with torch_peers.naming_a_lost_peer(), \
+                    user_steps.in_trainer_call(), \
                     torch_training.compiled_ddp_mode(self, model):
                 return method(model, *args, **kwargs)
         finally:

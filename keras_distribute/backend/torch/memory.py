@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from keras_distribute.backend.interface import StepMemory
+from keras_distribute.backend.torch import user_steps
 from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
 from keras_distribute.backend.torch.storage_counting import (
     gloo_stages_collectives,
@@ -155,7 +156,7 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                     value = value + extra
                 value.backward()
                 grads = [v._value.grad for v in trainable]
-                with torch.no_grad():
+                with torch.no_grad(), user_steps.gradients_reduced():
                     step_optimizer.apply(grads, stand_ins)
             resident_bytes = sum(t.untyped_storage().nbytes()
                                  for t in resident)

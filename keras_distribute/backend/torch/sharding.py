@@ -313,6 +313,16 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
             [g for g in grads if not self._on_whole_mesh(g)], scale)
         return grads
 
+    def average_gradients(self, grads: Sequence[Any]) -> list:
+        """The replicas' gradients averaged: a fully sharded variable's
+        gradient, DTensor's sum over the replicas, divided in place; the
+        others all-reduced (see `DdpTraining.average_gradients`)."""
+        with torch.no_grad():
+            for grad in grads:
+                if self._on_whole_mesh(grad):
+                    grad.to_local().div_(self.num_replicas)
+        return self.sum_gradients(grads, 1.0 / self.num_replicas)
+
     def train_step(self, model: Model, data: Any) -> Any:
         with implicit_replication():  # plain scalars next to DTensor slots
             return super().train_step(model, data)

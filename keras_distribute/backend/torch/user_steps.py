@@ -22,10 +22,17 @@ optimizers and sync-on-read metrics do:
   returned are applied as they are;
 - the step's logs are global: the model's metric results when the step
   returns one log per metric (the rule Keras applies at an epoch's end),
-  else each scalar log as the rows-weighted mean over the processes.
+  else each scalar log as the rows-weighted mean over the processes;
+- in a loop of the user's own outside `fit` and `strategy.run` (keras-io's
+  "Writing a training loop from scratch in PyTorch", each process on its
+  own batches), a Keras optimizer made under a strategy of several
+  processes applies the processes' gradients averaged (DDP's rule: each
+  process's loss is the mean over its batch); gradients already equal in
+  every process (all-reduced by the user) average to themselves.
 
 Keras' own step (DDP reduced its gradients) opens no session: its
-optimizer call goes straight through (also when `torch.compile` traces it).
+optimizer call goes straight through (also when `torch.compile` traces it),
+as every optimizer call inside `fit` & co. not in a user's step does.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ _state = threading.local()
 # `apply` makes in every other case (a module global, so that a step
 # `torch.compile` traces keeps it as a guard, with no graph break).
 _open = 0
+# `fit`, `evaluate` & co. running in this process (a module global, as
+# `_open`): an optimizer call there outside a session is Keras' own step's.
+_trainer_calls = 0
 
 
 def current_session() -> Optional["StepSession"]:
@@ -87,6 +97,17 @@ def in_run(engine: TorchEngine) -> Iterator[None]:
     finally:
         _open -= 1
         _state.run_engine = previous
+
+
+@contextlib.contextmanager
+def in_trainer_call() -> Iterator[None]:
+    """Marks a `fit`/`evaluate`/`predict`/`*_on_batch` call running."""
+    global _trainer_calls
+    _trainer_calls += 1
+    try:
+        yield
+    finally:
+        _trainer_calls -= 1
 
 
 def mark_reduced(tensor: Any) -> Any:
@@ -173,10 +194,20 @@ def _flattened(logs: dict) -> dict:
 def apply_with_global_gradients(apply: Callable, optimizer: Optimizer,
                                 grads: Any, variables: Any) -> Any:
     """Calls an optimizer's `apply` with the global batch's gradients where
-    kd knows them to be local (inside a user's step, or inside
-    `strategy.run` on gradients not yet all-reduced)."""
-    if not _open or grads is None or _reduced_depth():
+    kd knows them to be local (inside a user's step, inside `strategy.run`
+    on gradients not yet all-reduced, or in a loop of the user's own in a
+    job of several processes: see the module docstring)."""
+    if not _open and _trainer_calls:  # Keras' own step: DDP reduced them
         return apply(optimizer, grads, variables)
+    if grads is None or _reduced_depth():
+        return apply(optimizer, grads, variables)
+    if not _open:
+        engine = _engine_of(optimizer, variables)
+        if engine is None or not engine.in_group or engine.num_replicas == 1:
+            return apply(optimizer, grads, variables)
+        averaged = engine.average_gradients(list(grads))
+        with gradients_reduced():
+            return apply(optimizer, averaged, variables)
     grads = list(grads)
     session = current_session()
     if session is not None:
@@ -189,6 +220,20 @@ def apply_with_global_gradients(apply: Callable, optimizer: Optimizer,
         global_grads = engine.sum_gradients(grads, 1.0)
     with gradients_reduced():  # a wrapping optimizer's inner `apply`
         return apply(optimizer, global_grads, variables)
+
+
+def _engine_of(optimizer: Optimizer, variables: Any
+               ) -> Optional["TorchEngine"]:
+    """The torch engine whose scope made `optimizer` (its step counter) or
+    the variables it updates; None outside every strategy."""
+    candidates = [getattr(optimizer, "iterations", None)]
+    if variables:
+        candidates.append(next(iter(variables), None))
+    for candidate in candidates:
+        engine = getattr(candidate, "__dict__", {}).get("_kd_engine")
+        if engine is not None:
+            return engine
+    return None
 
 
 def wrap_step_function(engine: TorchEngine, model: Model,
