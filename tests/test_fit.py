@@ -65,6 +65,22 @@ def test_fit_equals_single_device_with_short_last_batch(strategy):
         atol=1e-5)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="JAX's optimizers "
+                    "update global arrays; torch's in processes: "
+                    "test_torch_multiprocess.py")
+def test_every_keras_optimizer_trains_like_one_device(strategy):
+    # Keras' TF optimizer clips each replica's part of the gradient before
+    # its all-reduce (clipvalue, clipnorm, global_clipnorm): under kd the
+    # clip sees the sum, as on one device (and as Keras 2 optimizers did).
+    from worker_common import every_optimizer_fit
+
+    reference = every_optimizer_fit(kd.MirroredStrategy(devices=["cpu:0"]))
+    replicated = every_optimizer_fit(strategy)
+    for name, weights in reference.items():
+        for a, b in zip(replicated[name], weights):
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+
+
 def test_variables_are_replicated_on_every_device(strategy):
     with strategy.scope():
         model = make_model()

@@ -141,6 +141,58 @@ def assert_train_step_loop_matches_fit(results, n=128):
                                    rtol=1e-6)
 
 
+def every_optimizer():
+    """`{name: a function that makes it}`: every optimizer Keras ships, and
+    the options that touch every gradient (clipping, EMA, accumulation,
+    loss scale)."""
+    from keras import optimizers as o
+
+    return {
+        "SGD nesterov clipvalue": lambda: o.SGD(
+            0.1, momentum=0.9, nesterov=True, clipvalue=0.05),
+        "RMSprop centered": lambda: o.RMSprop(0.01, centered=True),
+        "Adam amsgrad": lambda: o.Adam(0.01, amsgrad=True),
+        "AdamW clipnorm": lambda: o.AdamW(0.01, weight_decay=0.1,
+                                          clipnorm=0.1),
+        "Adadelta": lambda: o.Adadelta(1.0),
+        "Adagrad": lambda: o.Adagrad(0.1),
+        "Adamax": lambda: o.Adamax(0.01),
+        "Adafactor": lambda: o.Adafactor(0.01),
+        "Nadam": lambda: o.Nadam(0.01),
+        "Ftrl": lambda: o.Ftrl(0.1),
+        "Lion global_clipnorm": lambda: o.Lion(0.001, global_clipnorm=0.1),
+        "Lamb": lambda: o.Lamb(0.01),
+        "Muon": lambda: o.Muon(0.01),
+        "Adam EMA": lambda: o.Adam(0.01, use_ema=True,
+                                   ema_overwrite_frequency=3),
+        "Adam accumulation": lambda: o.Adam(0.01,
+                                            gradient_accumulation_steps=2),
+        "LossScaleOptimizer": lambda: o.LossScaleOptimizer(o.Adam(0.01)),
+    }
+
+
+def every_optimizer_fit(strategy, rows=64):
+    """`{optimizer name: weights}` after a 1-epoch fit (4 steps) of a small
+    regressor with each of `every_optimizer()`, made in `strategy`'s
+    scope."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 12)).astype("float32")
+    y = np.tanh(x[:, :2])
+    weights = {}
+    for name, make_optimizer in every_optimizer().items():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([
+                keras.Input((12,)), keras.layers.Dense(8, activation="tanh"),
+                keras.layers.Dense(2)])
+            model.compile(optimizer=make_optimizer(), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        weights[name] = model.get_weights()
+    return weights
+
+
 def train_unless_rank_one(strategy):
     """Rank 1 leaves at once; rank 0 trains and must fail within the timeout."""
     import os

@@ -196,8 +196,10 @@ ROWS: Tuple[Row, ...] = (
         parameters=("self", "grads_and_vars"), backends=("tensorflow",)),
     Row("TFOptimizer._backend_apply_gradients", (),
         "TF: gradient accumulation / EMA overwrite wrap the update in "
-        "ops.cond, where tf.distribute refuses merge_call; the update runs "
-        "in cross-replica context on gradients all-reduced first",
+        "ops.cond, where tf.distribute refuses merge_call, and clipping "
+        "(clipnorm, clipvalue, global_clipnorm) ran on each replica's part "
+        "of the gradient; the update runs in cross-replica context on "
+        "gradients all-reduced first",
         "3.10-3.16", parameters=("self", "grads", "trainable_variables"),
         backends=("tensorflow",)),
     Row("TFOptimizer.apply", (),

@@ -269,7 +269,13 @@ def _install_tf_cross_replica_apply() -> None:
     fails the same way). Here the gradients are all-reduced in one
     `merge_call` before the condition and Keras' own update (condition,
     accumulators, clipping, weight decay, EMA) runs in cross-replica
-    context, where every variable update applies to all its copies."""
+    context, where every variable update applies to all its copies.
+
+    An optimizer that clips (`clipnorm`, `clipvalue`, `global_clipnorm`)
+    takes the same path: Keras' TF optimizer clips before its all-reduce,
+    so each replica clipped its own part of the gradient (a different
+    update from one device's; native tf.distribute + Keras 3 does the
+    same), where tf.distribute's Keras 2 optimizers clipped the sum."""
     import tensorflow as tf
 
     from keras_distribute.backend.tensorflow import fit as tf_fit
@@ -279,7 +285,9 @@ def _install_tf_cross_replica_apply() -> None:
 
     def needs_cross_replica(optimizer):
         return bool(optimizer.gradient_accumulation_steps) or bool(
-            optimizer.use_ema and optimizer.ema_overwrite_frequency)
+            optimizer.use_ema and optimizer.ema_overwrite_frequency) or any(
+                getattr(optimizer, option, None) is not None for option in
+                ("clipnorm", "clipvalue", "global_clipnorm"))
 
     @functools.wraps(original)
     def _backend_apply_gradients(self, grads, trainable_variables):
