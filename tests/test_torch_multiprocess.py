@@ -681,6 +681,22 @@ def test_fully_sharded_variables_train_like_one_process_and_reshard(
     assert_like_single_process(results, model, history, x, y, atol=1e-5)
 
 
+def test_every_keras_optimizer_trains_fully_sharded_like_one_process():
+    # Adafactor's factored slots are plain tensors updated from sharded
+    # gradients; global_clipnorm sums norms over DTensors on two meshes.
+    from worker_common import every_optimizer_fit
+
+    reference = every_optimizer_fit(kd.MirroredStrategy())
+    ranks = kd.launch(workers.every_optimizer_fully_sharded, num_processes=2,
+                      timeout=TIMEOUT)
+    for name, expected in reference.items():
+        for rank in ranks:
+            for a, b in zip(rank[name], expected):
+                np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
+            for a, b in zip(rank[name], ranks[0][name]):
+                np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_a_large_sharded_variable_is_born_as_its_shards():
     # #45.3 on torch: each process draws only its half of the 4 MiB
     # kernel (in chunks of 65,536 values), from process 0's seed although

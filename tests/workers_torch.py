@@ -1145,6 +1145,21 @@ FSDP_LAYOUTS = {
 }
 
 
+def every_optimizer_fully_sharded():
+    """Every Keras optimizer's fit with every variable sharded over the 2
+    processes (kd.layouts.fully_sharded, min_size=0: the small ones stay
+    replicated on the model sub-mesh, beside the sharded ones)."""
+    _setup()
+    import keras
+    from worker_common import every_optimizer_fit
+
+    import keras_distribute as kd
+
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    return every_optimizer_fit(kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=0)))
+
+
 def fully_sharded_fit(directory, shape, kind, restore_from=None):
     """fit / evaluate / predict / checkpoint with variables sharded over
     the batch axis (FSDP-style) on a `shape` mesh of processes; with

@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.experimental import implicit_replication
 
+from keras_distribute.backend.torch.variables import replicating_plain_tensors
 from keras_distribute.backend.torch.variables import whole_value
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def call_sharded(forward: Callable, layer: Layer, args: tuple, kwargs: dict,
                "meta" for leaf in keras.tree.flatten((args, kwargs))):
         return forward(layer, *args, **kwargs)  # symbolic call
     args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
-    with implicit_replication(), gathered_variables(
+    with replicating_plain_tensors(), gathered_variables(
             layer), _replicated_while_convolving(layer):
         outputs = forward(layer, *args, **kwargs)
     return keras.tree.map_structure(whole_value, outputs)

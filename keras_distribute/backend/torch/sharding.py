@@ -42,7 +42,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_distribute.backend import interface
 from keras_distribute.backend.torch import peers as torch_peers
@@ -51,6 +50,7 @@ from keras_distribute.backend.torch.fully_sharded import FullyShardedVariables
 from keras_distribute.backend.torch.layer_calls import call_sharded
 from keras_distribute.backend.torch.mesh import check_mesh
 from keras_distribute.backend.torch.mesh import mesh_ranks
+from keras_distribute.backend.torch.variables import replicating_plain_tensors
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import check_layout_fits
@@ -324,7 +324,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         return self.sum_gradients(grads, 1.0 / self.num_replicas)
 
     def train_step(self, model: Model, data: Any) -> Any:
-        with implicit_replication():  # plain scalars next to DTensor slots
+        with replicating_plain_tensors():  # plain tensors beside DTensors
             return super().train_step(model, data)
 
     @contextlib.contextmanager

@@ -10,10 +10,13 @@ nothing of the engine modules at load time.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
 from typing import Dict
+from typing import Iterator
 from typing import Sequence
 
 import keras
@@ -130,11 +133,38 @@ def whole_value(value: Any) -> Any:
 
 
 def assign_sharded(variable: Any, value: Any) -> bool:
-    """Assigns a whole `value` to a sharded variable (its part of it, in each
-    process); `False` for a plain variable or a DTensor `value`."""
-    if not _is_dtensor(variable._value) or _is_dtensor(value):
-        return False
-    assign_whole_sharded(variable, value)
+    """Assigns `value` where the variable or the value is a DTensor; `False`
+    (Keras assigns) when neither is.
+
+    - a plain `value` to a sharded variable: this process's part of it;
+    - a DTensor `value` to a plain variable: its whole tensor (e.g.
+      Adafactor's factored slots, plain, updated from a sharded gradient);
+    - a DTensor `value` to a sharded variable: laid out as the variable,
+      over the variable's mesh (through the whole tensor when the value is
+      on another mesh: a fully sharded variable's update computed from
+      variables on the model sub-mesh). Keras 3.16's torch variable
+      redistributes it to its own Keras layout's mesh instead, which
+      torch refuses across meshes (EMA, Ftrl, Muon, Lamb under FSDP).
+
+    A DTensor value's whole tensor is a collective, made in the same order
+    in every process (an optimizer's update is).
+    """
+    target = variable._value
+    if not _is_dtensor(target):
+        if not _is_dtensor(value):
+            return False
+        with torch.no_grad():
+            target.copy_(value.full_tensor())
+        return True
+    if not _is_dtensor(value):
+        assign_whole_sharded(variable, value)
+    elif value.device_mesh == target.device_mesh:
+        with torch.no_grad():
+            local = value.redistribute(target.device_mesh,
+                                       target.placements).to_local()
+            target.to_local().copy_(local.to(target.dtype))
+    else:
+        assign_whole_sharded(variable, value.full_tensor())
     return True
 
 
@@ -154,6 +184,34 @@ def split_sharded(variables: Sequence[Any], *parallel: Sequence[Any]):
                     for values in (variables,) + parallel)
 
 
+_replicating = threading.local()
+
+
+@contextlib.contextmanager
+def replicating_plain_tensors() -> Iterator[None]:
+    """torch's `implicit_replication` (a plain tensor next to a DTensor is
+    taken as replicated), nestable: torch's switches it off when any inner
+    use ends, so a sharded layer's call inside the train step left the
+    optimizer's update without it (Adafactor's factored slots, plain
+    tensors, then failed beside DTensor gradients)."""
+    depth = getattr(_replicating, "depth", 0)
+    if depth:
+        _replicating.depth = depth + 1
+        try:
+            yield
+        finally:
+            _replicating.depth = depth
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    _replicating.depth = 1
+    try:
+        with implicit_replication():
+            yield
+    finally:
+        _replicating.depth = 0
+
+
 def clip_by_global_norm(values: Sequence[Any], clip_norm: float,
                         keras_clip: Callable) -> list:
     """Keras' `clip_by_global_norm` (`keras_clip`) where some `values`
@@ -166,8 +224,6 @@ def clip_by_global_norm(values: Sequence[Any], clip_norm: float,
     """
     if not any(_is_dtensor(v) for v in values if v is not None):
         return keras_clip(values, clip_norm)
-    from torch.distributed.tensor.experimental import implicit_replication
-
     with torch.no_grad():
         squares = []
         for value in values:
@@ -181,7 +237,7 @@ def clip_by_global_norm(values: Sequence[Any], clip_norm: float,
         # non-finite one.
         scale = clip_norm * torch.clamp(1.0 / norm, max=1.0 / clip_norm)
         scale = scale + (norm - norm)
-    with implicit_replication():  # a plain scale times each DTensor
+    with replicating_plain_tensors():  # a plain scale times each DTensor
         return [None if value is None else value * scale.to(value.dtype)
                 for value in values]
 
