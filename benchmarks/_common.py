@@ -28,9 +28,10 @@ def fit_step_times(model, x, y, batch_size):
     return timer.times
 
 
-def make_model(jit_compile="auto"):
+def make_model(jit_compile="auto", optimizer="adam"):
     """The 3-layer MLP both benchmarks time (256 -> 512 -> 512 -> 10);
-    `jit_compile` goes to `compile` (on torch, `True` is `torch.compile`)."""
+    `jit_compile` goes to `compile` (on torch, `True` is `torch.compile`),
+    as does `optimizer`."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((256,)),
@@ -38,7 +39,7 @@ def make_model(jit_compile="auto"):
         keras.layers.Dense(512, activation="relu"),
         keras.layers.Dense(10),
     ])
-    model.compile(optimizer="adam",
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True), jit_compile=jit_compile)
     return model
