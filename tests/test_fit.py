@@ -81,6 +81,36 @@ def test_every_keras_optimizer_trains_like_one_device(strategy):
             np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's replicas hold a "
+                    "copy each; JAX's SPMD step and torch's one replica "
+                    "per process hold one")
+def test_batch_statistics_are_one_state_on_every_replica(strategy):
+    # Each replica's BatchNormalization updates its own copy of the moving
+    # statistics from its slice; when fit returns (and at every epoch end,
+    # before evaluate and predict) every copy holds the first's, so predict
+    # answers alike whatever the batch size and equals the saved state.
+    x, y = make_data()
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((16,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+        model.compile(optimizer="adam", loss=keras.losses.
+                      SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    for variable in model.layers[1].non_trainable_variables:
+        copies = [np.asarray(c) for c in variable.value.values]
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])
+    predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=200, verbose=0), predicted, atol=1e-6)
+    plain = keras.models.clone_model(model)
+    plain.set_weights(model.get_weights())
+    np.testing.assert_allclose(plain.predict(x, batch_size=BATCH, verbose=0),
+                               predicted, atol=1e-6)
+
+
 def test_variables_are_replicated_on_every_device(strategy):
     with strategy.scope():
         model = make_model()

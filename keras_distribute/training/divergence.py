@@ -99,7 +99,7 @@ def checked_variables(model: Model) -> List[Tuple[str, Any]]:
     return named
 
 
-def _digest(array: np.ndarray) -> int:
+def fingerprint(array: np.ndarray) -> int:
     """A 63-bit fingerprint of `array`'s bytes (xxh3: ~10 GB/s, so the
     check costs little next to an epoch; it detects, not authenticates)."""
     import xxhash
@@ -111,7 +111,7 @@ def _digest(array: np.ndarray) -> int:
 def _region_key(region: tuple) -> int:
     """A 63-bit key of a region (`((start, stop), ...)`), equal in every
     process for one region."""
-    return _digest(np.asarray(region, np.int64))
+    return fingerprint(np.asarray(region, np.int64))
 
 
 def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
@@ -148,7 +148,7 @@ def _copy_digests(engine: ReplicaEngine, variable: Any) -> Tuple[dict, bool]:
     seen: dict = {}
     differ = False
     for region, array in engine.replica_copies(variable):
-        digest = _digest(np.asarray(array))
+        digest = fingerprint(np.asarray(array))
         if seen.setdefault(tuple(region), digest) != digest:
             differ = True
     return seen, differ

@@ -15,8 +15,16 @@ process holds.
 
 JAX runs one SPMD program over every process, whose state is already one;
 this applies to the engines that run a step per process (TensorFlow's
-multi-worker strategy, PyTorch). Collective: every process calls it at the
-same points. No framework is imported here.
+multi-worker strategy, PyTorch). The replicas of one TensorFlow process
+(MirroredStrategy over several devices) hold a copy each, updated from
+their own slices: at the same points every copy takes the first's (the
+value `get_weights` and the saved files hold), so `predict` answers alike
+whichever replica computed a row, whatever the batch size.
+
+Only what differs moves: each process all-gathers a fingerprint per
+variable (8 bytes; a frozen backbone's weights never move), then the
+bytes of the variables that differ from the chief's. Collective: every
+process calls it at the same points. No framework is imported here.
 """
 
 from __future__ import annotations
@@ -33,20 +41,33 @@ if TYPE_CHECKING:
     from keras import Model
 
 
-def _needs_agreement(engine: ReplicaEngine) -> bool:
+def _across_processes(engine: ReplicaEngine) -> bool:
     from keras_distribute.backend import get_backend
 
     return (engine.process_count > 1
             and get_backend().name != "jax")
 
 
+def _across_local_replicas(engine: ReplicaEngine) -> bool:
+    from keras_distribute.backend import get_backend
+
+    return (get_backend().name == "tensorflow"
+            and engine.num_replicas > engine.process_count)
+
+
+def _needs_agreement(engine: ReplicaEngine) -> bool:
+    return _across_processes(engine) or _across_local_replicas(engine)
+
+
 def take_chief_values(engine: ReplicaEngine, model: Model) -> None:
-    """Gives `model`'s non-trainable variables process 0's values, in
-    every process (one all-gather of their bytes; a collective).
+    """Gives `model`'s non-trainable variables process 0's values (its
+    first replica's), in every process and every replica (a collective:
+    one all-gather of a fingerprint per variable, one of the bytes of
+    those that differ).
 
     Args:
         engine: The strategy's engine (`process_count`,
-            `process_all_gather`).
+            `process_all_gather`, `replica_copies`).
         model: A built Keras model (or layer).
     """
     if not _needs_agreement(engine) or not getattr(model, "built", False):
@@ -57,18 +78,47 @@ def take_chief_values(engine: ReplicaEngine, model: Model) -> None:
     variables: List[Any] = list(model.non_trainable_variables)
     if not variables:
         return
-    # (TensorFlow's reads a distributed variable, scalars included)
+    # (TensorFlow's reads a distributed variable's first copy)
     host_value = get_backend().checkpoint_value
     arrays = [np.array(host_value(v)).reshape(tuple(v.shape))
               for v in variables]
-    packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+    if _across_local_replicas(engine):
+        for variable, array in zip(variables, arrays):
+            if _copies_differ(engine, variable):
+                variable.assign(array)  # every copy: the first's value
+    if not _across_processes(engine):
+        return
+    from keras_distribute.training.divergence import fingerprint
+
+    mine = np.array([fingerprint(a) for a in arrays], np.int64)
+    table = np.asarray(engine.process_all_gather(mine))
+    differ = [i for i in range(len(arrays))
+              if (table[:, i] != table[0, i]).any()]
+    if not differ:
+        return
+    packed = np.concatenate(
+        [arrays[i].reshape(-1).view(np.uint8) for i in differ])
     chief = np.asarray(engine.process_all_gather(packed))[0].astype(np.uint8)
     offset = 0
-    for variable, array in zip(variables, arrays):
+    for index in differ:
+        array = arrays[index]
         piece = chief[offset:offset + array.nbytes]
         offset += array.nbytes
         if piece.tobytes() != array.reshape(-1).view(np.uint8).tobytes():
-            variable.assign(piece.view(array.dtype).reshape(array.shape))
+            variables[index].assign(
+                piece.view(array.dtype).reshape(array.shape))
+
+
+def _copies_differ(engine: ReplicaEngine, variable: Any) -> bool:
+    """Whether this process's copies of `variable` hold different bytes."""
+    first = None
+    for _, array in engine.replica_copies(variable):
+        data = np.ascontiguousarray(np.asarray(array)).tobytes()
+        if first is None:
+            first = data
+        elif data != first:
+            return True
+    return False
 
 
 def with_chief_state(engine: ReplicaEngine, callbacks: Any) -> Any:
