@@ -395,8 +395,8 @@ def own_loops(processes, fully_sharded=False):
                     for gradient in gradients:
                         dist.all_reduce(gradient)
                         gradient /= processes
-                with torch.no_grad():
-                    optimizer.apply(gradients, weights)
+                with torch.no_grad():  # (the variables as a generator)
+                    optimizer.apply(gradients, (v for v in weights))
         out[kind] = model.get_weights()
         if kind == "torch_optim" and processes > 1:
             try:  # a torch optimizer is not kd's to sync: the check says so

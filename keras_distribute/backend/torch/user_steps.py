@@ -202,6 +202,8 @@ def apply_with_global_gradients(apply: Callable, optimizer: Optimizer,
     if grads is None or _reduced_depth():
         return apply(optimizer, grads, variables)
     if not _open:
+        if variables is not None:
+            variables = list(variables)  # (read twice: a generator once)
         engine = _engine_of(optimizer, variables)
         if engine is None or not engine.in_group or engine.num_replicas == 1:
             return apply(optimizer, grads, variables)
@@ -222,13 +224,13 @@ def apply_with_global_gradients(apply: Callable, optimizer: Optimizer,
         return apply(optimizer, global_grads, variables)
 
 
-def _engine_of(optimizer: Optimizer, variables: Any
+def _engine_of(optimizer: Optimizer, variables: Optional[List[Any]]
                ) -> Optional["TorchEngine"]:
     """The torch engine whose scope made `optimizer` (its step counter) or
     the variables it updates; None outside every strategy."""
     candidates = [getattr(optimizer, "iterations", None)]
     if variables:
-        candidates.append(next(iter(variables), None))
+        candidates.append(variables[0])
     for candidate in candidates:
         engine = getattr(candidate, "__dict__", {}).get("_kd_engine")
         if engine is not None:
