@@ -125,14 +125,14 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
     digests = np.full(len(named), -1, np.int64)
     local_difference = -1
     for index, (_, variable) in enumerate(named):
-        seen, differ = _copy_digests(engine, variable)
+        seen, differ = copy_digests(engine, variable)
         if differ:
             # Read once more before calling it a divergence: a copy read
             # while the runtime still wrote it must not fail a fit. (The
             # TF difference once blamed on that was a real one: an
             # iteration count run on some replicas only, now fixed in
             # integration/tf_hooks.py.)
-            seen, differ = _copy_digests(engine, variable)
+            seen, differ = copy_digests(engine, variable)
         if differ and local_difference < 0:
             local_difference = index
         if seen:
@@ -143,8 +143,9 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
     return keys, digests, local_difference
 
 
-def _copy_digests(engine: ReplicaEngine, variable: Any) -> Tuple[dict, bool]:
-    """`({region: digest}, whether two copies of one region differ)`."""
+def copy_digests(engine: ReplicaEngine, variable: Any) -> Tuple[dict, bool]:
+    """`({region: digest}, whether two copies of one region differ)` of
+    this process's copies of `variable` (`engine.replica_copies`)."""
     seen: dict = {}
     differ = False
     for region, array in engine.replica_copies(variable):

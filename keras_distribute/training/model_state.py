@@ -82,13 +82,15 @@ def take_chief_values(engine: ReplicaEngine, model: Model) -> None:
     host_value = get_backend().checkpoint_value
     arrays = [np.array(host_value(v)).reshape(tuple(v.shape))
               for v in variables]
+    from keras_distribute.training.divergence import copy_digests
+    from keras_distribute.training.divergence import fingerprint
+
     if _across_local_replicas(engine):
         for variable, array in zip(variables, arrays):
-            if _copies_differ(engine, variable):
+            if copy_digests(engine, variable)[1]:  # this process's differ
                 variable.assign(array)  # every copy: the first's value
     if not _across_processes(engine):
         return
-    from keras_distribute.training.divergence import fingerprint
 
     mine = np.array([fingerprint(a) for a in arrays], np.int64)
     table = np.asarray(engine.process_all_gather(mine))
@@ -107,18 +109,6 @@ def take_chief_values(engine: ReplicaEngine, model: Model) -> None:
         if piece.tobytes() != array.reshape(-1).view(np.uint8).tobytes():
             variables[index].assign(
                 piece.view(array.dtype).reshape(array.shape))
-
-
-def _copies_differ(engine: ReplicaEngine, variable: Any) -> bool:
-    """Whether this process's copies of `variable` hold different bytes."""
-    first = None
-    for _, array in engine.replica_copies(variable):
-        data = np.ascontiguousarray(np.asarray(array)).tobytes()
-        if first is None:
-            first = data
-        elif data != first:
-            return True
-    return False
 
 
 def with_chief_state(engine: ReplicaEngine, callbacks: Any) -> Any:

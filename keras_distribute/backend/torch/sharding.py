@@ -283,12 +283,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         if self.num_replicas == 1:
             return
         grads = [v.value.grad for v in variables if v.value.grad is not None]
-        # A fully sharded variable's gradient was reduce-scattered over the
-        # replicas in the backward pass (a sum): it is averaged in place.
-        with torch.no_grad():
-            for grad in grads:
-                if self._on_whole_mesh(grad):
-                    grad.to_local().div_(self.num_replicas)
+        self._average_reduce_scattered(grads)
         local = [g.to_local() if isinstance(g, DTensor) else g
                  for g in grads if not self._on_whole_mesh(g)]
         if not local:
@@ -317,11 +312,16 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         """The replicas' gradients averaged: a fully sharded variable's
         gradient, DTensor's sum over the replicas, divided in place; the
         others all-reduced (see `DdpTraining.average_gradients`)."""
+        self._average_reduce_scattered(grads)
+        return self.sum_gradients(grads, 1.0 / self.num_replicas)
+
+    def _average_reduce_scattered(self, grads: Sequence[Any]) -> None:
+        """A fully sharded variable's gradient was reduce-scattered over
+        the replicas in the backward pass (a sum): averaged in place."""
         with torch.no_grad():
             for grad in grads:
                 if self._on_whole_mesh(grad):
                     grad.to_local().div_(self.num_replicas)
-        return self.sum_gradients(grads, 1.0 / self.num_replicas)
 
     def train_step(self, model: Model, data: Any) -> Any:
         with replicating_plain_tensors():  # plain tensors beside DTensors
