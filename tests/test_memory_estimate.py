@@ -253,11 +253,17 @@ x = np.random.default_rng(0).random(({batch},) + {shape}, "float32")
 y = np.zeros(({batch}, 10), "float32")
 model.fit(x, y, batch_size={batch}, epochs=1, verbose=0)
 gc.collect()
-real = []
-for _ in range(3):
+steps = []  # (resident before, peak above it)
+for _ in range(5):
     before = reset_peak_resident()
     model.train_on_batch(x, y)
-    real.append(proc_status("VmHWM") - before)
+    steps.append((before, proc_status("VmHWM") - before))
+    gc.collect()
+# (a step that began while the last one's buffers were still being freed
+# reads low: its baseline held them)
+real = [peak for before, peak in steps
+        if before < min(steps)[0] + 32 * 2**20]
+real = real[:3] if len(real) >= 3 else [peak for _, peak in steps]
 """
 
 
@@ -290,23 +296,23 @@ _TORCH_RESIDENT_STEP = _fresh_step_script("""
     print(json.dumps({
         "estimated": estimate.peak - estimate.parameters - estimate.optimizer
         - estimate.gradients - estimate.batch,
-        "real": sorted(real)[1], "storages": storages.peak
+        "real": sorted(real)[len(real) // 2], "storages": storages.peak
         - estimate.gradients}))
 """, 64, (32, 32, 3))
 
 
-def _run_fresh(script):
-    """Runs `script` in a fresh Python (this directory importable, glibc
-    mapping every block over 64 KiB on its own, so that what a kernel
-    frees leaves the resident set; JAX with one CPU device) and returns
-    the JSON its last line prints."""
+def _run_fresh(script, *args):
+    """Runs `script` in a fresh Python with `args` (this directory
+    importable, glibc mapping every block over 64 KiB on its own, so that
+    what a kernel frees leaves the resident set; JAX with one CPU device)
+    and returns the JSON its last line prints."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
                XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=os.pathsep.join(
                    [here, os.path.dirname(here),
                     os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script], env=env,
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env,
                           capture_output=True, text=True, timeout=300,
                           cwd=here)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -330,7 +336,9 @@ def test_torch_kernel_copies_are_the_resident_memory_of_the_real_kernels():
 # Run in a fresh process with glibc mapping every block over 64 KiB on its
 # own, so that what a kernel frees leaves the resident set.
 _JAX_KERNEL_SCRATCH = textwrap.dedent("""
-    import gc, json
+    import gc, json, os, sys
+    if sys.argv[1:] == ["--one-cpu"]:  # (XLA's thread pool: one thread)
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import jax, jax.numpy as jnp, numpy as np
     from conftest import proc_status, reset_peak_resident
     from keras_distribute.backend.jax.cpu_scratch import (
@@ -375,6 +383,8 @@ _JAX_KERNEL_SCRATCH = textwrap.dedent("""
         "in a loop's body": (
             in_a_loop, [(32, 32, 32, 128), (3, 3, 3, 128, 128)]),
     }
+    if sys.argv[1:] == ["--one-cpu"]:  # (YNNPACK's convolutions)
+        del cases["dot transposed"], cases["volume (Eigen's)"]
     measured = {}
     for name, (program, shapes) in cases.items():
         args = [jnp.asarray(np.random.default_rng(0).random(s, "float32"))
@@ -415,16 +425,32 @@ def test_xla_cpu_kernels_take_the_scratch_the_estimate_counts():
             name, measured)
     packed = measured["im2col packed (128 features, large tiles)"]
     once = measured["im2col once (128 features, small tiles)"]
-    assert packed["real"] > 3 * once["real"], measured  # (both sides)
+    # (its im2col matrix has 4 times the rows: packed, it takes 8 times)
+    assert packed["real"] > 6 * once["real"], measured
+    # A process that may run on one CPU: XLA's pool has one thread, and
+    # YNNPACK packs nothing (the estimate reads the process's CPUs).
+    measured = _run_fresh(_JAX_KERNEL_SCRATCH, "--one-cpu")
+    for name, m in measured.items():
+        assert abs(m["counted"] - m["real"]) <= 0.1 * m["real"] + 2**20, (
+            name, measured)
+    packed = measured["im2col packed (128 features, large tiles)"]
+    assert packed["real"] < 5 * once["real"], measured
 
 
+# Pinned to one CPU: XLA's pool then has one thread, whose kernels run one
+# after another (with two, YNNPACK packs the second convolution's im2col
+# matrix again for its threads, and how much of that copy a thread has
+# touched when the step peaks depends on how the machine schedules them:
+# from 355 to 403 MiB under CI's load, 403 on an idle machine; the rule is
+# checked kernel by kernel in test_xla_cpu_kernels_take_the_scratch_...).
 _JAX_RESIDENT_STEP = _fresh_step_script("""
-    import gc, json
+    import gc, json, os
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import keras, numpy as np
     import keras_distribute as kd
     from conftest import proc_status, reset_peak_resident
 
-    def make():  # (its second convolution's gradient is packed)
+    def make():
         keras.utils.set_random_seed(1)
         return keras.Sequential([
             keras.Input((64, 64, 3)),
@@ -440,7 +466,7 @@ _JAX_RESIDENT_STEP = _fresh_step_script("""
     print(json.dumps({
         "estimated": estimate.peak - estimate.parameters
         - estimate.optimizer, "scratch": scratch * 2**20,
-        "real": sorted(real)[1], "method": estimate.method}))
+        "real": sorted(real)[len(real) // 2], "method": estimate.method}))
 """, 32, (64, 64, 3))
 
 

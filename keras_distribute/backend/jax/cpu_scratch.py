@@ -12,7 +12,9 @@ process's resident memory does (measured: `test_memory_estimate.py`,
   padded, its input with the padding; a depthwise one takes none. When a
   group's kernel is wider than one 64-column tile and its tiles are large
   (over 340 KiB, measured on x86 with the XLA of jax 0.10), YNNPACK packs
-  that and the kernel again: twice as much, plus the kernel;
+  that and the kernel again for its threads: twice as much, plus the
+  kernel — in a process that may run on one CPU only (XLA's thread pool
+  is as large as the CPUs the process may use), it does not;
 - a convolution XLA runs itself (Eigen's: over volumes, or padded more than
   YNNPACK takes) holds one more output's bytes over a volume, nothing
   measurable over an image or a sequence;
@@ -28,6 +30,7 @@ most XLA's plus the largest of them (`largest_kernel_scratch`).
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Dict
 from typing import List
@@ -131,8 +134,18 @@ def _convolution_parts(convolution: _Instruction,
             taps, rows, groups)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the
+    platform has one): the size of XLA:CPU's thread pool."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (no affinity masks: macOS)
+        return os.cpu_count() or 1
+
+
 def _ynn_convolution_scratch(convolution: _Instruction,
-                             shapes: Dict[str, _Instruction]) -> int:
+                             shapes: Dict[str, _Instruction],
+                             threads: int) -> int:
     parts = _convolution_parts(convolution, shapes)
     if parts is None:
         return 0
@@ -143,7 +156,7 @@ def _ynn_convolution_scratch(convolution: _Instruction,
     im2col = _padded_input_bytes(convolution, shapes) or im2col
     tiles = -(-columns // _YNN_TILE_COLUMNS) * _YNN_TILE_COLUMNS
     element = _ELEMENT_BYTES.get(convolution.dtype, 4)
-    if columns > _YNN_TILE_COLUMNS and (
+    if threads > 1 and columns > _YNN_TILE_COLUMNS and (
             tiles * rows * element > _YNN_PACKED_ABOVE_BYTES):
         return 2 * im2col + kernel_bytes
     return im2col
@@ -201,12 +214,15 @@ def _called(instruction: _Instruction) -> str:
     return called.group(1) if called else ""
 
 
-def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
+def largest_kernel_scratch(hlo_text: str,
+                           threads: Optional[int] = None) -> Tuple[int, str]:
     """The most bytes one kernel of a compiled XLA:CPU program takes
     outside XLA's buffers while it runs (see the module's docstring).
 
     Args:
         hlo_text: the compiled program's text (`Compiled.as_text()`).
+        threads: the threads of XLA:CPU's pool that run it; by default
+            this process's (`usable_cpus()`).
 
     Returns:
         `(bytes, what)`: the most bytes, and what takes them in words;
@@ -222,6 +238,7 @@ def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
     computations, entry = _computations(hlo_text)
     if entry is None:
         return 0, ""
+    threads = usable_cpus() if threads is None else threads
     shapes = {i.name: i for body in computations.values() for i in body}
     # A fusion's computation runs as one kernel, the fusion's.
     fused_names = {_called(i) for body in computations.values()
@@ -235,7 +252,7 @@ def largest_kernel_scratch(hlo_text: str) -> Tuple[int, str]:
         scratch, what = 0, ""
         if instruction.opcode == "fusion" and (
                 "__ynn_fusion" in instruction.attributes):
-            scratch = sum(_ynn_convolution_scratch(i, shapes)
+            scratch = sum(_ynn_convolution_scratch(i, shapes, threads)
                           for i in computations.get(_called(instruction), [])
                           if i.opcode == "convolution")
             what = "a convolution's im2col matrix"
