@@ -6,7 +6,10 @@ Keras variables, 8 matrices, under `kd.MirroredStrategy()`). Each trial
 saves it with kd's `ShardedCheckpoint`, with DCP (`dcp.save` of the
 variables' tensors; it writes each replicated tensor once, spread over the
 ranks, and fsyncs) and raw `numpy.save` + `fsync` (each process its half of
-the variables: the limit of the disk), then restores each into zeroed
+the variables: the limit of the disk), and kd's save again with the
+divergence check off (before it writes, a save in a job of several
+processes compares the processes' fingerprints of the trainable
+variables: its cost), then restores each into zeroed
 variables (`dcp.load` in place; every process reads the whole state).
 Times are rank 0's between barriers (the slowest process's); trials
 interleave the methods, after one unrecorded warm-up trial; medians with
@@ -26,6 +29,7 @@ from _results import record
 
 os.environ["KERAS_BACKEND"] = "torch"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+METHODS = ("kd", "dcp", "numpy", "kd_unchecked")
 
 
 def _between_barriers(engine, fn) -> float:
@@ -53,7 +57,7 @@ def trials(megabytes: int, directory: str, repeats: int) -> dict:
     expected = [np.array(v.numpy()) for v in model.weights]
     tensors = {f"w{i}": v.value for i, v in enumerate(model.weights)}
     times = {f"{kind}/{method}": [] for kind in ("save", "restore")
-             for method in ("kd", "dcp", "numpy")}
+             for method in METHODS}
 
     def zero():
         with torch.no_grad():
@@ -64,6 +68,14 @@ def trials(megabytes: int, directory: str, repeats: int) -> dict:
         for v, e in zip(model.weights, expected):
             if not np.array_equal(v.numpy(), e):
                 raise AssertionError(f"{v.path} was not restored exactly")
+
+    def unchecked_write(where):
+        kd.set_divergence_check("off")
+        try:
+            kd.checkpoint.ShardedCheckpoint(model=model).write(
+                where, options=kd.checkpoint.CheckpointOptions(verbose=0))
+        finally:
+            kd.set_divergence_check("raise")
 
     def numpy_save(where):
         os.makedirs(where, exist_ok=True)
@@ -82,22 +94,26 @@ def trials(megabytes: int, directory: str, repeats: int) -> dict:
 
     for trial in range(-1, repeats):  # -1: a warm-up, not recorded
         where = {m: os.path.join(directory, f"{m}-{trial}")
-                 for m in ("kd", "dcp", "numpy")}
+                 for m in METHODS}
         checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
         quiet = kd.checkpoint.CheckpointOptions(verbose=0)
         saves = {
             "kd": lambda: checkpoint.write(where["kd"], options=quiet),
             "dcp": lambda: dcp.save(tensors, checkpoint_id=where["dcp"]),
             "numpy": lambda: numpy_save(where["numpy"]),
+            "kd_unchecked": lambda: unchecked_write(where["kd_unchecked"]),
         }
         restores = {
             "kd": lambda: kd.checkpoint.ShardedCheckpoint(model=model).read(
                 where["kd"], options=quiet).assert_consumed(),
             "dcp": lambda: dcp.load(tensors, checkpoint_id=where["dcp"]),
             "numpy": lambda: numpy_restore(where["numpy"]),
+            "kd_unchecked": lambda: kd.checkpoint.ShardedCheckpoint(
+                model=model).read(where["kd_unchecked"],
+                                  options=quiet).assert_consumed(),
         }
-        order = ["kd", "dcp", "numpy"]
-        order = order[trial % 3:] + order[:trial % 3]  # interleaved
+        order = list(METHODS)
+        order = order[trial % 4:] + order[:trial % 4]  # interleaved
         for method in order:
             seconds = _between_barriers(engine, saves[method])
             if trial >= 0:
@@ -130,8 +146,7 @@ def main():
         shutil.rmtree(directory, ignore_errors=True)
     record("checkpoint_torch", {
         "megabytes": args.megabytes, "processes": 2, "repeats": args.repeats,
-        **checkpoint_summary(results[0]["times"], ("kd", "dcp", "numpy"),
-                             anchor="dcp"),
+        **checkpoint_summary(results[0]["times"], METHODS, anchor="dcp"),
         "bit_exact": True,
         "runs": results[0]["times"]})
 

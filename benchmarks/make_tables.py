@@ -205,6 +205,14 @@ def _anchored_checkpoint_table(name, setup, anchor, anchor_label):
             f"{_median(r['save_time_vs_numpy'][key])} | "
             f"{_median(r['restore_s'][key], unit=' s')} | "
             f"{_median(r['restore_time_vs_numpy'][key])} |")
+    if "kd_unchecked" in r["save_s"]:
+        key = "kd_unchecked"
+        rows.append(
+            f"| kd, its divergence check before writing off | "
+            f"{_median(r['save_s'][key], unit=' s')} | "
+            f"{_median(r['save_time_vs_numpy'][key])} | "
+            f"{_median(r['restore_s'][key], unit=' s')} | "
+            f"{_median(r['restore_time_vs_numpy'][key])} |")
     versus = r[f"kd_vs_{anchor}"]
     rows += ["", f"kd's time over {anchor_label}'s in the same trial: save "
              f"{_median(versus['save'])}, restore "

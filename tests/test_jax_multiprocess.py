@@ -276,3 +276,24 @@ def test_workers_given_different_clusters_are_refused():
 
 def test_a_taken_port_is_named_before_the_job_starts():
     assert_taken_port_is_named()
+
+
+def test_a_checkpoint_of_processes_that_trained_apart_is_not_written(tmp_path):
+    # keras-io's jitted loop given each process's own NumPy rows: JAX
+    # takes them as the same everywhere, unchecked, and each process
+    # trains its own model. The save finds it before writing anything.
+    directory = str(tmp_path / "ckpt")
+    results = kd.launch(workers.own_jitted_loop_then_save, num_processes=2,
+                        args=(directory,), timeout=TIMEOUT)
+    for result in results:
+        assert "kernel" in result["own_rows"], result["own_rows"]
+        assert "before writing the checkpoint" in result["own_rows"]
+        assert "global batch" in result["own_rows"]
+        assert result["after_own_rows"] == [result["first"]]
+        assert result["whole_batch"] != result["first"]
+    # Given the whole batch in every process, the loop trains one model.
+    for mine, theirs in zip(*(r["weights"] for r in results)):
+        np.testing.assert_array_equal(mine, theirs)
+    assert sorted(name for name in os.listdir(directory)
+                  if not name.startswith(".")) == sorted(
+        {results[0]["first"], results[0]["whole_batch"]})

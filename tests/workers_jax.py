@@ -299,3 +299,77 @@ def born_sharded_from_process_zero():
             "shards": sorted(shards),
             "largest_broadcast": max(broadcast_sizes, default=0),
             "processes": jax.process_count()}
+
+
+def own_jitted_loop_then_save(directory):
+    """keras-io's "Writing a training loop from scratch in JAX" (a jitted
+    step of `stateless_call` and `stateless_apply`), each process given
+    its own half of every batch as a NumPy array, then a checkpoint save;
+    then the same loop given the whole batch in every process, and a save
+    again. Returns what each save did and what the directory held."""
+    _jax_process()
+    import jax
+    import keras
+
+    import keras_distribute as kd
+
+    rank = int(os.environ["RANK"])
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    x, y = make_data(128)
+    with strategy.scope():
+        model = make_model(initial_weights())
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss_and_updates(trainable, non_trainable, x, y):
+        predicted, non_trainable = model.stateless_call(
+            trainable, non_trainable, x, training=True)
+        return loss_fn(y, predicted), non_trainable
+
+    gradient_of = jax.value_and_grad(loss_and_updates, has_aux=True)
+
+    @jax.jit
+    def train_step(state, data):
+        trainable, non_trainable, slots = state
+        (loss, non_trainable), grads = gradient_of(
+            trainable, non_trainable, *data)
+        trainable, slots = optimizer.stateless_apply(slots, grads, trainable)
+        return loss, (trainable, non_trainable, slots)
+
+    def train(rows_of):
+        state = ([v.value for v in model.trainable_variables],
+                 [v.value for v in model.non_trainable_variables],
+                 [v.value for v in optimizer.variables])
+        for start in range(0, 128, 32):
+            rows = rows_of(start)
+            _, state = train_step(state, (x[rows], y[rows]))
+        for variables, values in zip((model.trainable_variables,
+                                      model.non_trainable_variables,
+                                      optimizer.variables), state):
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
+                                                 optimizer=optimizer)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, directory,
+                                              max_to_keep=3)
+    out = {"first": os.path.basename(manager.save())}
+    train(lambda start: slice(start + 16 * rank, start + 16 * (rank + 1)))
+    try:
+        manager.save()
+        out["own_rows"] = None
+    except kd.ReplicasDivergedError as raised:
+        out["own_rows"] = str(raised)
+    out["after_own_rows"] = sorted(  # (not the manager's lease file)
+        name for name in os.listdir(directory) if not name.startswith("."))
+    with strategy.scope():  # the same loop, every process the whole batch
+        model.set_weights(initial_weights())
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(model.trainable_variables)
+    checkpoint.optimizer = optimizer
+    train(lambda start: slice(start, start + 32))
+    out["whole_batch"] = os.path.basename(manager.save())
+    out["weights"] = model.get_weights()
+    return out

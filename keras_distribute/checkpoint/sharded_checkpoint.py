@@ -28,6 +28,7 @@ from keras_distribute.checkpoint.storage import reading
 from keras_distribute.checkpoint.storage import remote_reading
 from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.input.iterator import DistributedIterator
+from keras_distribute.training import divergence
 
 
 class ShardedCheckpoint:
@@ -291,8 +292,25 @@ class ShardedCheckpoint:
                          for key, variable in variables.items()}))
             return entries, index_metadata
 
+        divergence.check_before_writing(engine, self._compared_variables(),
+                                        path)
         return self._checkpointer.write(engine, path, gather, options,
                                         started, owner)
+
+    def _compared_variables(self) -> List[tuple]:
+        """`[(name, variable)]` whose copies must agree in every process:
+        the trainable variables and every optimizer variable saved."""
+        import keras
+
+        named = []
+        leaves = self._leaf_objects()
+        for name, variables in self._variables_by_object(leaves).items():
+            optimizer = isinstance(leaves[name],
+                                   keras.optimizers.Optimizer)
+            named += [(f"{key} ({variable.path})", variable)
+                      for key, variable in variables.items()
+                      if optimizer or variable.trainable]
+        return named
 
     def save(self, file_prefix: str,
              options: Optional[CheckpointOptions] = None,

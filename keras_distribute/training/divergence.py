@@ -166,19 +166,20 @@ def _small_values(engine: ReplicaEngine, variable: Any) -> str:
 
 
 def find_divergence(engine: ReplicaEngine,
-                    model: Model) -> Optional[Tuple[str, str]]:
+                    named: Sequence[Tuple[str, Any]]
+                    ) -> Optional[Tuple[str, str]]:
     """`(variable name, where)` of the first variable whose copies differ
     (the same answer in every process), or `None` (a collective).
 
     Args:
         engine: The strategy's engine.
-        model: A built Keras model.
+        named: `[(name, variable)]` to compare, in the same order in every
+            process (`checked_variables(model)`).
 
     Returns:
         `None` when every copy agrees; else the variable's name and where
         its copies differ.
     """
-    named = checked_variables(model)
     counts = np.asarray(engine.process_all_gather(
         np.array([len(named)], np.int64)))[:, 0]
     if len(set(counts.tolist())) > 1:
@@ -237,12 +238,41 @@ def check_replicas_agree(engine: ReplicaEngine, model: Model,
     if mode == "off" or not getattr(model, "built", False) or (
             engine.num_replicas == 1 and engine.process_count == 1):
         return
-    found = find_divergence(engine, model)
+    found = find_divergence(engine, checked_variables(model))
     if found is None:
         return
     message = divergence_message(found[0], found[1], when)
     if mode == "warn":
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    raise ReplicasDivergedError(message, variable=found[0])
+
+
+def check_before_writing(engine: ReplicaEngine,
+                         named: Sequence[Tuple[str, Any]],
+                         path: str) -> None:
+    """In a job of several processes, raises (or warns, per the mode in
+    force) before a checkpoint of `named` is written when their copies
+    differ: the chief would write its own model as the job's, and the
+    others' training would be lost unseen (a loop of the user's own that
+    gives each process its own batch where the step needs the global one).
+    Nothing is written then; the checkpoints there stay as they were. A
+    collective: every process writes."""
+    mode = divergence_check_mode()
+    if mode == "off" or engine.process_count == 1 or not named:
+        return
+    found = find_divergence(engine, named)
+    if found is None:
+        return
+    message = divergence_message(
+        found[0], found[1], f"before writing the checkpoint {path}") + (
+        " (On JAX, a jitted step of your own given each process's own "
+        "batch — a NumPy array — trains one model per process: give it "
+        "the global batch, from strategy.experimental_distribute_dataset.)"
+        " Nothing was written: the checkpoints already there are as they "
+        "were.")
+    if mode == "warn":
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
         return
     raise ReplicasDivergedError(message, variable=found[0])
 
