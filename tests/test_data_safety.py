@@ -192,6 +192,41 @@ def test_a_failed_restore_leaves_every_variable_as_before(tmp_path,
     assert_same(before, variables)
 
 
+def test_a_restore_keeps_each_torch_variables_tensor(tmp_path):
+    # A restore reads a CPU variable into new memory and swaps it in (the
+    # old memory, never written, is what a failed restore puts back): the
+    # tensor objects stay, so what holds them — a torch.optim optimizer,
+    # a module's parameters — sees the restored values; a failed restore
+    # leaves those objects holding their values too.
+    if BACKEND != "torch":
+        pytest.skip("torch's tensors")
+    import torch
+
+    model = make_model()
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = ckpt.ShardedCheckpoint(model=model).write(str(tmp_path / "c"))
+    saved = values(model.weights)
+    parameters = list(model.parameters())
+    optimizer = torch.optim.SGD(parameters, lr=0.1)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # other values now
+    ckpt.ShardedCheckpoint(model=model).read(path).assert_consumed()
+    assert all(a is b for a, b in zip(model.parameters(), parameters))
+    assert_same(saved, model.weights)
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for variable, expected in zip(model.trainable_weights, saved):
+        assert id(variable.value) in held
+        np.testing.assert_array_equal(
+            variable.value.detach().numpy(), expected)
+    corrupt_piece_of(path, "model/2")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    before = values(model.weights)
+    with pytest.raises(ckpt.CheckpointError, match="Nothing was restored"):
+        ckpt.ShardedCheckpoint(model=model).read(path)
+    assert all(a is b for a, b in zip(model.parameters(), parameters))
+    assert_same(before, model.weights)
+
+
 def test_a_shape_mismatch_restores_nothing(tmp_path):
     path = ckpt.ShardedCheckpoint(model=make_model()).write(
         str(tmp_path / "c"))

@@ -90,15 +90,29 @@ def host_view(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+def _restored_by_swap(value: Any) -> bool:
+    """Whether a restore reads a variable's value into new memory and
+    swaps it in (a plain, contiguous CPU tensor): its old memory is never
+    written, so holding it is the snapshot."""
+    return isinstance(value, torch.Tensor) and not _is_dtensor(value) and (
+        value.device.type == "cpu" and value.is_contiguous())
+
+
 def checkpoint_snapshot(variable: Any) -> Callable[[], None]:
     """`put_back()` for a variable's current value (this process's part of
-    a sharded one): a copy, since a restore reads straight into a plain
-    CPU variable's memory."""
+    a sharded one): a plain CPU variable's memory itself, which the
+    restore replaces rather than writes (no copy); otherwise a copy."""
     value: Any = (variable._value if isinstance(variable, keras.Variable)
                   else None)
     if _is_dtensor(value):
         local = value.to_local().detach().clone()
         return lambda: assign_piece(variable, local)
+    if _restored_by_swap(value):
+        held = value.data  # (the same memory: `checkpoint_assign` swaps)
+
+        def put_back_memory():
+            variable._value.data = held
+        return put_back_memory
     if isinstance(value, torch.Tensor):
         old = value.detach().clone()
 
@@ -111,15 +125,19 @@ def checkpoint_snapshot(variable: Any) -> Callable[[], None]:
 
 def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
     """Restores a variable, reading only this process's region of it; a
-    plain CPU variable straight into its own memory (no copy)."""
+    plain CPU variable into new memory, swapped in once read whole and
+    verified (its tensor object stays: a `torch.optim` optimizer or a
+    module that holds it sees the new values; the old memory, untouched,
+    is what `checkpoint_snapshot` holds)."""
     value = variable._value if isinstance(variable, keras.Variable) else None
     if _is_dtensor(value):
         (piece,) = read_regions([local_region(value)])
         assign_piece(variable, piece)
         return
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and (
-            value.is_contiguous()):
-        read_regions([whole_region(value.shape)], into=[host_view(value)])
+    if _restored_by_swap(value):
+        fresh = torch.empty_like(value, memory_format=torch.contiguous_format)
+        read_regions([whole_region(value.shape)], into=[host_view(fresh)])
+        value.data = fresh
         return
     assign_whole(variable, read_regions)
 
