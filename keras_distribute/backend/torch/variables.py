@@ -129,7 +129,8 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
     verified (its tensor object stays: a `torch.optim` optimizer or a
     module that holds it sees the new values; the old memory, untouched,
     is what `checkpoint_snapshot` holds)."""
-    value = variable._value if isinstance(variable, keras.Variable) else None
+    value: Any = (variable._value if isinstance(variable, keras.Variable)
+                  else None)
     if _is_dtensor(value):
         (piece,) = read_regions([local_region(value)])
         assign_piece(variable, piece)
