@@ -241,6 +241,23 @@ def test_the_check_mode_is_validated_and_one_replica_is_never_checked(
     kd.get_strategy().check_replicas_agree(model)  # default strategy: no-op
 
 
+def test_a_save_reads_one_copy_of_each_region_of_a_variable():
+    # The check before a checkpoint is written compares processes: it
+    # reads one copy of each region (a replicated variable on a host of 8
+    # devices once, not 8 times); fit's check reads every copy.
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    kernel = model.layers[0].kernel
+    every = strategy.engine.replica_copies(kernel)
+    one = strategy.engine.replica_copies(kernel, one_per_region=True)
+    expected = 1 if BACKEND == "torch" else strategy.num_replicas_in_sync
+    assert len(every) == expected
+    assert expected > 1 or BACKEND == "torch"  # (several copies to skip)
+    assert [region for region, _ in one] == [every[0][0]]
+    np.testing.assert_array_equal(one[0][1], every[0][1])
+
+
 @torch_only
 def test_variables_agree_from_the_moment_they_are_made_in_the_scope():
     # The transfer-learning guide reads weights inside the scope and checks

@@ -103,11 +103,14 @@ class ReplicaEngine(Protocol):
     def variable_layout(self, variable: Any) -> tuple:
         """`(axes per dimension, bytes per device)` of a variable."""
 
-    def replica_copies(self, variable: Any) -> list:
+    def replica_copies(self, variable: Any,
+                       one_per_region: bool = False) -> list:
         """`[(region, host array)]`: every copy of `variable` this process
         holds, each with the global region it covers (`whole_region(shape)`
-        for a whole copy). Copies of one region must be equal everywhere
-        (the divergence check compares them, `training/divergence.py`)."""
+        for a whole copy); with `one_per_region`, only the first of the
+        copies of each region (none other is read to the host). Copies of
+        one region must be equal everywhere (the divergence check compares
+        them, `training/divergence.py`)."""
 
     def owns_variable(self, variable: Any) -> bool:
         """Whether `variable` was created under this engine's layout."""

@@ -82,7 +82,8 @@ class InPlaceEngine:
     def variable_local_results(self, variable: Any):
         return None
 
-    def replica_copies(self, variable: Any) -> list:
+    def replica_copies(self, variable: Any,
+                       one_per_region: bool = False) -> list:
         return []  # one copy: nothing to compare
 
     def variable_layout(self, variable: Any) -> tuple:

@@ -114,25 +114,28 @@ def _region_key(region: tuple) -> int:
     return fingerprint(np.asarray(region, np.int64))
 
 
-def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
+def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]],
+                  within_process: bool = True
                   ) -> Tuple[np.ndarray, np.ndarray, int]:
     """`(region keys, digests, index of the first variable whose copies
     differ inside this process (-1: none))`: for each variable, the key and
     digest of one region this process holds — its whole copy, else its
     first piece in region order (a sharded variable: processes holding the
-    same piece compare it) — or -1 and -1 when it holds none."""
+    same piece compare it) — or -1 and -1 when it holds none.
+    `within_process=False` reads one copy of each region (the comparison
+    across processes only)."""
     keys = np.full(len(named), -1, np.int64)
     digests = np.full(len(named), -1, np.int64)
     local_difference = -1
     for index, (_, variable) in enumerate(named):
-        seen, differ = copy_digests(engine, variable)
+        seen, differ = copy_digests(engine, variable, within_process)
         if differ:
             # Read once more before calling it a divergence: a copy read
             # while the runtime still wrote it must not fail a fit. (The
             # TF difference once blamed on that was a real one: an
             # iteration count run on some replicas only, now fixed in
             # integration/tf_hooks.py.)
-            seen, differ = copy_digests(engine, variable)
+            seen, differ = copy_digests(engine, variable, within_process)
         if differ and local_difference < 0:
             local_difference = index
         if seen:
@@ -143,12 +146,15 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]]
     return keys, digests, local_difference
 
 
-def copy_digests(engine: ReplicaEngine, variable: Any) -> Tuple[dict, bool]:
+def copy_digests(engine: ReplicaEngine, variable: Any,
+                 every_copy: bool = True) -> Tuple[dict, bool]:
     """`({region: digest}, whether two copies of one region differ)` of
-    this process's copies of `variable` (`engine.replica_copies`)."""
+    this process's copies of `variable` (`engine.replica_copies`; with
+    `every_copy=False` the first of each region's only)."""
     seen: dict = {}
     differ = False
-    for region, array in engine.replica_copies(variable):
+    for region, array in engine.replica_copies(
+            variable, one_per_region=not every_copy):
         digest = fingerprint(np.asarray(array))
         if seen.setdefault(tuple(region), digest) != digest:
             differ = True
@@ -166,7 +172,8 @@ def _small_values(engine: ReplicaEngine, variable: Any) -> str:
 
 
 def find_divergence(engine: ReplicaEngine,
-                    named: Sequence[Tuple[str, Any]]
+                    named: Sequence[Tuple[str, Any]],
+                    within_process: bool = True
                     ) -> Optional[Tuple[str, str]]:
     """`(variable name, where)` of the first variable whose copies differ
     (the same answer in every process), or `None` (a collective).
@@ -175,6 +182,9 @@ def find_divergence(engine: ReplicaEngine,
         engine: The strategy's engine.
         named: `[(name, variable)]` to compare, in the same order in every
             process (`checked_variables(model)`).
+        within_process: Also compare the copies inside each process (its
+            replicas'); `False` reads one copy of each region and compares
+            across processes only.
 
     Returns:
         `None` when every copy agrees; else the variable's name and where
@@ -186,7 +196,7 @@ def find_divergence(engine: ReplicaEngine,
         return ("(the variable lists)",
                 "the processes hold different numbers of trainable and "
                 f"optimizer variables: {counts.tolist()} by process")
-    keys, digests, local = _fingerprints(engine, named)
+    keys, digests, local = _fingerprints(engine, named, within_process)
     everyone = np.asarray(engine.process_all_gather(
         np.concatenate([[local], keys, digests]).astype(np.int64)))
     locals_ = everyone[:, 0].tolist()
@@ -261,7 +271,10 @@ def check_before_writing(engine: ReplicaEngine,
     mode = divergence_check_mode()
     if mode == "off" or engine.process_count == 1 or not named:
         return
-    found = find_divergence(engine, named)
+    # (Across processes only, one copy of each region read: a replicated
+    # variable on a host of 8 devices is read to the host once, not 8
+    # times. The copies inside a process are fit's check, at epoch ends.)
+    found = find_divergence(engine, named, within_process=False)
     if found is None:
         return
     message = divergence_message(

@@ -174,7 +174,8 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
             return None
         return self._per_replica_shards(variable.value)
 
-    def replica_copies(self, variable: Any) -> list:
+    def replica_copies(self, variable: Any,
+                       one_per_region: bool = False) -> list:
         """Every shard this process's devices hold, with its region (a
         replicated variable: one whole copy per device)."""
         value = variable.value if isinstance(variable, keras.Variable) else (
@@ -183,11 +184,17 @@ class JaxEngine(SpmdRun, trainer_call.TrainerCallState):
             return [(interface.whole_region(np.shape(value)),
                      np.asarray(value))]
         shape = value.shape
-        return [(tuple((0 if part.start is None else int(part.start),
-                        int(size) if part.stop is None else int(part.stop))
-                       for part, size in zip(shard.index, shape)),
-                 np.asarray(shard.data))
-                for shard in value.addressable_shards]
+        copies, seen = [], set()
+        for shard in value.addressable_shards:
+            region = tuple(
+                (0 if part.start is None else int(part.start),
+                 int(size) if part.stop is None else int(part.stop))
+                for part, size in zip(shard.index, shape))
+            if one_per_region and region in seen:
+                continue  # (not read to the host)
+            seen.add(region)
+            copies.append((region, np.asarray(shard.data)))
+        return copies
 
     def barrier(self, name: str) -> None:
         if self.multi_process:

@@ -172,11 +172,14 @@ class TfEngine(ReplicaRun):
             return tuple(self.tf_strategy.experimental_local_results(value))
         return None
 
-    def replica_copies(self, variable: Any) -> list:
+    def replica_copies(self, variable: Any,
+                       one_per_region: bool = False) -> list:
         """Each local replica's copy of a mirrored variable (one for a plain
         one): whole copies."""
         region = interface.whole_region(tuple(variable.shape))
         copies = self.variable_local_results(variable) or (variable.value,)
+        if one_per_region:
+            copies = copies[:1]
         # One read op per copy, viewed in place: `.numpy()` added an
         # identity op and a host copy (a third of the divergence check).
         return [(region, np.asarray(copy.value() if isinstance(

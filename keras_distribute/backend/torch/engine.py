@@ -159,7 +159,8 @@ class TorchEngine(DdpTraining, ProcessCollectives,
     def owns_variable(self, variable: Any) -> bool:
         return getattr(variable, "_kd_engine", None) is self
 
-    def replica_copies(self, variable: Any) -> list:
+    def replica_copies(self, variable: Any,
+                       one_per_region: bool = False) -> list:
         """This process's copy: a plain variable whole, a sharded one's
         local piece with its region (processes holding the same piece, e.g.
         the replicas of a model-axis shard, are compared)."""
