@@ -251,6 +251,10 @@ class ShardedCheckpoint:
         Raises:
             CheckpointError: if another process failed to write its shards;
                 with `enable_async`, raised by the next call instead.
+            ReplicasDivergedError: in a job of several processes, if the
+                processes hold different values of a trainable or optimizer
+                variable it saves (they trained apart); nothing is written
+                (`kd.set_divergence_check("warn")` writes and warns).
             ValueError: for a path with a scheme other than `s3://` and
                 `gs://` (object storage, through the `[s3]` / `[gcs]`
                 extras).
@@ -328,6 +332,9 @@ class ShardedCheckpoint:
 
         Returns:
             The path written (with `enable_async`, being written).
+
+        Raises:
+            ReplicasDivergedError: as `write`; nothing is written.
         """
         return self._save(file_prefix, options, metadata)
 
