@@ -128,14 +128,16 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]],
     digests = np.full(len(named), -1, np.int64)
     local_difference = -1
     for index, (_, variable) in enumerate(named):
-        seen, differ = copy_digests(engine, variable, within_process)
+        seen, differ = copy_digests(engine, variable,
+                                    every_copy=within_process)
         if differ:
             # Read once more before calling it a divergence: a copy read
             # while the runtime still wrote it must not fail a fit. (The
             # TF difference once blamed on that was a real one: an
             # iteration count run on some replicas only, now fixed in
             # integration/tf_hooks.py.)
-            seen, differ = copy_digests(engine, variable, within_process)
+            seen, differ = copy_digests(engine, variable,
+                                    every_copy=within_process)
         if differ and local_difference < 0:
             local_difference = index
         if seen:
