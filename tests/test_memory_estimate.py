@@ -301,6 +301,46 @@ _TORCH_RESIDENT_STEP = _fresh_step_script("""
 """, 64, (32, 32, 3))
 
 
+# A model heavy in activations (self-attention over 128 tokens): its step
+# peaks at the end of the forward pass, where Keras' torch step still holds
+# the last step's gradients (it clears them, `zero_grad`, only then).
+_TORCH_ATTENTION_STEP = textwrap.dedent("""
+    import gc, json
+    import keras, numpy as np
+    import keras_distribute as kd
+    from conftest import proc_status, reset_peak_resident
+
+    def make():
+        keras.utils.set_random_seed(1)
+        tokens = keras.Input((128,), dtype="int32")
+        h = keras.layers.Embedding(8192, 256)(tokens)
+        for _ in range(2):
+            h = h + keras.layers.MultiHeadAttention(8, 32)(h, h)
+            h = keras.layers.LayerNormalization()(h)
+        pooled = keras.layers.GlobalAveragePooling1D()(h)
+        return keras.Model(tokens, keras.layers.Dense(10)(pooled))
+
+    estimate = kd.layouts.estimate_memory(make, batch_size=32,
+                                          optimizer="adam", loss="mse")
+    model = make()
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).integers(0, 8192, (32, 128)).astype("int32")
+    y = np.zeros((32, 10), "float32")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    gc.collect()
+    real = []
+    for _ in range(3):
+        before = reset_peak_resident()
+        model.train_on_batch(x, y)
+        real.append(proc_status("VmHWM") - before)
+        gc.collect()
+    print(json.dumps({
+        "estimated": estimate.peak - estimate.parameters - estimate.optimizer
+        - estimate.gradients - estimate.batch,
+        "real": sorted(real)[1], "gradients": estimate.gradients}))
+""")
+
+
 def _run_fresh(script, *args):
     """Runs `script` in a fresh Python with `args` (this directory
     importable, glibc mapping every block over 64 KiB on its own, so that
@@ -317,6 +357,20 @@ def _run_fresh(script, *args):
                           cwd=here)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_torch_estimate_holds_the_last_gradients_through_the_forward_pass(
+        ):
+    # Keras' torch step (and kd's) calls `zero_grad` after the forward pass:
+    # every step after the first runs it beside the last step's gradients.
+    # Without them the estimate was 66.3 MiB for a step of 75.9 (-12.7 %);
+    # with them 76.3 for 76.0.
+    if BACKEND != "torch":
+        pytest.skip("Keras' torch step")
+    measured = _run_fresh(_TORCH_ATTENTION_STEP)
+    real, estimated = measured["real"], measured["estimated"]
+    assert abs(estimated - real) <= 0.05 * real, measured
+    assert measured["gradients"] > 0.1 * real, measured  # (they matter)
 
 
 def test_torch_kernel_copies_are_the_resident_memory_of_the_real_kernels():

@@ -105,7 +105,9 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     gradient is made at the shard's size, as kd's engine makes them; its
     layer, which kd's engine runs on the shards with its output gathered
     whole, is run here on the gathered weights (one layer's whole weights
-    at a time over the real step: an upper bound)."""
+    at a time over the real step: an upper bound). The step is one after
+    the first: the last step's gradients are alive through the forward
+    pass, as Keras' torch step clears them only after it."""
     replicas = 1
     shard_shapes: Dict[int, tuple] = {}
     model_axes = False
@@ -150,7 +152,15 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
             with (LiveStorageBytes(resident, kernel_copies=True) as live,
                   _GatheringLayers(shard_shapes, variables, staged),
                   _ScalarsReadAsOne(), _ScalarArraysReadAsOne()):
+                # The last step's gradients: Keras' torch step (and kd's)
+                # clears them (`zero_grad`) once the forward pass is done,
+                # so every step after the first runs its forward pass
+                # beside them (on a model heavy in activations, its peak).
+                for variable in trainable:
+                    variable._value.grad = torch.empty_like(variable._value)
                 y_pred = model(x, training=True)
+                for variable in trainable:
+                    variable._value.grad = None
                 value = loss(y, y_pred)
                 for extra in model.losses:
                     value = value + extra
