@@ -296,7 +296,7 @@ class ShardedCheckpoint:
                          for key, variable in variables.items()}))
             return entries, index_metadata
 
-        divergence.check_before_writing(engine, self._compared_variables(),
+        divergence.check_before_writing(engine, self._compared_variables,
                                         path)
         return self._checkpointer.write(engine, path, gather, options,
                                         started, owner)

@@ -23,6 +23,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Callable
 from typing import List
 from typing import Optional
 from typing import Sequence
@@ -260,19 +261,23 @@ def check_replicas_agree(engine: ReplicaEngine, model: Model,
     raise ReplicasDivergedError(message, variable=found[0])
 
 
-def check_before_writing(engine: ReplicaEngine,
-                         named: Sequence[Tuple[str, Any]],
-                         path: str) -> None:
+def check_before_writing(
+        engine: ReplicaEngine,
+        named_variables: Callable[[], Sequence[Tuple[str, Any]]],
+        path: str) -> None:
     """In a job of several processes, raises (or warns, per the mode in
-    force) before a checkpoint of `named` is written when their copies
-    differ: the chief would write its own model as the job's, and the
+    force) before a checkpoint of `named_variables()` is written when their
+    copies differ: the chief would write its own model as the job's, and the
     others' training would be lost unseen (a loop of the user's own that
     gives each process its own batch where the step needs the global one).
     Nothing is written then; the checkpoints there stay as they were. A
-    collective: every process writes."""
+    collective: every process writes. `named_variables()` lists the
+    variables, called only where the check runs (a job of several
+    processes)."""
     mode = divergence_check_mode()
-    if mode == "off" or engine.process_count == 1 or not named:
+    if mode == "off" or engine.process_count == 1:
         return
+    named = named_variables()
     # (Across processes only, one copy of each region read: a replicated
     # variable on a host of 8 devices is read to the host once, not 8
     # times. The copies inside a process are fit's check, at epoch ends.)
