@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_distribute.backend.torch.trees import flat_leaves
 from keras_distribute.backend.torch.variables import replicating_plain_tensors
 from keras_distribute.backend.torch.variables import whole_value
 
@@ -46,7 +47,7 @@ def call_sharded(forward: Callable, layer: Layer, args: tuple, kwargs: dict,
         return leaf
 
     if not any(isinstance(leaf, torch.Tensor) and leaf.device.type !=
-               "meta" for leaf in keras.tree.flatten((args, kwargs))):
+               "meta" for leaf in flat_leaves((args, kwargs))):
         return forward(layer, *args, **kwargs)  # symbolic call
     args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
     with replicating_plain_tensors(), gathered_variables(

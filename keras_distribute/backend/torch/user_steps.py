@@ -49,6 +49,8 @@ from typing import Sequence
 
 import torch
 
+from keras_distribute.backend.torch.trees import flat_leaves
+
 if TYPE_CHECKING:
     from keras import Model
     from keras.optimizers import Optimizer
@@ -123,9 +125,7 @@ def _is_reduced(tensor: Any) -> bool:
 
 
 def _rows(batch: Any) -> int:
-    import keras
-
-    leaves = [leaf for leaf in keras.tree.flatten(batch)
+    leaves = [leaf for leaf in flat_leaves(batch)
               if leaf is not None and getattr(leaf, "shape", None)]
     return int(leaves[0].shape[0]) if leaves else 0
 
