@@ -1352,6 +1352,83 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
             "kernel_bytes": width * width * 4}
 
 
+def model_parallel_mlp_step_memory():
+    """One process's step of an MLP (256-1024-1024-10, batch 256) whose
+    kernels `plan_layout` cuts over the model axis of a (1, 2) mesh: kd's
+    estimate of what the step makes above what stays between steps, and
+    the real count — every storage Keras' train_step makes on this
+    process's real tensors (a DTensor's local part), with its kernels'
+    copies; and, with Python's cycle collector off, whether a sharded
+    layer's input outlives its call (a reference cycle keeping it)."""
+    _setup()
+
+    import gc
+    import weakref
+
+    import keras
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import keras_distribute as kd
+    from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
+
+    class LocalStorageBytes(LiveStorageBytes):
+        def storage_holder(self, value):
+            return value._local_tensor if isinstance(value, DTensor) else (
+                value)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([
+            keras.Input((256,)),
+            keras.layers.Dense(1024, activation="relu", name="dense_in"),
+            keras.layers.Dense(1024, activation="relu", name="dense_mid"),
+            keras.layers.Dense(10, name="dense_out")], name="mlp")
+
+    size = int(os.environ["WORLD_SIZE"])
+    mesh = keras.distribution.DeviceMesh(
+        (1, size), ["batch", "model"], [f"cpu:{r}" for r in range(size)])
+    plan = kd.layouts.plan_layout(make, mesh, fsdp=False)
+    estimate = kd.layouts.estimate_memory(
+        make, plan.layout_map, batch_size=256, optimizer="adam", loss="mse")
+    with kd.MirroredStrategy(layout_map=plan.layout_map).scope():
+        model = make()
+        model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.normal(size=(256, 256)).astype("float32"))
+    y = torch.as_tensor(rng.normal(size=(256, 10)).astype("float32"))
+    model.fit(x, y, batch_size=256, epochs=1, verbose=0)
+
+    def local(value):
+        return value._local_tensor if isinstance(value, DTensor) else value
+
+    held = ([local(v.value) for v in model.variables
+             + model.optimizer.variables + model.metrics_variables]
+            + [local(v.value.grad) for v in model.trainable_variables
+               if v.value.grad is not None] + [x, y])
+    with LocalStorageBytes(held, kernel_copies=True) as live:
+        model.train_step((x, y))
+    gc.collect()
+    gc.disable()
+    try:
+        given = torch.as_tensor(rng.normal(size=(256, 1024)).astype(
+            "float32"))
+        given_ref = weakref.ref(given)
+        output = model.get_layer("dense_mid")(given)
+        del given, output
+        input_outlives_call = given_ref() is not None
+    finally:
+        gc.enable()
+    # (the gradients counted: the real step makes them, the last step's
+    # held before it are not counted in either)
+    return {"estimated": estimate.peak - estimate.parameters
+            - estimate.optimizer - x.nbytes - y.nbytes,
+            "real": live.peak, "method": estimate.method,
+            "layouts": {path: tuple(layout.axes) for path, layout in
+                        plan.layout_map.items()},
+            "input_outlives_call": input_outlives_call}
+
+
 def born_sharded_fit():
     """2 processes, one-line FSDP, random states diverged: a 4 MiB kernel
     whose GlorotUniform has no seed given (each process draws its own) is

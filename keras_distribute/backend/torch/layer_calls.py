@@ -64,7 +64,7 @@ def _replicated_while_convolving(layer: Layer):
     kernel cut by channels (torch 2.13: its local shapes disagree), so
     such a layer keeps only its memory sharded, at rest, and computes
     whole."""
-    if not isinstance(layer, _convolutions()):
+    if not isinstance(layer, convolutions()):
         yield
         return
     swapped = []
@@ -84,8 +84,10 @@ def _replicated_while_convolving(layer: Layer):
 
 
 @functools.lru_cache(maxsize=None)
-def _convolutions() -> tuple:
-    """Keras' convolution layers (their subclasses are convolutions too)."""
+def convolutions() -> tuple:
+    """Keras' convolution layers (their subclasses are convolutions too),
+    which kd's engine runs on their kernels gathered whole
+    (`_replicated_while_convolving`)."""
     layers = keras.layers
     return tuple(getattr(layers, name) for name in (
         "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",

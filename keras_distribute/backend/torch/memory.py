@@ -34,10 +34,12 @@ from torch.utils._pytree import tree_flatten
 
 from keras_distribute.backend.interface import StepMemory
 from keras_distribute.backend.torch import user_steps
+from keras_distribute.backend.torch.layer_calls import convolutions
 from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
 from keras_distribute.backend.torch.storage_counting import (
     gloo_stages_collectives,
 )
+from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import axis_size
 from keras_distribute.common.layouts import layout_axes
 from keras_distribute.common.layouts import variable_layout
@@ -95,30 +97,30 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
     """See `interface.BackendModule.step_memory`: one replica's step on
     fake tensors, as one process of the job runs it.
 
-    A variable sharded over the batch axis only (FSDP-style: kd's torch
+    A variable sharded over the batch axis (FSDP-style: kd's torch
     engine holds it 1/N per process, `fully_sharded.py`) is held as its
-    shard; while its layer computes it is gathered whole, what the
-    layer's operations save of it is a note gathered again in the backward
-    pass, and its gradient is reduce-scattered onto the shard — each as
-    new storage of the sizes kd's engine makes. A variable sharded over a
-    model axis (tensor parallelism) is held as its shard too, and its
-    gradient is made at the shard's size, as kd's engine makes them; its
-    layer, which kd's engine runs on the shards with its output gathered
-    whole, is run here on the gathered weights (one layer's whole weights
-    at a time over the real step: an upper bound). The step is one after
-    the first: the last step's gradients are alive through the forward
-    pass, as Keras' torch step clears them only after it."""
+    shard; while its layer computes it is gathered over that axis, what
+    the layer's operations save of it is a note gathered again in the
+    backward pass, and its gradient is reduce-scattered onto the shard —
+    each as new storage of the sizes kd's engine makes. A variable sharded
+    over a model axis (tensor parallelism) is held as its shard too, and
+    its gradient is made at the shard's size; its layer, which kd's engine
+    runs on the shards (DTensor), reads it here as a whole-shaped view
+    without memory of its own, so the layer's operations run on whole
+    shapes (their outputs whole, as kd's engine gathers them) — except a
+    convolution's, which kd's engine gathers whole while it computes, as
+    here. The step is one after the first: the last step's gradients are
+    alive through the forward pass, as Keras' torch step clears them only
+    after it."""
     replicas = 1
-    shard_shapes: Dict[int, tuple] = {}
+    sharded: Dict[int, _Sharding] = {}
     model_axes = False
-    staged: set = set()
     if layout_map is not None:
-        shard_shapes, batch_sharded = _sharded_variables(model, layout_map)
-        if gloo_stages_collectives():
-            staged = batch_sharded
+        sharded = _sharded_variables(model, layout_map)
         mesh = layout_map.device_mesh
         replicas = int(mesh.shape[0])
         model_axes = any(int(size) > 1 for size in tuple(mesh.shape)[1:])
+    shard_shapes = {key: each.shard for key, each in sharded.items()}
     trainable = list(model.trainable_variables)
     step_optimizer, stand_ins = _optimizer_on_shards(optimizer, trainable,
                                                      shard_shapes)
@@ -150,7 +152,7 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                         + [v._value for v in step_optimizer.variables]
                         + batch)
             with (LiveStorageBytes(resident, kernel_copies=True) as live,
-                  _GatheringLayers(shard_shapes, variables, staged),
+                  _GatheringLayers(sharded, variables),
                   _ScalarsReadAsOne(), _ScalarArraysReadAsOne()):
                 # The last step's gradients: Keras' torch step (and kd's)
                 # clears them (`zero_grad`) once the forward pass is done,
@@ -180,23 +182,31 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
         method += (" (variables sharded over the batch axis held as their "
                    "shards, gathered while their layer computes)")
     elif shard_shapes:
-        method += (" (sharded variables held as their shards, gathered "
-                   "while their layer computes: tensor parallelism computes "
-                   "on the shards instead, so one layer's whole weights at "
-                   "a time are counted above it)")
+        method += (" (sharded variables held as their shards; a layer "
+                   "computes on those cut over a model axis, read whole "
+                   "without memory of their own, and on the others "
+                   "gathered while it computes, as a convolution's are)")
     return StepMemory(resident_bytes + live.peak, method)
 
 
-def _sharded_variables(model: Model, layout_map: LayoutMap) -> tuple:
-    """`(shard shapes, batch-sharded)`: `{id(variable): the shape of its
-    shard}` of the variables the map shards (over the batch axis, a model
-    axis or both), as one process holds them, and the ids of those it
-    shards over the batch axis (kd's engine gathers them over it with a
-    collective while their layer computes, and reduce-scatters their
-    gradients)."""
+class _Sharding(NamedTuple):
+    """How one process holds a sharded variable and its layer reads it."""
+
+    shard: tuple  # the shape the process holds
+    computed: tuple  # the shape its layer computes on: gathered over the
+    # batch axis, still cut over the model axes (kd's engine's DTensor)
+    over_batch: bool  # gathered over the batch axis by a collective
+
+
+def _sharded_variables(model: Model, layout_map: LayoutMap) -> dict:
+    """`{id(variable): _Sharding}` of the variables the map shards (over
+    the batch axis, a model axis or both), as one process holds them and
+    its layer computes on them (kd's engine gathers a variable over the
+    batch axis with a collective while its layer computes, and
+    reduce-scatters its gradient; a model axis's shards stay)."""
     mesh = layout_map.device_mesh
     batch_axis = mesh.axis_names[0]
-    shapes, batch_sharded = {}, set()
+    sharded = {}
     for variable in model.variables:
         shape = tuple(int(s) for s in variable.shape)
         layout = variable_layout(layout_map, variable.path, shape)
@@ -205,11 +215,23 @@ def _sharded_variables(model: Model, layout_map: LayoutMap) -> tuple:
         axes = layout_axes(layout)
         if not any(axis_size(mesh, a) > 1 for a in axes):
             continue
-        shapes[id(variable)] = tuple(
-            d // axis_size(mesh, axis) for d, axis in zip(shape, layout.axes))
-        if batch_axis in axes and axis_size(mesh, batch_axis) > 1:
-            batch_sharded.add(id(variable))
-    return shapes, batch_sharded
+        over_batch = batch_axis in axes and axis_size(mesh, batch_axis) > 1
+        sharded[id(variable)] = _Sharding(
+            shard=tuple(d // axis_size(mesh, axis)
+                        for d, axis in zip(shape, layout.axes)),
+            computed=tuple(
+                d // _model_axes_size(mesh, axis, batch_axis)
+                for d, axis in zip(shape, layout.axes)),
+            over_batch=over_batch)
+    return sharded
+
+
+def _model_axes_size(mesh: Any, axis: Any, batch_axis: str) -> int:
+    """The shards a dimension laid out over `axis` (a mesh axis name, a
+    tuple of names or None) is cut into over the mesh's axes other than
+    the batch axis."""
+    return int(np.prod([axis_size(mesh, name) for name in axis_names(axis)
+                        if name != batch_axis], dtype=np.int64))
 
 
 def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
@@ -257,19 +279,50 @@ class _Gathered(torch.autograd.Function):
         return shard, None, None
 
 
+class _ReadOnShards(torch.autograd.Function):
+    """A variable cut over a model axis, as the layer kd's engine runs on
+    its shards (DTensor) reads it: a whole-shaped view without memory of
+    its own — of the batch-axis gathering of the shard (new storage, of
+    the shape the layer computes on) where the variable is also sharded
+    over the batch axis, else of nothing. In backward the whole gradient
+    goes back onto the shard (new storage of the shard's size)."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, computed: tuple,
+                shape: tuple, staged: bool) -> torch.Tensor:
+        ctx.shard_shape, ctx.computed, ctx.staged = (
+            tuple(shard.shape), computed, staged)
+        if computed != tuple(shard.shape):  # gathered over the batch axis
+            held = shard.new_empty(computed)
+            _staging(shard, computed, staged)
+        else:
+            held = shard.new_empty((1,) * len(shape))
+        return held.as_strided(shape, (0,) * len(shape))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        shard = grad.new_empty(ctx.shard_shape)
+        if ctx.computed != ctx.shard_shape:
+            _staging(grad, ctx.computed, ctx.staged)
+        return shard, None, None, None
+
+
 class _GatheringLayers:
-    """While entered, every Keras layer with variables in `shard_shapes`
-    reads them gathered whole as it computes (global torch module hooks),
-    and what its operations save of them for backward is a note that the
-    backward pass gathers again (new storage), as kd's torch engine does
+    """While entered, every Keras layer with variables in `sharded` reads
+    them as kd's torch engine gives them to it (global torch module
+    hooks): gathered over the batch axis, a model axis's shards read
+    whole without memory of their own (`_ReadOnShards`) — a convolution's
+    gathered whole —, and what its operations save of a gathered value
+    for backward is a note that the backward pass gathers again (new
+    storage), as kd's engine does
     (`fully_sharded.FullyShardedVariables.gathered_variables`); each
-    gathering of a variable in `staged` holds a collective's staging
+    gathering over the batch axis on gloo holds a collective's staging
     buffer while it runs (`gloo_stages_collectives`)."""
 
-    def __init__(self, shard_shapes: dict, variables: list,
-                 staged: set) -> None:
-        self._sharded = {id(v): v for v in variables if id(v) in shard_shapes}
-        self._staged = staged
+    def __init__(self, sharded: dict, variables: list) -> None:
+        self._sharded = {id(v): (v, sharded[id(v)]) for v in variables
+                         if id(v) in sharded}
+        self._staging = gloo_stages_collectives()
         self._swapped: list = []
         self._gathered: dict = {}
         self._handles: list = []
@@ -301,16 +354,24 @@ class _GatheringLayers:
         own = self._own(layer)
         if not own:
             return
+        convolving = isinstance(layer, convolutions())
         swapped = []
         for variable in own:
             shard = variable._value
-            staged = id(variable) in self._staged
-            gathered = _Gathered.apply(
-                shard, tuple(int(s) for s in variable.shape), staged)
-            variable._value = gathered
-            if variable.trainable:
-                self._gathered[id(gathered.untyped_storage())] = staged
-            swapped.append((variable, shard, gathered))
+            sharding = self._sharded[id(variable)][1]
+            shape = tuple(int(s) for s in variable.shape)
+            staged = sharding.over_batch and self._staging
+            if convolving or sharding.computed == shape:
+                read = _Gathered.apply(shard, shape, staged)
+                held = read
+            else:
+                read = _ReadOnShards.apply(shard, sharding.computed, shape,
+                                           staged)
+                held = read if sharding.over_batch else None
+            variable._value = read
+            if held is not None and variable.trainable:
+                self._gathered[id(held.untyped_storage())] = staged
+            swapped.append((variable, shard, held))
         notes = torch.autograd.graph.saved_tensors_hooks(self._pack,
                                                          self._unpack)
         notes.__enter__()
@@ -321,9 +382,10 @@ class _GatheringLayers:
             return
         swapped, notes = self._swapped.pop()
         notes.__exit__(None, None, None)
-        for variable, shard, gathered in swapped:
+        for variable, shard, held in swapped:
             variable._value = shard
-            self._gathered.pop(id(gathered.untyped_storage()), None)
+            if held is not None:
+                self._gathered.pop(id(held.untyped_storage()), None)
 
     def _pack(self, saved: torch.Tensor) -> Any:
         try:
