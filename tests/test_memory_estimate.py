@@ -561,7 +561,7 @@ def test_gloo_collectives_hold_a_second_whole_buffer_while_they_run():
 
 
 @pytest.mark.parametrize("axis,depth", [("batch", 4), ("model", 4),
-                                        ("model", 1)])
+                                        ("model", 1), ("both", 4)])
 def test_torch_sharded_step_within_ten_percent_across_processes(axis, depth):
     # Two torch processes. Over the batch axis (one-line FSDP): each holds
     # half of every variable, gathers a layer's while it computes and
@@ -570,16 +570,20 @@ def test_torch_sharded_step_within_ten_percent_across_processes(axis, depth):
     # each holds half of each kernel, its gradient and its slots, and a
     # layer computes on its halves — with one layer, whose kernel is all
     # the weights, the estimate came to 1.14 of the real step when it ran
-    # the layer on its kernel gathered whole. The estimate runs the step
-    # on fake tensors as one of those processes; the real peak is every
-    # storage Keras' own train_step makes on the process's real tensors.
+    # the layer on its kernel gathered whole. Over both (4 processes, a
+    # (2, 2) mesh, every kernel cut over both axes): gathered over the
+    # batch axis while its layer computes on the model axis's halves. The
+    # estimate runs the step on fake tensors as one of those processes;
+    # the real peak is every storage Keras' own train_step makes on the
+    # process's real tensors.
     if BACKEND != "torch":
         pytest.skip("torch processes (JAX's sharded steps are estimated by "
                     "XLA: test_the_estimate_is_within_ten_percent_...)")
     import workers_torch
 
     results = kd.launch(workers_torch.fully_sharded_step_memory,
-                        num_processes=2, args=(512, depth, 8, axis),
+                        num_processes=4 if axis == "both" else 2,
+                        args=(512, depth, 8, axis),
                         timeout=240)
     for result in results:
         assert ("gathered while their layer computes" if axis == "batch"

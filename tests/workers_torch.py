@@ -1306,6 +1306,12 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*kernel"] = (None, "model")
         replicas = 1
+    elif axis == "both":
+        mesh = keras.distribution.DeviceMesh(
+            (2, size // 2), ["batch", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*kernel"] = ("batch", "model")
+        replicas = 2
     else:
         mesh = keras.distribution.DeviceMesh((size,), ["batch"], devices)
         layout_map = kd.layouts.fully_sharded(mesh, min_size=0)
@@ -1327,7 +1333,7 @@ def fully_sharded_step_memory(width=512, depth=4, rows=8, axis="batch"):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows * replicas, width)).astype("float32")
     model.fit(x, x, batch_size=rows * replicas, epochs=1, verbose=0)
-    replica = rank if replicas > 1 else 0
+    replica = rank // (size // replicas)
     mine = torch.as_tensor(x[replica * rows:(replica + 1) * rows])
 
     def local(variable):
