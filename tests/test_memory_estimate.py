@@ -630,6 +630,41 @@ def test_a_torch_layer_on_a_model_axis_is_estimated_on_its_shards():
         assert not result["input_outlives_call"], result
 
 
+def test_a_frozen_kernel_cut_over_a_model_axis_costs_its_shard_only():
+    # A frozen kernel (fine-tuning: a backbone's weights, LoRA's base) cut
+    # over a model axis: kd's engine computes on its halves, so cutting it
+    # saves half of it and costs nothing while its layer runs (the
+    # estimate counted it gathered whole there). A batch normalization's
+    # statistics cut the same way, updated in place by the step, are read
+    # as the layer's other shards. The estimate needs no job: a (1, 2)
+    # mesh of this process's CPU.
+    if BACKEND != "torch":
+        pytest.skip("kd's torch engine runs a layer on its shards (JAX's "
+                    "and TensorFlow's steps are compiled or traced whole)")
+    device_mesh = mesh((1, 2))
+
+    def make():
+        model = keras.Sequential([
+            keras.Input((512,)), keras.layers.Dense(1024, name="frozen"),
+            keras.layers.BatchNormalization(name="norm"),
+            keras.layers.Dense(10, name="head")], name="tuned")
+        model.get_layer("frozen").trainable = False
+        return model
+
+    def estimate(kernel_cut):
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+        if kernel_cut:
+            layout_map["tuned/frozen/kernel"] = (None, "model")
+        layout_map["tuned/norm/.*"] = ("model",)
+        return kd.layouts.estimate_memory(make, layout_map, batch_size=64,
+                                          optimizer="adam", loss="mse")
+
+    whole, cut = estimate(False), estimate(True)
+    half = 512 * 1024 * 4 // 2
+    assert whole.parameters - cut.parameters == half
+    assert whole.peak - cut.peak == half, (whole.peak, cut.peak)
+
+
 def test_the_shape_trace_takes_the_sequence_length_input_shape_gives():
     # A mesh of 32 devices in this process of 8: JAX falls back to the
     # trace of every layer's output, whose sequence dimension is unknown
