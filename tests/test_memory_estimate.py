@@ -476,6 +476,14 @@ def test_xla_cpu_kernels_take_the_scratch_the_estimate_counts():
         pytest.skip("XLA:CPU's kernels")
     measured = _run_fresh(_JAX_KERNEL_SCRATCH)
     for name, m in measured.items():
+        if name == "dot transposed":
+            # Eigen packs the operand in blocks its CPU's caches size: the
+            # rule counts one copy, documented as half to twice the real
+            # (one copy where this suite ran until 2026-12-06, half on the
+            # AMD EPYC, 1 MiB of L2 per core, it ran on that day).
+            assert m["counted"] / 2 - 2**20 <= m["real"] <= (
+                2 * m["counted"]), (name, measured)
+            continue
         assert abs(m["counted"] - m["real"]) <= 0.1 * m["real"] + 2**20, (
             name, measured)
     packed = measured["im2col packed (128 features, large tiles)"]
