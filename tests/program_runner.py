@@ -183,6 +183,30 @@ def run_program(argv, *, cwd, env, timeout):
     return server.run(argv, cwd, env, timeout)  # several at once
 
 
+def failure_excerpt(output, limit=4000):
+    """What a failed program's `output` says of its failure: its last
+    `limit` characters — or, where a native library aborted a process
+    (Python's fault handler: "Fatal Python error"), the error and every
+    thread's Python stack, without the list of extension modules after
+    them that would fill the tail, then the last lines.
+
+    Example:
+
+    ```python
+    assert done.returncode == 0, failure_excerpt(done.stdout + done.stderr)
+    ```
+    """
+    fatal = output.find("Fatal Python error")
+    if fatal < 0:
+        return output[-limit:]
+    stacks = output[fatal:]
+    modules = stacks.find("\nExtension modules:")
+    if modules >= 0:
+        stacks = stacks[:modules]
+    return (stacks[:limit] + "\n[... the output's last lines:]\n"
+            + output[-limit // 4:])
+
+
 def run_together(commands, *, cwd, timeout):
     """Runs every `(argv, env)` of `commands` at once (the processes of one
     job); returns `[(returncode, stdout + stderr)]` in their order

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from conftest import BACKEND
+from program_runner import failure_excerpt
 from program_runner import run_together
 from test_docs_blocks import ROOT
 from test_docs_blocks import page_blocks
@@ -79,15 +80,15 @@ def _run_together(commands, cwd, refused: str = "") -> list:
     outputs = [output for _, output in results]
     if refused:
         assert all(c != 0 and refused in o for c, o in zip(codes, outputs)), (
-            "\n".join(f"--- process {i} exited {c}:\n{o[-4000:]}"
+            "\n".join(f"--- process {i} exited {c}:\n{failure_excerpt(o)}"
                       for i, (c, o) in enumerate(zip(codes, outputs))))
         return outputs
     assert codes == [0] * len(codes), "\n".join(
-        f"--- process {i} exited {c}:\n{o[-4000:]}"
+        f"--- process {i} exited {c}:\n{failure_excerpt(o)}"
         for i, (c, o) in enumerate(zip(codes, outputs)))
     return outputs
     assert codes == [0] * len(codes), "\n".join(
-        f"--- process {i} exited {c}:\n{o[-4000:]}"
+        f"--- process {i} exited {c}:\n{failure_excerpt(o)}"
         for i, (c, o) in enumerate(zip(codes, outputs)))
     return outputs
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import BACKEND
+from program_runner import failure_excerpt
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
@@ -98,17 +99,17 @@ def test_preempted_job_exits_42_and_its_restart_ends_bit_identical(tmp_path):
         directory.mkdir()
         (directory / "train.py").write_text(SCRIPT)
     first = _launch(interrupted, kill_at=4)
-    assert first.returncode == 42, first.stderr[-4000:]
+    assert first.returncode == 42, failure_excerpt(first.stderr)
     assert "exiting with 42 (restart me)" in first.stderr
     assert not (interrupted / "weights.npz").exists()
     assert [p.name for p in (interrupted / "backup").iterdir()
             if p.name[0] != "."] == ["backup-1"]  # one backup
     second = _launch(interrupted, kill_at=0)
-    assert second.returncode == 0, second.stderr[-4000:]
+    assert second.returncode == 0, failure_excerpt(second.stderr)
     assert not (interrupted / "backup").exists() or not os.listdir(
         interrupted / "backup")  # removed once fit completed
     whole = _launch(uninterrupted, kill_at=0)
-    assert whole.returncode == 0, whole.stderr[-4000:]
+    assert whole.returncode == 0, failure_excerpt(whole.stderr)
     for a, b in zip(_weights(interrupted), _weights(uninterrupted)):
         np.testing.assert_array_equal(a, b)
     # A worker killed outright (SIGKILL at step 8, backups every 3 steps):
@@ -118,7 +119,7 @@ def test_preempted_job_exits_42_and_its_restart_ends_bit_identical(tmp_path):
     (crashed / "train.py").write_text(SCRIPT)
     elastic = _launch(crashed, 0, "--max-restarts", "1", CRASH_AT="8",
                       SAVE_FREQ="3")
-    assert elastic.returncode == 0, elastic.stderr[-4000:]
+    assert elastic.returncode == 0, failure_excerpt(elastic.stderr)
     assert (crashed / "crashed").exists()
     assert "restarting the job (1 of 1 restarts)" in elastic.stderr
     for a, b in zip(_weights(crashed), _weights(uninterrupted)):
