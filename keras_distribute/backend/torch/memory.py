@@ -230,8 +230,8 @@ def _model_axes_size(mesh: Any, axis: Any, batch_axis: str) -> int:
     """The shards a dimension laid out over `axis` (a mesh axis name, a
     tuple of names or None) is cut into over the mesh's axes other than
     the batch axis."""
-    return int(np.prod([axis_size(mesh, name) for name in axis_names(axis)
-                        if name != batch_axis], dtype=np.int64))
+    return axis_size(mesh, tuple(name for name in axis_names(axis)
+                                 if name != batch_axis))
 
 
 def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
