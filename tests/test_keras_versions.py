@@ -151,3 +151,57 @@ def test_creating_a_strategy_leaves_the_random_streams_alone(tmp_path):
     assert draws == plain_draws
     for a, b in zip(plain_weights, weights):
         np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+CONFIGS_PROGRAM = """
+import json, sys
+import keras
+from keras_distribute.integration import configs
+from keras_distribute.training.config import describe
+from keras.src.saving import serialization_lib
+lazy = serialization_lib.tf
+model = keras.Sequential([
+    keras.Input((4,)), keras.layers.Dense(3, kernel_regularizer="l2"),
+    keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+model.compile(optimizer=keras.optimizers.AdamW(0.01), loss="mse",
+              metrics=["mae"])
+with configs.configs_read_without_tensorflow():
+    stand_in = serialization_lib.tf is not lazy
+    read = describe(model)
+    with configs.configs_read_without_tensorflow():  # nested: no change
+        again = describe(model)
+imported_inside = "tensorflow" in sys.modules
+restored = serialization_lib.tf is lazy
+as_keras_reads = describe(model)  # Keras' own way: may import TensorFlow
+with configs.configs_read_without_tensorflow():
+    untouched_once_imported = serialization_lib.tf is lazy
+print(json.dumps({
+    "stand_in": stand_in, "imported_inside": imported_inside,
+    "restored": restored, "same": read == again == as_keras_reads,
+    "imported_after": "tensorflow" in sys.modules,
+    "untouched_once_imported": untouched_once_imported}))
+"""
+
+
+def test_model_configs_are_read_without_importing_tensorflow(tmp_path):
+    # Before each fit of several processes kd describes the model
+    # (training/config.py); Keras' serialization imported all of TensorFlow
+    # in a torch or JAX process to ask whether an object was one of its
+    # types (~5 s of CPU per process). Read the same, TensorFlow left alone.
+    import json
+    import os
+
+    from program_runner import run_program
+
+    if BACKEND == "tensorflow":
+        pytest.skip("the TensorFlow backend imports TensorFlow itself")
+    script = tmp_path / "configs.py"
+    script.write_text(CONFIGS_PROGRAM)
+    env = dict(os.environ, KERAS_BACKEND=BACKEND)
+    done = run_program([str(script)], cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {
+        "stand_in": True, "imported_inside": False, "restored": True,
+        "same": True, "imported_after": True,
+        "untouched_once_imported": True}, result

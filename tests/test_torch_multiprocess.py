@@ -58,6 +58,13 @@ def test_weights_and_logs_identical_on_every_rank(fit_results):
     assert first["history"] == second["history"]
 
 
+def test_a_fit_of_several_processes_imports_no_tensorflow(fit_results):
+    # kd compares every process's model configuration before fit; Keras'
+    # serialization imported all of TensorFlow (where installed) in each
+    # torch process for it (~5 s of CPU each): integration/configs.py.
+    assert [r["tensorflow_imported"] for r in fit_results] == [False, False]
+
+
 def test_evaluate_and_predict_are_global_and_ordered(fit_results):
     model, _, x, y = reference_fit()
     expected = model.evaluate(x, y, batch_size=workers.BATCH, verbose=0)

@@ -4,6 +4,7 @@ Module-level so that `kd.launch` can send them to the worker processes.
 """
 
 import os
+import sys
 
 import numpy as np
 from worker_common import Interrupt
@@ -74,6 +75,9 @@ def fit_evaluate_predict(seed_per_rank=True):
         "predict": model.predict(x, batch_size=BATCH, verbose=0),
         "predict_on_batch": np.asarray(model.predict_on_batch(x[:13])),
         "train_on_batch": model.train_on_batch(x[:13], y[:13]),
+        # (nothing here seeds through keras.utils.set_random_seed, which
+        # imports TensorFlow to seed it where it is installed)
+        "tensorflow_imported": "tensorflow" in sys.modules,
     }
 
 

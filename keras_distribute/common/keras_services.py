@@ -40,6 +40,10 @@ class KerasServices:
             `keras.distribution.initialize` does.
         install_chief_values: Makes a variable created while the JAX
             processes' random states differ take process 0's value (once).
+        configs_read_without_tensorflow: `() -> context`: inside, Keras'
+            `get_config` and `get_compile_config` do not import TensorFlow
+            to ask whether an object is one of its types
+            (`integration/configs.py`).
     """
 
     chief_only_writes: Callable[..., ContextManager[Any]]
@@ -49,3 +53,4 @@ class KerasServices:
     install_torch_sharding: Callable[[], None]
     seed_every_process: Callable[[], None]
     install_chief_values: Callable[[], None]
+    configs_read_without_tensorflow: Callable[[], ContextManager[Any]]

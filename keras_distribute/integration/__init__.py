@@ -63,6 +63,12 @@ def _chief_only_writes(*args, **kwargs):
     return worker_callbacks.chief_only_writes(*args, **kwargs)
 
 
+def _configs_read_without_tensorflow():
+    from keras_distribute.integration import configs
+
+    return configs.configs_read_without_tensorflow()
+
+
 def _keras_distributes_torch() -> bool:
     # Keras 3.16's torch Trainer makes its own DDP (`_initialize_ddp`); its
     # torch backend then has a `distribution_lib`. Absent on 3.15.
@@ -110,6 +116,7 @@ _SERVICES = keras_services.KerasServices(
     install_torch_sharding=_torch_sharding,
     seed_every_process=_seed_every_process,
     install_chief_values=_chief_values,
+    configs_read_without_tensorflow=_configs_read_without_tensorflow,
 )
 
 

@@ -82,6 +82,16 @@ ROWS: Tuple[Row, ...] = (
         parameters=("obj_type",)),
     Row("saving_lib.safe_get_h5_dataset", (), "see H5IOStore", "3.15-3.16",
         parameters=("group", "name")),
+    Row("serialization_lib", ((_S + "saving.serialization_lib", ""),),
+        "kd reads every process's model configuration before a fit of "
+        "several processes: a stand-in for the module's lazy `tf` answers "
+        "'is this a TensorFlow type?' without importing TensorFlow in a "
+        "torch or JAX job (integration/configs.py; absent: TensorFlow may "
+        "be imported, as Keras does)", "3.10-3.16",
+        "a serialization that imports TensorFlow only to convert its types",
+        optional=True),
+    Row("LazyModule", ((_S + "utils.module_utils", "LazyModule"),),
+        "see serialization_lib", "3.10-3.16", optional=True),
     Row("H5IOStore", ((_S + "saving.saving_lib", "H5IOStore"),),
         "load_weights under a strategy: the weights store hands out each "
         "dataset unread (its entry group, _h5_entry_group, is read; where "

@@ -116,7 +116,10 @@ def check_same_training(engine: ReplicaEngine, model: Model) -> None:
     """
     if engine.process_count == 1:
         return
-    mine = describe(model)
+    # (Keras' serialization would import TensorFlow in a torch or JAX job
+    # to ask whether an object is a TensorFlow type: not for this.)
+    with engine.keras_services.configs_read_without_tensorflow():
+        mine = describe(model)
     chief = json.loads(engine.broadcast_text(json.dumps(mine)))
     difference = _first_difference(mine, chief)
     flags = np.asarray(engine.process_all_gather(
