@@ -201,11 +201,15 @@ _TF_STEP_BYTES = textwrap.dedent("""
         model.compile(optimizer="adam", loss="mse")
         x, y = t.batch_of(model, t.BATCH)
         model.fit(x, y, batch_size=t.BATCH, epochs=1, verbose=0)  # built
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        model.train_on_batch(x, y)
-        added[name] = tf.config.experimental.get_memory_info(
-            "CPU:0")["peak"] - before
+        peaks = []  # (the median of three steps: see the test)
+        for _ in range(3):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = tf.config.experimental.get_memory_info(
+                "CPU:0")["current"]
+            model.train_on_batch(x, y)
+            peaks.append(tf.config.experimental.get_memory_info(
+                "CPU:0")["peak"] - before)
+        added[name] = sorted(peaks)[1]
     print(json.dumps(added))
 """)
 
@@ -235,7 +239,9 @@ def test_tensorflow_traces_the_step_within_30_percent_of_its_allocator():
         real = (step_bytes + estimate.parameters + estimate.optimizer
                 + estimate.batch)
         # (TensorFlow's real peak itself moves by up to a fifth between
-        # runs: its executor runs independent ops side by side.)
+        # runs: its executor runs independent ops side by side; one step
+        # of the CNN once peaked at 1.46x the estimate, on the loaded CI
+        # of 2026-12-06: the median of three steps is compared.)
         assert 0.7 * real <= estimate.peak <= 1.3 * real, (
             name, estimate.table(), real)
         assert estimate.activations > 0.05 * estimate.peak

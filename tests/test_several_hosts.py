@@ -149,7 +149,10 @@ def _start(two_hosts, tmp_path, third_worker_for=None):
             [TESTS, os.path.dirname(TESTS)]), TF_CONFIG=json.dumps(
             {"cluster": cluster, "task": {"type": "worker",
                                            "index": index}}))
-        log = open(tmp_path / f"worker{index}.log", "w+")
+        # Appending: the worker's writes share this file object's offset,
+        # which _said's seek(0) moves back while the worker runs (its "\n"
+        # once landed at the start of the log, joining two lines: c36).
+        log = open(tmp_path / f"worker{index}.log", "a+")
         processes.append((subprocess.Popen(
             ["ip", "netns", "exec", namespace, sys.executable, "-u",
              str(script)], env=env, stdout=log, stderr=subprocess.STDOUT),
