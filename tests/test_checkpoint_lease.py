@@ -58,11 +58,16 @@ def _manager(directory, **kwargs):
                                            **kwargs)
 
 
+# The lease is framework-free (checkpoint/storage/lease.py): its real waits
+# run once, on torch with the release Keras.
+_REAL_WAITS_HERE = (BACKEND == "torch"
+                    and os.environ.get("KD_KERAS_STACK") != "next")
+
+
 def _short_ending_wait(monkeypatch):
     """A live holder is refused once `ENDING_WAIT_S` passed without it
-    ending: the wait shortened where the real one (5 s) runs elsewhere (on
-    torch with the release Keras: framework-free, once is enough)."""
-    if BACKEND != "torch" or os.environ.get("KD_KERAS_STACK") == "next":
+    ending: the wait shortened where the real one (5 s) does not run."""
+    if not _REAL_WAITS_HERE:
         monkeypatch.setattr(lease, "ENDING_WAIT_S", 0.5)
 
 
@@ -126,14 +131,10 @@ def _foreign_lease(directory, beating):
     return stop
 
 
-# The lease's heartbeat and staleness are framework-free
-# (checkpoint/storage/lease.py): the tests that wait them out run on one
-# backend.
 _WAITS_ONCE = pytest.mark.skipif(
-    BACKEND != "torch" or os.environ.get("KD_KERAS_STACK") == "next",
-    reason="waits out the lease's heartbeat and staleness, which are "
-    "framework-free (checkpoint/storage/lease.py): checked once, on torch "
-    "with the release Keras")
+    not _REAL_WAITS_HERE, reason="waits out the lease's heartbeat and "
+    "staleness, which are framework-free (checkpoint/storage/lease.py): "
+    "checked once, on torch with the release Keras")
 
 
 @_WAITS_ONCE
