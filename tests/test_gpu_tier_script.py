@@ -57,7 +57,10 @@ def test_the_extras_name_the_builds_users_install():
     assert extras["jax-cuda12"] == ["jax[cuda12]>=0.6"]
     # The CPU machines' commands install the CPU builds, never both.
     setup = (ROOT / "scripts" / "setup_env.sh").read_text()
-    installed = re.search(r'-e "\.\[([^\]]+)\]"', setup).group(1).split(",")
+    installed = re.search(r'^extras="([^"]+)"', setup,
+                          re.MULTILINE).group(1).split(",")
+    assert 'pip install -q -c constraints.txt -e ".[$extras]"' in setup
+    assert '"${uv[@]}" -c constraints.txt -e ".[$extras]"' in setup
     assert "tensorflow-cpu" in installed and "tensorflow" not in installed
     # Every extra docs/gpu.md names exists.
     named = re.findall(r'keras_distribute\[([\w-]+)\]',
