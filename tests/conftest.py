@@ -26,21 +26,37 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-BACKEND = keras.backend.backend()
+# Keras takes its backend from this variable before its config file (set
+# above where it is not): the backend is known without importing Keras,
+# which pytest-xdist's controller, which runs no test, then never does
+# (~5 s of a stage's start, before its workers start).
+BACKEND = os.environ["KERAS_BACKEND"]
 STRATEGY_BACKENDS = ("jax", "tensorflow")
 NUM_DEVICES = {"jax": 8, "tensorflow": 4}.get(BACKEND, 1)
 
-if BACKEND == "tensorflow":
-    from worker_common import tf_data_iterators_without_autotune
 
-    import keras_distribute as _kd
+def _runs_no_test(config):
+    """Whether this process is pytest-xdist's controller, which hands the
+    tests to its workers and collects none itself."""
+    return (not hasattr(config, "workerinput")
+            and config.getoption("dist", "no") != "no"
+            and not config.getoption("collectonly"))
 
-    _kd.simulate_cpu_devices(NUM_DEVICES)
-    tf_data_iterators_without_autotune()  # why: its docstring
+
+def pytest_configure(config):
+    # Before any test module is imported (they import Keras and the
+    # framework), in each process that runs tests.
+    if BACKEND == "tensorflow" and not _runs_no_test(config):
+        from worker_common import tf_data_iterators_without_autotune
+
+        import keras_distribute as kd
+
+        kd.simulate_cpu_devices(NUM_DEVICES)
+        tf_data_iterators_without_autotune()  # why: its docstring
+
 
 requires_strategy = pytest.mark.skipif(
     BACKEND not in STRATEGY_BACKENDS,
@@ -129,6 +145,8 @@ def cpu_names(n):
 
 def make_mlp():
     """The small tanh MLP of the parity tests (tanh: no ReLU kinks)."""
+    import keras
+
     keras.utils.set_random_seed(1)
     return keras.Sequential([
         keras.Input((16,)),
@@ -188,11 +206,9 @@ if _RECORD:
 
         # Under pytest-xdist each worker records its own tests in a file
         # of its own (`<file>.gw0`, ...); the controller records nothing.
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        if worker is None and getattr(session.config, "workerinput",
-                                      None) is None and (
-                session.config.pluginmanager.has_plugin("dsession")):
+        if _runs_no_test(session.config):
             return
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
         with open(f"{_RECORD}.{worker}" if worker else _RECORD, "w") as f:
             json.dump(_recorded, f, indent=0)
 
@@ -220,6 +236,8 @@ def reset_peak_resident():
 
 def keras_hub_or_skip():
     """keras_hub, or the test skips where it does not import."""
+    import keras
+
     try:
         import keras_hub
 
