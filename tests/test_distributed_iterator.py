@@ -9,8 +9,14 @@ from conftest import cpu_names
 
 import keras_distribute as kd
 
-tf = pytest.importorskip("tensorflow")
 NATIVE_TF = BACKEND == "tensorflow"  # TF's own distributed iterators
+
+
+@pytest.fixture
+def tf():
+    # Imported by the test that runs (not at collection, in every
+    # pytest-xdist worker of a JAX or torch stage: ~3 s each).
+    return pytest.importorskip("tensorflow")
 
 
 def make_strategy():
@@ -24,7 +30,7 @@ def local(strategy, value):
             for v in strategy.experimental_local_results(value)]
 
 
-def test_get_next_as_optional_ends_a_loop_without_an_exception():
+def test_get_next_as_optional_ends_a_loop_without_an_exception(tf):
     strategy = make_strategy()
     dataset = tf.data.Dataset.range(10).batch(4)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
@@ -48,7 +54,7 @@ def test_get_next_as_optional_ends_a_loop_without_an_exception():
             optional.get_value()
 
 
-def test_next_get_next_and_element_spec():
+def test_next_get_next_and_element_spec(tf):
     strategy = make_strategy()
     dataset = tf.data.Dataset.from_tensor_slices(
         (np.ones((8, 3), "float32"), np.zeros((8,), "int64"))).batch(4)
@@ -72,7 +78,7 @@ def test_next_get_next_and_element_spec():
 
 @pytest.mark.skipif(NATIVE_TF, reason="TF's own distributed iterators "
                     "cannot be saved (tested below)")
-def test_distributed_iterator_position_round_trips(tmp_path):
+def test_distributed_iterator_position_round_trips(tf, tmp_path):
     strategy = make_strategy()
     # Batches of 6, then 3: on 4 replicas the short batch is split with the
     # per-replica size of the full ones (2, 1, 0, 0), so the split state
@@ -104,7 +110,7 @@ def test_distributed_iterator_position_round_trips(tmp_path):
     assert local(strategy, next(resumed)) == expected
 
 
-def test_iterators_that_cannot_be_saved_are_refused(tmp_path):
+def test_iterators_that_cannot_be_saved_are_refused(tf, tmp_path):
     strategy = make_strategy()
     iterator = iter(strategy.experimental_distribute_dataset(
         tf.data.Dataset.range(8).batch(4)))
