@@ -232,6 +232,22 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
     assert spawned[0]["parent"] == os.getpid()
     monkeypatch.delenv("KERAS_HOME")
     assert starting.start_method() == "forkserver"
+    # What importing a framework sets itself (TensorFlow imported after the
+    # first launch, for tf.data; inductor's first use) leaves the server's
+    # imports as they are: the launch still forks. A value the user changes
+    # of a variable set when the server started does not.
+    import tensorflow  # noqa: F401
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()
+    for name in starting.SET_BY_IMPORTS - set(starting.import_time_env()):
+        monkeypatch.setenv(name, "set by an import")
+    assert starting.start_method() == "forkserver"
+    assert kd.launch(workers.how_it_started, num_processes=1, args=("e",),
+                     timeout=TIMEOUT)[0]["parent"] in server
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")  # set when it started
+    assert starting.start_method() == "spawn"
+    monkeypatch.undo()
     # On the torch backend with a CUDA GPU a launch spawns: CUDA, which
     # the server's `import keras` starts, does not survive a fork.
     import torch

@@ -63,6 +63,19 @@ IMPORT_TIME_PREFIXES = ("KERAS", "JAX", "XLA", "TF_", "TORCH", "PYTORCH",
                         "CUDA", "NCCL", "OMP_", "MKL", "OPENBLAS", "PYTHON",
                         "LD_", "TPU", "GRPC")
 
+# Variables that importing a framework sets in `os.environ` of its own
+# accord (measured: TensorFlow 2.21's import sets the first six where unset,
+# JAX's first device query TPU_SKIP_MDS_QUERY and TF_CPP_MIN_LOG_LEVEL,
+# torch's inductor its cache directory at its first use). One that was not
+# set when the server started and is set now is such a side effect, which a
+# forked process's own import repeats, not a setting that makes the server's
+# imports stale: a program that imports TensorFlow after its first launch
+# (for tf.data) kept forking (each later launch spawned, ~8 s).
+SET_BY_IMPORTS = frozenset({
+    "TF2_BEHAVIOR", "TPU_ML_PLATFORM", "TPU_ML_PLATFORM_VERSION",
+    "TF_FORCE_GPU_ALLOW_GROWTH", "TPU_SKIP_MDS_QUERY", "TF_CPP_MIN_LOG_LEVEL",
+    "TORCHINDUCTOR_CACHE_DIR"})
+
 # The environment the fork server was started with (None: not started here).
 _server: Dict[str, Optional[Dict[str, str]]] = {"import_env": None}
 
@@ -80,7 +93,8 @@ def start_method() -> str:
         "spawn" when `KERAS_DISTRIBUTE_START_METHOD=spawn`, when the platform
         has no fork server, on the torch backend with a CUDA GPU (see
         `torch_backend_sees_cuda`), or when a variable imports read changed
-        since this process's fork server started; else "forkserver".
+        since this process's fork server started (other than one an import
+        set since: `SET_BY_IMPORTS`); else "forkserver".
 
     Raises:
         ValueError: if `KERAS_DISTRIBUTE_START_METHOD` is set to something
@@ -104,9 +118,18 @@ def start_method() -> str:
             or torch_backend_sees_cuda()):
         return "spawn"
     started_with = _server["import_env"]
-    if started_with is not None and started_with != import_time_env():
+    if started_with is not None and _imports_are_stale(started_with):
         return "spawn"
     return "forkserver"
+
+
+def _imports_are_stale(started_with: Dict[str, str]) -> bool:
+    """Whether a variable imports read differs from the server's start,
+    beyond those that an import set since (`SET_BY_IMPORTS`)."""
+    now = import_time_env()
+    changed = {name for name in set(started_with) | set(now)
+               if started_with.get(name) != now.get(name)}
+    return bool(changed - (SET_BY_IMPORTS - set(started_with)))
 
 
 def torch_backend_sees_cuda() -> bool:
