@@ -87,10 +87,6 @@ def _run_together(commands, cwd, refused: str = "") -> list:
         f"--- process {i} exited {c}:\n{failure_excerpt(o)}"
         for i, (c, o) in enumerate(zip(codes, outputs)))
     return outputs
-    assert codes == [0] * len(codes), "\n".join(
-        f"--- process {i} exited {c}:\n{failure_excerpt(o)}"
-        for i, (c, o) in enumerate(zip(codes, outputs)))
-    return outputs
 
 
 def test_the_launcher_recipe(train_script):
