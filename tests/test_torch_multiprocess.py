@@ -248,6 +248,13 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")  # set when it started
     assert starting.start_method() == "spawn"
     monkeypatch.undo()
+    # kd's own settings are read as a job runs, not as kd is imported: a
+    # new timeout reaches a forked process.
+    monkeypatch.setenv("KERAS_DISTRIBUTE_TIMEOUT", "123")
+    assert starting.start_method() == "forkserver"
+    assert kd.launch(workers.timeout_setting, num_processes=1,
+                     timeout=TIMEOUT) == [123.0]
+    monkeypatch.undo()
     # On the torch backend with a CUDA GPU a launch spawns: CUDA, which
     # the server's `import keras` starts, does not survive a fork.
     import torch

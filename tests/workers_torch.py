@@ -287,6 +287,14 @@ def how_it_started(tag):
             is signal.default_int_handler}
 
 
+def timeout_setting():
+    """The communication timeout a launched process reads (kd's own
+    KERAS_DISTRIBUTE_TIMEOUT, from the environment it was given)."""
+    from keras_distribute.common import cross_device_ops
+
+    return cross_device_ops.communication_timeout_s()
+
+
 def fit_quiet():
     """fit with nothing reading batch logs: epoch logs must still be global."""
     _setup()

@@ -63,6 +63,12 @@ IMPORT_TIME_PREFIXES = ("KERAS", "JAX", "XLA", "TF_", "TORCH", "PYTORCH",
                         "CUDA", "NCCL", "OMP_", "MKL", "OPENBLAS", "PYTHON",
                         "LD_", "TPU", "GRPC")
 
+# keras_distribute's own settings (KERAS_DISTRIBUTE_TIMEOUT, ...): read when
+# a strategy, a launch or a save runs, never as kd is imported, so a change
+# between launches reaches the forked processes (they get the launcher's
+# environment of the moment) without making the server's imports stale.
+RUN_TIME_PREFIX = "KERAS_DISTRIBUTE_"
+
 # Variables that importing a framework sets in `os.environ` of its own
 # accord (measured: TensorFlow 2.21's import sets the first six where unset,
 # JAX's first device query TPU_SKIP_MDS_QUERY and TF_CPP_MIN_LOG_LEVEL,
@@ -83,7 +89,8 @@ _server: Dict[str, Optional[Dict[str, str]]] = {"import_env": None}
 def import_time_env() -> Dict[str, str]:
     """The variables of `os.environ` that imports read."""
     return {name: value for name, value in os.environ.items()
-            if name.upper().startswith(IMPORT_TIME_PREFIXES)}
+            if name.upper().startswith(IMPORT_TIME_PREFIXES)
+            and not name.upper().startswith(RUN_TIME_PREFIX)}
 
 
 def start_method() -> str:
