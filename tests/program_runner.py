@@ -36,8 +36,8 @@ import threading
 
 # What imports read: a server serves only programs whose values of these
 # match (kd.launch's fork server decides by the same list).
-from keras_distribute.launch.starting import IMPORT_TIME_PREFIXES
 from keras_distribute.launch.starting import SET_BY_IMPORTS
+from keras_distribute.launch.starting import import_time_env
 
 _servers = {}
 _lock = threading.Lock()
@@ -46,9 +46,9 @@ _lock = threading.Lock()
 def _import_env(env):
     # (Not what an import sets itself: a server's forked program gets the
     # program's environment whole, and its imports keep what they find.)
-    return tuple(sorted((name, value) for name, value in env.items()
-                        if name.upper().startswith(IMPORT_TIME_PREFIXES)
-                        and name not in SET_BY_IMPORTS))
+    return tuple(sorted((name, value)
+                        for name, value in import_time_env(env).items()
+                        if name not in SET_BY_IMPORTS))
 
 
 class _Server:

@@ -46,6 +46,7 @@ import sys
 from multiprocessing import reduction
 from typing import Any
 from typing import Dict
+from typing import Mapping
 from typing import Optional
 from typing import Tuple
 
@@ -86,9 +87,26 @@ SET_BY_IMPORTS = frozenset({
 _server: Dict[str, Optional[Dict[str, str]]] = {"import_env": None}
 
 
-def import_time_env() -> Dict[str, str]:
-    """The variables of `os.environ` that imports read."""
-    return {name: value for name, value in os.environ.items()
+def import_time_env(
+        environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The variables of an environment that imports read.
+
+    Args:
+        environ: the environment; `os.environ` when None.
+
+    Returns:
+        `{name: value}` of the variables named by `IMPORT_TIME_PREFIXES`,
+        less keras_distribute's own settings (`RUN_TIME_PREFIX`: read as a
+        job runs).
+
+    Example:
+
+    >>> import_time_env({"XLA_FLAGS": "x", "HOME": "/root",
+    ...                  "KERAS_DISTRIBUTE_TIMEOUT": "60"})
+    {'XLA_FLAGS': 'x'}
+    """
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items()
             if name.upper().startswith(IMPORT_TIME_PREFIXES)
             and not name.upper().startswith(RUN_TIME_PREFIX)}
 
