@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import BACKEND
 from conftest import cpu_names
+from conftest import needs_cpu_devices
 
 import keras_distribute as kd
 
@@ -30,6 +31,7 @@ def local(strategy, value):
             for v in strategy.experimental_local_results(value)]
 
 
+@needs_cpu_devices(4)
 def test_get_next_as_optional_ends_a_loop_without_an_exception(tf):
     strategy = make_strategy()
     dataset = tf.data.Dataset.range(10).batch(4)
@@ -54,6 +56,7 @@ def test_get_next_as_optional_ends_a_loop_without_an_exception(tf):
             optional.get_value()
 
 
+@needs_cpu_devices(4)
 def test_next_get_next_and_element_spec(tf):
     strategy = make_strategy()
     dataset = tf.data.Dataset.from_tensor_slices(
@@ -110,6 +113,7 @@ def test_distributed_iterator_position_round_trips(tf, tmp_path):
     assert local(strategy, next(resumed)) == expected
 
 
+@needs_cpu_devices(4)
 def test_iterators_that_cannot_be_saved_are_refused(tf, tmp_path):
     strategy = make_strategy()
     iterator = iter(strategy.experimental_distribute_dataset(

@@ -4,6 +4,7 @@ with the values the documentation prints."""
 import numpy as np
 import pytest
 from conftest import cpu_names
+from conftest import needs_cpu_devices
 
 import keras_distribute as kd
 
@@ -75,6 +76,7 @@ def test_values_from_function_then_all_reduce_in_run():
     assert local(strategy, result) == [1, 1]
 
 
+@needs_cpu_devices(4)
 def test_gather_shapes_on_four_replicas():
     strategy = kd.MirroredStrategy(cpu_names(4))
     values = strategy.experimental_distribute_values_from_function(

@@ -14,6 +14,9 @@ import keras_distribute as kd
 
 pytestmark = pytest.mark.needs_strategy
 BATCH = 32
+# Rows whose last batch has fewer rows than there are replicas: 2 (1 where
+# there are 2 replicas: KD_TEST_TF_DEVICES=2).
+FEWER_ROWS_THAN_REPLICAS = BATCH + min(2, NUM_DEVICES - 1)
 
 
 def make_data(n=203, seed=0):
@@ -324,7 +327,7 @@ def test_hooks_uninstall_restores_keras():
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="per-replica BN: TF")
 def test_warns_when_replicas_get_empty_batches_with_unsynced_batchnorm(
         strategy):
-    x, y = make_data(n=34)  # last batch: 2 rows for 4 replicas
+    x, y = make_data(n=FEWER_ROWS_THAN_REPLICAS)
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((16,)), keras.layers.BatchNormalization(),
@@ -359,7 +362,7 @@ def test_synchronized_batchnorm_matches_single_device_with_empty_replicas(
 
 
 def test_last_batch_smaller_than_replica_count(strategy):
-    x, y = make_data(n=34)  # the last batch has 2 rows: some replicas get none
+    x, y = make_data(n=FEWER_ROWS_THAN_REPLICAS)  # some replicas get none
     reference = make_model()
     expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
                              verbose=0).history
@@ -372,8 +375,13 @@ def test_last_batch_smaller_than_replica_count(strategy):
     assert_same_weights(reference, model)
 
 
-@pytest.mark.parametrize("n, batch_size", [(6, 6), (6, 64), (NUM_DEVICES + 2,
-                                                              NUM_DEVICES + 2)])
+# Sizes that do not divide by the replicas (4 or 8; 2 with
+# KD_TEST_TF_DEVICES=2): 6 and the replicas + 2, or 5 and 3 on 2.
+UNEVEN = (5, 3) if NUM_DEVICES == 2 else (6, NUM_DEVICES + 2)
+
+
+@pytest.mark.parametrize("n, batch_size", [
+    (UNEVEN[0], UNEVEN[0]), (UNEVEN[0], 64), (UNEVEN[1], UNEVEN[1])])
 def test_first_batch_that_does_not_divide_by_the_replicas(strategy, n,
                                                           batch_size):
     # Regression (TF): a global batch of 6 on 4 replicas, or a dataset

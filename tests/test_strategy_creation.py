@@ -150,15 +150,16 @@ def test_tf_sharded_layout_map_is_refused_replicated_is_fine():
     from keras.distribution import DeviceMesh
     from keras.distribution import LayoutMap
 
-    mesh = DeviceMesh((2, 2), ["batch", "model"],
-                      [f"cpu:{i}" for i in range(4)])
+    mesh = DeviceMesh((NUM_DEVICES // 2, 2), ["batch", "model"],
+                      [f"cpu:{i}" for i in range(NUM_DEVICES)])
     sharded = LayoutMap(mesh)
     sharded["dense/kernel"] = (None, "model")
     with pytest.raises(NotImplementedError, match="'tensorflow' Keras backend"):
         kd.MirroredStrategy(layout_map=sharded)
     replicated = LayoutMap(mesh)
     replicated["dense/kernel"] = (None, None)
-    assert kd.MirroredStrategy(layout_map=replicated).num_replicas_in_sync == 4
+    assert kd.MirroredStrategy(
+        layout_map=replicated).num_replicas_in_sync == NUM_DEVICES
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="start-up order: JAX and TF")
