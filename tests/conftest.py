@@ -70,30 +70,53 @@ requires_strategy = pytest.mark.skipif(
 )
 
 
-# The files that take longest, roughly longest first (seconds of CI stages on 2
-# cores, summed over the backends a file runs on; a one-backend file goes early,
-# as it is the longest of its stage): scripts/test.sh hands whole files to two
-# pytest-xdist workers in collection order (--no-loadscope-reorder; xdist's own
-# order, most tests first, put these last, and one worker then ran the last long
-# file alone). The rest keep their order.
-LONGEST_FIRST = (
-    "test_docs_blocks.py",         # ~300 s
-    "test_examples.py",            # ~250
-    "test_torch_multiprocess.py",  # ~215 (torch)
-    "test_docs_recipes.py",        # ~225
-    "test_ray_train.py",           # ~200
-    "test_cluster_recipes.py",     # ~185
-    "test_jax_multiprocess.py",    # ~160 (jax)
-    "test_tf_multiworker.py",      # ~95 (tensorflow)
-    "test_several_hosts.py",       # ~130 (a job per backend, 2 namespaces)
-    "test_preemption_restart.py",  # ~80 (torch)
-    "test_checkpoint_callbacks.py",
-    "test_fit.py",
-    "test_notebooks.py",
-    "test_ecosystem_programs.py",
-    "test_keras_versions.py",
-    "test_object_store.py",        # ~30 (jax: a kill -9 and a throttling run)
-)
+# Seconds of test time of the longest files in each of CI's stages (c40,
+# 2026-12-07, on 2 cores; the next-Keras TensorFlow stage on 2 devices):
+# scripts/test.sh hands whole files to two pytest-xdist workers in
+# collection order (--no-loadscope-reorder; xdist's own order, most tests
+# first, put long files last, and one worker then ran the last one alone),
+# and a worker takes its next file while its last 2 tests run. Each stage
+# starts with its own longest files; the rest keep their order.
+STAGE_SECONDS = {
+    "test_torch_multiprocess.py": {"torch": 265, "next torch": 82},
+    "test_jax_multiprocess.py": {"jax": 193, "next jax": 27},
+    "test_tf_multiworker.py": {"tensorflow": 143, "next tensorflow": 16},
+    "test_ray_train.py": {"jax": 120, "tensorflow": 31, "torch": 70},
+    "test_docs_blocks.py": {"jax": 104, "tensorflow": 41, "torch": 76},
+    "test_memory_estimate.py": {"jax": 101, "tensorflow": 20, "torch": 72,
+                                "next jax": 46, "next tensorflow": 11,
+                                "next torch": 66},
+    "test_fit.py": {"jax": 15, "tensorflow": 98, "next jax": 19,
+                    "next tensorflow": 59},
+    "test_cluster_recipes.py": {"jax": 91, "tensorflow": 25, "torch": 86},
+    "test_preemption_restart.py": {"jax": 6, "torch": 91, "next jax": 6},
+    "test_examples.py": {"jax": 65, "tensorflow": 88, "torch": 70},
+    "test_docs_recipes.py": {"jax": 85, "tensorflow": 44, "torch": 74},
+    "test_checkpoint_callbacks.py": {"jax": 20, "tensorflow": 77, "torch": 18,
+                                     "next jax": 26, "next tensorflow": 51,
+                                     "next torch": 15},
+    "test_object_store.py": {"jax": 60, "tensorflow": 33, "torch": 24},
+    "test_notebooks.py": {"jax": 53},
+    "test_ecosystem_programs.py": {"jax": 49, "tensorflow": 32, "torch": 3,
+                                   "next jax": 20, "next tensorflow": 7},
+    "test_several_hosts.py": {"jax": 33, "tensorflow": 43, "torch": 42},
+    "test_keras_versions.py": {"jax": 15, "tensorflow": 5, "torch": 32,
+                               "next jax": 13, "next tensorflow": 5,
+                               "next torch": 28},
+    "test_compression.py": {"jax": 25, "tensorflow": 17, "next jax": 29,
+                            "next tensorflow": 9},
+    "test_launcher_signals.py": {"jax": 26},
+    "test_data_safety.py": {"jax": 24, "tensorflow": 20, "torch": 15},
+    "test_checkpoint_lease.py": {"torch": 23},
+    "test_checkpoint.py": {"jax": 22},
+    "test_gpu_tier_script.py": {"jax": 13, "torch": 22},
+    "test_dry_run.py": {"jax": 21, "tensorflow": 11, "torch": 11},
+    "test_tpu_strategy.py": {"jax": 19, "next jax": 10},
+    "test_user_steps.py": {"tensorflow": 10, "torch": 11, "next torch": 18},
+    "test_soak.py": {"jax": 17, "tensorflow": 16, "torch": 15},
+    "test_custom_loop_tf.py": {"tensorflow": 15, "next tensorflow": 7},
+    "test_checkpoint_security.py": {"tensorflow": 11, "next torch": 15},
+}
 
 
 # The next-Keras stack (scripts/test.sh sets KD_KERAS_STACK=next) runs every
@@ -124,10 +147,11 @@ def pytest_collection_modifyitems(config, items):
                 and not any(word in item.name
                             for word in NEXT_STACK_CROSS_PROCESS_RUNS)):
             item.add_marker(on_the_release_stack_only)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    stage = ("next " if next_stack else "") + BACKEND
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)),
-                                 order[id(item)]))
+    items.sort(key=lambda item: (
+        -STAGE_SECONDS.get(item.path.name, {}).get(stage, 0),
+        order[id(item)]))
 
 
 @pytest.fixture

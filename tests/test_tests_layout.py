@@ -39,11 +39,16 @@ def test_every_test_file_is_in_the_table_and_every_named_file_exists():
     assert named - files == set(), "the table names files that do not exist"
 
 
-def test_the_longest_first_order_names_existing_files():
-    # conftest.LONGEST_FIRST sets the order xdist hands files out in
-    # (scripts/test.sh); a renamed file would silently fall back to the end.
-    from conftest import LONGEST_FIRST
+def test_the_longest_first_order_names_existing_files_and_stages():
+    # conftest.STAGE_SECONDS sets the order xdist hands files out in
+    # (scripts/test.sh); a renamed file would silently fall back to the end,
+    # a misspelt stage would never be read.
+    from conftest import STAGE_SECONDS
 
-    missing = [name for name in LONGEST_FIRST if not (TESTS / name).exists()]
-    assert missing == [], f"conftest.LONGEST_FIRST names {missing}"
-    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    missing = [name for name in STAGE_SECONDS if not (TESTS / name).exists()]
+    assert missing == [], f"conftest.STAGE_SECONDS names {missing}"
+    stages = {prefix + backend for prefix in ("", "next ")
+              for backend in ("jax", "tensorflow", "torch")}
+    unknown = {stage for seconds in STAGE_SECONDS.values()
+               for stage in seconds} - stages
+    assert unknown == set(), f"conftest.STAGE_SECONDS has stages {unknown}"
