@@ -255,6 +255,13 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
     assert kd.launch(workers.timeout_setting, num_processes=1,
                      timeout=TIMEOUT) == [123.0]
     monkeypatch.undo()
+    # So is the cluster a scheduler describes (TF_CONFIG, JAX's variables):
+    # another cluster for the next job leaves the server's imports as they
+    # are.
+    for name in starting.JOB_START_VARIABLES:
+        monkeypatch.setenv(name, "another cluster")
+    assert starting.start_method() == "forkserver"
+    monkeypatch.undo()
     # On the torch backend with a CUDA GPU a launch spawns: CUDA, which
     # the server's `import keras` starts, does not survive a fork.
     import torch

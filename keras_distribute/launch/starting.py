@@ -70,6 +70,15 @@ IMPORT_TIME_PREFIXES = ("KERAS", "JAX", "XLA", "TF_", "TORCH", "PYTORCH",
 # environment of the moment) without making the server's imports stale.
 RUN_TIME_PREFIX = "KERAS_DISTRIBUTE_"
 
+# The cluster a scheduler describes to each process (TF_CONFIG names its
+# task, JAX's variables its coordinator and index): read when a job starts
+# (`jax.distributed.initialize`, the cluster resolvers), never as a
+# framework is imported. A program that launches again with another
+# cluster (a test of several, a notebook) keeps forking.
+JOB_START_VARIABLES = frozenset({
+    "TF_CONFIG", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS"})
+
 # Variables that importing a framework sets in `os.environ` of its own
 # accord (measured: TensorFlow 2.21's import sets the first six where unset,
 # JAX's first device query TPU_SKIP_MDS_QUERY and TF_CPP_MIN_LOG_LEVEL,
@@ -97,18 +106,19 @@ def import_time_env(
     Returns:
         `{name: value}` of the variables named by `IMPORT_TIME_PREFIXES`,
         less keras_distribute's own settings (`RUN_TIME_PREFIX`: read as a
-        job runs).
+        job runs) and the cluster's (`JOB_START_VARIABLES`).
 
     Example:
 
     >>> import_time_env({"XLA_FLAGS": "x", "HOME": "/root",
-    ...                  "KERAS_DISTRIBUTE_TIMEOUT": "60"})
+    ...                  "KERAS_DISTRIBUTE_TIMEOUT": "60", "TF_CONFIG": "{}"})
     {'XLA_FLAGS': 'x'}
     """
     environ = os.environ if environ is None else environ
     return {name: value for name, value in environ.items()
             if name.upper().startswith(IMPORT_TIME_PREFIXES)
-            and not name.upper().startswith(RUN_TIME_PREFIX)}
+            and not name.upper().startswith(RUN_TIME_PREFIX)
+            and name.upper() not in JOB_START_VARIABLES}
 
 
 def start_method() -> str:
