@@ -99,8 +99,9 @@ for backend in ${KD_NEXT_BACKENDS:-jax tensorflow torch}; do
   # comparisons of a whole job with one process (tests/conftest.py,
   # KD_KERAS_STACK=next). TensorFlow gets 2 logical devices instead of 4
   # (KD_TEST_TF_DEVICES): MirroredStrategy traces each step once per
-  # replica (this stage: 3:07 -> 2:00), and the replica count is the
-  # release stack's to vary; the tests of 4 named devices skip here.
+  # replica (this stage: 3:07 in c40, 2:03-2:18 in c41 and c43), and the
+  # replica count is the release stack's to vary; the tests of 4 named
+  # devices skip here.
   KD_KERAS_STACK=next KD_DOCS_BLOCKS=0 KD_TEST_TF_DEVICES=2 \
     PYTHONPATH=.venv/keras-next KERAS_BACKEND=$backend \
     .venv/bin/python -m pytest -q -p no:cacheprovider --durations=${KD_DURATIONS:-12} \
