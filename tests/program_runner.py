@@ -6,12 +6,17 @@ interpreter; importing Keras and its backend costs each of them 3-5 s of CPU
 (about a fifth of these tests on CI's 2 cores). `run_program` forks each
 program from a server process that imported `keras` and `keras_distribute`
 once, as `kd.launch` starts its processes (keras_distribute/launch/
-starting.py). The server is a fresh interpreter started with the variables
-that imports read (`KERAS_BACKEND`, `XLA_FLAGS`, `PYTHONPATH`, ...) as the
-program's environment gives them, one server per such environment; nothing
-has been built, traced or initialised in it (JAX's devices included: they are
-made at first use, from the program's `XLA_FLAGS`). The forked program gets
-the environment, working directory, arguments, `sys.path[0]`, fresh random
+starting.py), and TensorFlow where it is installed: on every backend
+`keras.utils.set_random_seed` imports it to seed it too, 2-2.5 s of CPU in
+each program that seeds (most do). A program that checks what it imports
+itself asks for a server without TensorFlow (`tensorflow_imported=False`).
+
+A server is a fresh interpreter started with the variables that imports
+read (`KERAS_BACKEND`, `XLA_FLAGS`, `PYTHONPATH`, ...) as the program's
+environment gives them, one server per such environment; nothing has been
+built, traced or initialised in it (JAX's devices included: they are made
+at first use, from the program's `XLA_FLAGS`). The forked program gets the
+environment, working directory, arguments, `sys.path[0]`, fresh random
 states, default signal handlers and standard streams that a new interpreter
 would, and leaves as one does: non-daemon threads joined, `atexit` handlers
 run, streams flushed.
@@ -54,15 +59,17 @@ def _import_env(env):
 class _Server:
     """One server process (started by this process; stopped at its exit)."""
 
-    def __init__(self, env):
+    def __init__(self, env, tensorflow_imported):
         # What the server itself prints (its imports' warnings) goes here,
         # not into the tests' output; its replies come on its stdout.
         self.log = tempfile.TemporaryFile(mode="w+")
+        command = [sys.executable, "-X", "faulthandler",
+                   os.path.abspath(__file__), "--serve"]
+        if not tensorflow_imported:
+            command.append("--without-tensorflow")
         self.process = subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", os.path.abspath(__file__),
-             "--serve"], env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, text=True,
-            cwd=tempfile.gettempdir())
+            command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True, cwd=tempfile.gettempdir())
         if self._reply() != "ready":
             self.process.kill()
             self.process.wait()
@@ -152,7 +159,7 @@ def _stop_servers():
 atexit.register(_stop_servers)
 
 
-def run_program(argv, *, cwd, env, timeout):
+def run_program(argv, *, cwd, env, timeout, tensorflow_imported=True):
     """Runs `python *argv` (a script and its arguments) in `cwd` with `env`.
 
     Args:
@@ -161,6 +168,10 @@ def run_program(argv, *, cwd, env, timeout):
         cwd: the working directory.
         env: the whole environment of the program.
         timeout: seconds; the program is killed after them.
+        tensorflow_imported: whether the program may start with TensorFlow
+            already imported (where it is installed), as most programs
+            import it anyway (`keras.utils.set_random_seed`). False for one
+            that checks what it imports itself.
 
     Returns:
         A `subprocess.CompletedProcess` with text `stdout` and `stderr`
@@ -179,11 +190,11 @@ def run_program(argv, *, cwd, env, timeout):
         return subprocess.run(
             [sys.executable, "-X", "faulthandler", *argv], cwd=cwd, env=env,
             capture_output=True, text=True, timeout=timeout)
-    key = _import_env(env)
+    key = (_import_env(env), bool(tensorflow_imported))
     with _lock:
         server = _servers.get(key)
         if server is None or server.process.poll() is not None:
-            server = _servers[key] = _Server(env)
+            server = _servers[key] = _Server(env, bool(tensorflow_imported))
     return server.run(argv, cwd, env, timeout)  # several at once
 
 
@@ -323,6 +334,12 @@ def _serve():
 
     import keras_distribute  # noqa: F401
 
+    if "--without-tensorflow" not in sys.argv:
+        try:  # (what keras.utils.set_random_seed imports in the program)
+            import tensorflow  # noqa: F401
+        except ImportError:
+            pass
+
     def reply(message):
         os.write(replies, (json.dumps(message) + "\n").encode())
 
@@ -351,5 +368,5 @@ def _serve():
             reply({"id": running.pop(pid), "status": status})
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
     _serve()
