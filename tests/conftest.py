@@ -18,7 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (pytest-xdist's workers and the processes a test starts inherit it): the
 # suite compiles the same small models' steps again and again (JAX only).
 # Keyed by the program, its devices and XLA's flags, it changes what runs
-# in no way; removed when the run ends.
+# in no way; removed when the run ends. (scripts/test.sh gives one to all
+# its runs, both Keras stacks.)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _xla_cache = tempfile.mkdtemp(prefix="kd-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
