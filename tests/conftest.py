@@ -7,6 +7,7 @@
 """
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -14,6 +15,12 @@ import tempfile
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# kd.launch's fork server imports TensorFlow too, where installed: most of
+# the suite's launched processes seed through keras.utils.set_random_seed,
+# which imports it (2-2.5 s of CPU in each; ~47 processes of the torch
+# stage's launches did). test_torch_multiprocess.py checks a launch without.
+if importlib.util.find_spec("tensorflow") is not None:
+    os.environ.setdefault("KERAS_DISTRIBUTE_PRELOAD", "tensorflow")
 # XLA's compilation cache, one per run, shared by every process of it
 # (pytest-xdist's workers and the processes a test starts inherit it): the
 # suite compiles the same small models' steps again and again (JAX only).

@@ -192,6 +192,41 @@ def test_the_process_limit_can_be_raised_on_purpose(monkeypatch):
         launch.check_num_processes(2)
 
 
+def test_the_fork_servers_extra_modules_are_checked_before_a_launch(
+        monkeypatch):
+    import multiprocessing
+
+    import keras_distribute as kd
+    from keras_distribute.launch import starting
+
+    def preload(value):
+        return starting.preloaded_modules({"KERAS_DISTRIBUTE_PRELOAD": value})
+
+    assert starting.preloaded_modules({}) == starting.PRELOADED_MODULES
+    assert preload(" json, keras,json ,os.path,") == (
+        "__main__", "keras", "keras_distribute", "json", "os.path")
+    for value, problem in [
+            ("tensorflw", "whose 'tensorflw' names a package that is not "
+             "installed \\('tensorflw'\\)"),
+            ("json, tensor-flow", "whose 'tensor-flow' is not a module name"),
+            ("os..path", "whose 'os..path' is not a module name")]:
+        with pytest.raises(ValueError, match="Expected KERAS_DISTRIBUTE_"
+                           "PRELOAD to name importable modules, separated by "
+                           "commas .* Received: .*" + problem):
+            preload(value)
+    # The first forking launch reads it (this process's fork server may have
+    # started already: as if not), and refuses before anything starts.
+    monkeypatch.setitem(starting._server, "import_env", None)
+    monkeypatch.setenv("KERAS_DISTRIBUTE_PRELOAD", "tensorflw")
+    monkeypatch.delenv("KERAS_DISTRIBUTE_START_METHOD", raising=False)
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="Fix the name, or unset "
+                       "KERAS_DISTRIBUTE_PRELOAD"):
+        kd.launch(print, num_processes=1)
+    assert len(multiprocessing.active_children()) == before
+    assert starting._server["import_env"] is None
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--nproc", "10000", "x.py"], r"at most \d+ local processes .*--nproc"),
     (["--timeout", "nan", "x.py"], r"`--timeout` to be a finite.*"

@@ -58,11 +58,41 @@ def test_weights_and_logs_identical_on_every_rank(fit_results):
     assert first["history"] == second["history"]
 
 
-def test_a_fit_of_several_processes_imports_no_tensorflow(fit_results):
+NO_TENSORFLOW_PROGRAM = """
+import json, sys
+import keras_distribute as kd
+import workers_torch
+
+if __name__ == "__main__":
+    results = kd.launch(workers_torch.fit_evaluate_predict, num_processes=2,
+                        timeout=240)
+    print(json.dumps([r["tensorflow_imported"] for r in results]
+                     + ["tensorflow" in sys.modules]))
+"""
+
+
+def test_a_fit_of_several_processes_imports_no_tensorflow(tmp_path):
     # kd compares every process's model configuration before fit; Keras'
     # serialization imported all of TensorFlow (where installed) in each
     # torch process for it (~5 s of CPU each): integration/configs.py.
-    assert [r["tensorflow_imported"] for r in fit_results] == [False, False]
+    # (The suite's own launches preload it: KERAS_DISTRIBUTE_PRELOAD in
+    # conftest.py. Here a program that never imported it launches.)
+    import json
+
+    from program_runner import run_program
+
+    script = tmp_path / "launch.py"
+    script.write_text(NO_TENSORFLOW_PROGRAM)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.abspath(__file__)),
+        os.environ.get("PYTHONPATH")])))
+    env.pop("KERAS_DISTRIBUTE_PRELOAD", None)
+    env.pop("KD_RECORD_BAD_INPUTS", None)
+    done = run_program([str(script)], cwd=tmp_path, env=env, timeout=300,
+                       tensorflow_imported=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [
+        False, False, False]
 
 
 def test_evaluate_and_predict_are_global_and_ordered(fit_results):
@@ -210,6 +240,9 @@ def test_launches_fork_from_a_server_that_imported_keras_once(
     server = {p["parent"] for p in first + second}
     assert len(server) == 1 and os.getpid() not in server
     assert all(p["keras_preloaded"] and p["sigint"] for p in first + second)
+    # What KERAS_DISTRIBUTE_PRELOAD names (tensorflow: conftest.py) too.
+    if os.environ.get("KERAS_DISTRIBUTE_PRELOAD") == "tensorflow":
+        assert all(p["tensorflow_preloaded"] for p in first + second)
     assert [p["tag"] for p in second] == [
         "changed after the server started"] * 2
     assert second[0]["random"] != second[1]["random"]

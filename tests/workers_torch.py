@@ -281,6 +281,7 @@ def how_it_started(tag):
 
     print(f"launched process {os.environ['RANK']} says {tag}", flush=True)
     return {"parent": os.getppid(), "keras_preloaded": "keras" in sys.modules,
+            "tensorflow_preloaded": "tensorflow" in sys.modules,
             "tag": os.environ.get("KD_TEST_TAG"),
             "random": float(np.random.rand()),
             "sigint": signal.getsignal(signal.SIGINT)

@@ -32,6 +32,11 @@ and CUDA started in a parent does not survive a fork (each forked process
 failed at its first tensor with "CUDA error: initialization error", found
 on the GPU tier's first run).
 
+`KERAS_DISTRIBUTE_PRELOAD=tensorflow,...` has the server import those
+modules too, where every process would import them anyway: on JAX or torch
+with TensorFlow installed, `keras.utils.set_random_seed` imports TensorFlow
+to seed it as well (2-2.5 s of CPU in each process of each launch).
+
 `KERAS_DISTRIBUTE_START_METHOD=spawn` restores a fresh interpreter per
 process; platforms without a fork server (Windows) always spawn.
 
@@ -39,6 +44,7 @@ Imports: `multiprocessing`, the standard library.
 """
 
 import atexit
+import importlib.util
 import multiprocessing
 import os
 import signal
@@ -56,6 +62,10 @@ START_METHODS = ("forkserver", "spawn")
 # What the fork server imports before it forks ("__main__" as the standard
 # fork server does: the launching script, under its main guard).
 PRELOADED_MODULES = ("__main__", "keras", "keras_distribute")
+
+# More modules for the fork server to import after those (comma-separated
+# names), read when the first launch starts it.
+PRELOAD_VARIABLE = "KERAS_DISTRIBUTE_PRELOAD"
 
 # Variables that Keras, the frameworks and their native libraries read as
 # they are imported: a change since the server started makes its imports
@@ -198,16 +208,71 @@ def torch_backend_sees_cuda() -> bool:
         return False
 
 
+def preloaded_modules(
+        environ: Optional[Mapping[str, str]] = None) -> Tuple[str, ...]:
+    """What the fork server imports before it forks.
+
+    The launching script (under its main guard), `keras` and
+    `keras_distribute`, then each module `KERAS_DISTRIBUTE_PRELOAD` names
+    (comma-separated), in its order. Each launched process then starts with
+    them imported, once per server instead of once per process: worth it
+    for a module every process imports anyway (TensorFlow, which
+    `keras.utils.set_random_seed` imports wherever it is installed; a
+    keras-hub model's package).
+
+    Args:
+        environ: the environment; `os.environ` when None.
+
+    Returns:
+        The module names, `PRELOADED_MODULES` first.
+
+    Raises:
+        ValueError: a name that is not a module's (dotted identifiers), or
+            whose top-level package is not installed.
+
+    Example:
+
+    >>> preloaded_modules({"KERAS_DISTRIBUTE_PRELOAD": "tensorflow"})
+    ('__main__', 'keras', 'keras_distribute', 'tensorflow')
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(PRELOAD_VARIABLE, "")
+    names = []
+    for name in (part.strip() for part in value.split(",")):
+        if not name or name in PRELOADED_MODULES or name in names:
+            continue
+        top = name.split(".")[0]
+        if not all(part.isidentifier() for part in name.split(".")):
+            problem = "is not a module name"
+        elif importlib.util.find_spec(top) is None:
+            problem = f"names a package that is not installed ({top!r})"
+        else:
+            names.append(name)
+            continue
+        raise ValueError(
+            f"Expected {PRELOAD_VARIABLE} to name importable modules, "
+            f"separated by commas (e.g. 'tensorflow'). Received: {value!r}, "
+            f"whose {name!r} {problem}. Fix the name, or unset "
+            f"{PRELOAD_VARIABLE} (the launched processes then import what "
+            "they need themselves).")
+    return PRELOADED_MODULES + tuple(names)
+
+
 def context_for_launch() -> Tuple[Any, bool]:
     """The `multiprocessing` context of a launch, and whether it forks.
 
-    The first forking launch sets the fork server's preloaded modules and
-    records the environment it starts with.
+    The first forking launch sets the fork server's preloaded modules
+    (`preloaded_modules`) and records the environment it starts with.
+
+    Raises:
+        ValueError: `KERAS_DISTRIBUTE_PRELOAD` names no module (see
+            `preloaded_modules`), or `KERAS_DISTRIBUTE_START_METHOD` no
+            start method.
     """
     method = start_method()
     context = multiprocessing.get_context(method)
     if method == "forkserver" and _server["import_env"] is None:
-        context.set_forkserver_preload(list(PRELOADED_MODULES))
+        context.set_forkserver_preload(list(preloaded_modules()))
         _server["import_env"] = import_time_env()
     return context, method == "forkserver"
 
