@@ -6,10 +6,11 @@ interpreter; importing Keras and its backend costs each of them 3-5 s of CPU
 (about a fifth of these tests on CI's 2 cores). `run_program` forks each
 program from a server process that imported `keras` and `keras_distribute`
 once, as `kd.launch` starts its processes (keras_distribute/launch/
-starting.py), and TensorFlow where it is installed: on every backend
-`keras.utils.set_random_seed` imports it to seed it too, 2-2.5 s of CPU in
-each program that seeds (most do). A program that checks what it imports
-itself asks for a server without TensorFlow (`tensorflow_imported=False`).
+starting.py), and what the program's `KERAS_DISTRIBUTE_PRELOAD` names, as
+that fork server does (`starting.preloaded_modules`; the suite names
+TensorFlow: `keras.utils.set_random_seed` imports it on every backend, 2-2.5 s
+of CPU in each program that seeds). A program that checks what it imports
+itself runs without that variable.
 
 A server is a fresh interpreter started with the variables that imports
 read (`KERAS_BACKEND`, `XLA_FLAGS`, `PYTHONPATH`, ...) as the program's
@@ -41,6 +42,7 @@ import threading
 
 # What imports read: a server serves only programs whose values of these
 # match (kd.launch's fork server decides by the same list).
+from keras_distribute.launch.starting import PRELOAD_VARIABLE
 from keras_distribute.launch.starting import SET_BY_IMPORTS
 from keras_distribute.launch.starting import import_time_env
 
@@ -53,22 +55,20 @@ def _import_env(env):
     # program's environment whole, and its imports keep what they find.)
     return tuple(sorted((name, value)
                         for name, value in import_time_env(env).items()
-                        if name not in SET_BY_IMPORTS))
+                        if name not in SET_BY_IMPORTS)), env.get(
+        PRELOAD_VARIABLE, "")
 
 
 class _Server:
     """One server process (started by this process; stopped at its exit)."""
 
-    def __init__(self, env, tensorflow_imported):
+    def __init__(self, env):
         # What the server itself prints (its imports' warnings) goes here,
         # not into the tests' output; its replies come on its stdout.
         self.log = tempfile.TemporaryFile(mode="w+")
-        command = [sys.executable, "-X", "faulthandler",
-                   os.path.abspath(__file__), "--serve"]
-        if not tensorflow_imported:
-            command.append("--without-tensorflow")
         self.process = subprocess.Popen(
-            command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-X", "faulthandler", os.path.abspath(__file__),
+             "--serve"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, cwd=tempfile.gettempdir())
         if self._reply() != "ready":
             self.process.kill()
@@ -159,7 +159,7 @@ def _stop_servers():
 atexit.register(_stop_servers)
 
 
-def run_program(argv, *, cwd, env, timeout, tensorflow_imported=True):
+def run_program(argv, *, cwd, env, timeout):
     """Runs `python *argv` (a script and its arguments) in `cwd` with `env`.
 
     Args:
@@ -168,10 +168,6 @@ def run_program(argv, *, cwd, env, timeout, tensorflow_imported=True):
         cwd: the working directory.
         env: the whole environment of the program.
         timeout: seconds; the program is killed after them.
-        tensorflow_imported: whether the program may start with TensorFlow
-            already imported (where it is installed), as most programs
-            import it anyway (`keras.utils.set_random_seed`). False for one
-            that checks what it imports itself.
 
     Returns:
         A `subprocess.CompletedProcess` with text `stdout` and `stderr`
@@ -190,11 +186,11 @@ def run_program(argv, *, cwd, env, timeout, tensorflow_imported=True):
         return subprocess.run(
             [sys.executable, "-X", "faulthandler", *argv], cwd=cwd, env=env,
             capture_output=True, text=True, timeout=timeout)
-    key = (_import_env(env), bool(tensorflow_imported))
+    key = _import_env(env)
     with _lock:
         server = _servers.get(key)
         if server is None or server.process.poll() is not None:
-            server = _servers[key] = _Server(env, bool(tensorflow_imported))
+            server = _servers[key] = _Server(env)
     return server.run(argv, cwd, env, timeout)  # several at once
 
 
@@ -330,15 +326,16 @@ def _serve():
 
     replies = os.dup(1)
     os.dup2(2, 1)
+    import importlib
+
     import keras  # noqa: F401
 
     import keras_distribute  # noqa: F401
+    from keras_distribute.launch.starting import preloaded_modules
 
-    if "--without-tensorflow" not in sys.argv:
-        try:  # (what keras.utils.set_random_seed imports in the program)
-            import tensorflow  # noqa: F401
-        except ImportError:
-            pass
+    for name in preloaded_modules():  # (kd.launch's fork server's too)
+        if name != "__main__":
+            importlib.import_module(name)
 
     def reply(message):
         os.write(replies, (json.dumps(message) + "\n").encode())
@@ -368,5 +365,5 @@ def _serve():
             reply({"id": running.pop(pid), "status": status})
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
     _serve()

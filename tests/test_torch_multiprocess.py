@@ -88,8 +88,7 @@ def test_a_fit_of_several_processes_imports_no_tensorflow(tmp_path):
         os.environ.get("PYTHONPATH")])))
     env.pop("KERAS_DISTRIBUTE_PRELOAD", None)
     env.pop("KD_RECORD_BAD_INPUTS", None)
-    done = run_program([str(script)], cwd=tmp_path, env=env, timeout=300,
-                       tensorflow_imported=False)
+    done = run_program([str(script)], cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [
         False, False, False]
