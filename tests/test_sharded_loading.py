@@ -21,14 +21,14 @@ from worker_common import recorded_regional_reads
 import keras_distribute as kd
 
 
-def make_model(seed=3):
+def make_model(seed=3, dtype=None):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((16,)),
-        keras.layers.Dense(64, activation="relu", name="up"),
-        keras.layers.Dense(32, name="down"),
-        keras.layers.LayerNormalization(name="norm"),
-        keras.layers.Dense(8, name="head")], name="mlp")
+        keras.layers.Dense(64, activation="relu", name="up", dtype=dtype),
+        keras.layers.Dense(32, name="down", dtype=dtype),
+        keras.layers.LayerNormalization(name="norm", dtype=dtype),
+        keras.layers.Dense(8, name="head", dtype=dtype)], name="mlp")
 
 
 @pytest.fixture
@@ -80,6 +80,104 @@ def test_load_weights_reads_each_devices_regions_bit_exactly(
             (b - a, d - c) == (8, 16) for (a, b), (c, d) in up)
         assert len([r for s, r in reads if s == (64, 32)]) == 4
     assert (8,) in whole  # a replicated variable: read whole, once
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "mixed_bfloat16"])
+@pytest.mark.parametrize("sharded_file", [False, True],
+                         ids=["weights.h5", "weights.json"])
+def test_bfloat16_weights_load_bit_exactly(tmp_path, reads, dtype,
+                                           sharded_file):
+    # Keras stores bfloat16 variables as 2-byte opaque values marked
+    # `dtype="bfloat16"` (keras-hub's large presets are bfloat16): they
+    # are read region by region as bfloat16, as Keras reads them whole.
+    saved = make_model(seed=3, dtype=dtype)
+    path = str(tmp_path / ("model.weights.json" if sharded_file
+                           else "model.weights.h5"))
+    if sharded_file:
+        saved.save_weights(path, max_shard_size=1e-5)
+    else:
+        saved.save_weights(path)
+    strategy, _ = strategy_for_this_backend()
+    with strategy.scope():
+        model = make_model(seed=4, dtype=dtype)
+    model.load_weights(path)
+    for variable, expected, found in zip(saved.weights, saved.get_weights(),
+                                         model.get_weights()):
+        assert found.dtype == expected.dtype, variable.path
+        np.testing.assert_array_equal(expected.astype("float32"),
+                                      found.astype("float32"))
+    assert len(reads) >= len(saved.weights)  # every variable went lazily
+    if dtype == "bfloat16":
+        assert str(model.get_weights()[0].dtype) == "bfloat16"
+
+
+def test_a_bfloat16_mark_on_other_values_is_refused(tmp_path):
+    import h5py
+
+    path = str(tmp_path / "model.weights.h5")
+    make_model(seed=3, dtype="bfloat16").save_weights(path)
+    with h5py.File(path, "a") as file:
+        names = []
+        file.visititems(lambda name, item: names.append(name) if getattr(
+            item, "shape", None) == (16, 64) else None)
+        (kernel,) = names
+        del file[kernel]
+        file.create_dataset(kernel, data=np.zeros((16, 64), "V4"))
+        file[kernel].attrs["dtype"] = "bfloat16"
+    strategy, _ = strategy_for_this_backend()
+    with strategy.scope():
+        model = make_model(seed=4, dtype="bfloat16")
+    with pytest.raises(ValueError, match="bfloat16 takes 2"):
+        model.load_weights(path)
+
+
+def test_a_file_replaced_while_it_loads_is_never_read(tmp_path):
+    # The file Keras opened and checked is the only one read: a file that
+    # replaces it mid-load (an atomic save's os.replace), whose kernel is
+    # a virtual dataset onto a file outside the directory, gives nothing.
+    import h5py
+
+    from keras_distribute.integration import sharded_loading
+
+    directory = tmp_path / "weights"
+    directory.mkdir()
+    path = str(directory / "model.weights.h5")
+    saved = make_model(seed=3)
+    saved.save_weights(path)
+    outside = str(tmp_path / "outside.h5")
+    with h5py.File(outside, "w") as file:
+        file["secret"] = np.full((16, 64), 42.0, "float32")
+    swapped = str(directory / "swapped.weights.h5")
+    make_model(seed=5).save_weights(swapped)
+    with h5py.File(swapped, "a") as file:
+        names = []
+        file.visititems(lambda name, item: names.append(name) if getattr(
+            item, "shape", None) == (16, 64) else None)
+        (kernel,) = names  # (up/kernel)
+        layout = h5py.VirtualLayout(shape=(16, 64), dtype="float32")
+        layout[...] = h5py.VirtualSource(outside, "secret", (16, 64))
+        del file[kernel]
+        file.create_virtual_dataset(kernel, layout)
+    original = sharded_loading.LazyH5Array.read_regions
+    replaced = []
+
+    def replacing_mid_load(self, regions, into=None):
+        if not replaced:
+            os.replace(swapped, path)
+            replaced.append(True)
+        return original(self, regions, into)
+
+    strategy, _ = strategy_for_this_backend()
+    with strategy.scope():
+        model = make_model(seed=4)
+    sharded_loading.LazyH5Array.read_regions = replacing_mid_load
+    try:
+        model.load_weights(path)
+    finally:
+        sharded_loading.LazyH5Array.read_regions = original
+    assert replaced
+    for expected, found in zip(saved.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(expected, found)
 
 
 def test_outside_a_strategy_keras_loads_as_it_always_did(tmp_path, reads):

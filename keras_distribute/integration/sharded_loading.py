@@ -48,63 +48,88 @@ _WEIGHTS_FILES = (".weights.h5", ".weights.json")
 class LazyH5Array:
     """A dataset of a Keras weights file, read region by region.
 
+    It reads from the dataset Keras opened and checked (no external links,
+    external storage or virtual datasets: `safe_get_h5_dataset`), never
+    from the file's path again: a file replaced while it loads (an atomic
+    save's `os.replace`) is not read unchecked, and every variable comes
+    from the one file Keras opened.
+
     Attributes:
         filename: The HDF5 file holding it.
         name: Its path in that file.
         shape: Its shape.
-        dtype: The dtype Keras loads it as (`bfloat16` where Keras stored
-            bfloat16 values as float32).
+        dtype: The dtype Keras loads it as: `bfloat16` where the dataset is
+            marked so (Keras stores bfloat16 as 2-byte opaque values; older
+            writers as float32).
     """
 
-    __slots__ = ("filename", "name", "shape", "dtype", "_convert")
+    __slots__ = ("filename", "name", "shape", "dtype", "_dataset",
+                 "_decode")
 
     def __init__(self, dataset: Any) -> None:
         import numpy as np
 
+        self._dataset = dataset
         self.filename = dataset.file.filename
         self.name = dataset.name
         self.shape = tuple(int(n) for n in dataset.shape)
-        self._convert = dataset.attrs.get("dtype") == "bfloat16"
-        if self._convert:
+        stored = np.dtype(dataset.dtype)
+        self._decode: Optional[str] = None
+        self.dtype = stored
+        if dataset.attrs.get("dtype") == "bfloat16":
             import ml_dtypes
 
             self.dtype = np.dtype(ml_dtypes.bfloat16)
-        else:
-            self.dtype = np.dtype(dataset.dtype)
+            if stored.kind == "V":
+                if stored.itemsize != 2:
+                    raise ValueError(
+                        f"{self.name!r} in {self.filename!r} is marked "
+                        f"bfloat16 but holds {stored.itemsize}-byte opaque "
+                        "values (bfloat16 takes 2). Received: "
+                        f"dtype={stored}. Save the weights again with "
+                        "Keras' `save_weights`.")
+                self._decode = "view"  # (Keras' own bfloat16 bytes)
+            else:
+                self._decode = "cast"
 
     def read_regions(self, regions: Sequence[tuple],
                      into: Optional[Sequence[Any]] = None) -> List[Any]:
         """The arrays of `regions` (`((start, stop), ...)` per dimension),
         read as hyperslabs; written into the arrays `into` where given."""
-        import h5py
         import numpy as np
 
+        dataset = self._dataset
+        if not dataset.id.valid:
+            raise ValueError(
+                f"The weights file {self.filename!r} was closed before "
+                f"{self.name!r} was read. Read a weights file's arrays "
+                "while Keras' `load_weights` holds it open.")
         arrays = []
-        with h5py.File(self.filename, "r") as file:
-            dataset = file[self.name]
-            for i, region in enumerate(regions):
-                if len(region) != len(self.shape) or any(
-                        not 0 <= start <= stop <= size
-                        for (start, stop), size in zip(region, self.shape)):
-                    raise ValueError(
-                        f"A region {region} outside {self.name!r} of shape "
-                        f"{self.shape} was asked for.")
-                selection = tuple(slice(start, stop) for start, stop in region)
-                target = into[i] if into is not None else None
-                if target is not None and not self._convert and (
-                        target.dtype == dataset.dtype) and target.flags[
-                            "C_CONTIGUOUS"] and dataset.shape != ():
-                    dataset.read_direct(target, selection)
-                    arrays.append(target)
-                    continue
-                array = np.asarray(dataset[selection] if selection
-                                   else dataset[()])
-                if self._convert:
-                    array = array.astype(self.dtype)
-                if target is not None:
-                    target[...] = array
-                    array = target
-                arrays.append(array)
+        for i, region in enumerate(regions):
+            if len(region) != len(self.shape) or any(
+                    not 0 <= start <= stop <= size
+                    for (start, stop), size in zip(region, self.shape)):
+                raise ValueError(
+                    f"A region {region} outside {self.name!r} of shape "
+                    f"{self.shape} was asked for.")
+            selection = tuple(slice(start, stop) for start, stop in region)
+            target = into[i] if into is not None else None
+            if target is not None and self._decode != "cast" and (
+                    target.dtype == self.dtype) and target.flags[
+                        "C_CONTIGUOUS"] and dataset.shape != ():
+                dataset.read_direct(target.view(dataset.dtype), selection)
+                arrays.append(target)
+                continue
+            array = np.asarray(dataset[selection] if selection
+                               else dataset[()])
+            if self._decode == "view":
+                array = array.view(self.dtype)
+            elif self._decode == "cast":
+                array = array.astype(self.dtype)
+            if target is not None:
+                target[...] = array
+                array = target
+            arrays.append(array)
         return arrays
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
