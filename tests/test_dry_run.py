@@ -388,3 +388,41 @@ def test_sizes_read_as_people_write_them():
     assert parse_bytes("512 MiB") == 512 * 2**20
     assert parse_bytes("1024") == 1024
     assert parse_bytes("1.5gb") == 1_500_000_000
+
+
+BROKEN_SCRIPT = '''
+import keras
+
+def make_model():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    raise RuntimeError("the tokenizer file is missing")
+'''
+
+
+def test_the_command_line_says_the_model_could_not_be_built(tmp_path,
+                                                           capsys):
+    from keras_distribute.planning import command_line as plan
+
+    script = tmp_path / "train.py"
+    script.write_text(BROKEN_SCRIPT)
+    assert plan.main([str(script)]) == plan.MODEL_NOT_BUILT == 3
+    err = capsys.readouterr().err
+    assert "the model could not be built: make_model() raised " in err
+    assert "RuntimeError: the tokenizer file is missing" in err
+    assert "train.py" in err  # (the model function's traceback)
+
+
+def test_the_command_line_runs_a_script_whose_model_compiles(tmp_path,
+                                                            capsys):
+    from keras_distribute.planning import command_line as plan
+
+    script = tmp_path / "train.py"
+    script.write_text(PLAN_SCRIPT.replace(
+        '        keras.layers.Dense(10, name="logits")], name="mlp")',
+        '        keras.layers.Dense(10, name="logits")], name="mlp")\n'
+        '    model.compile(optimizer="adam", loss="mse")\n'
+        '    return model').replace(
+        "    return keras.Sequential([", "    model = keras.Sequential(["))
+    assert plan.main([str(script), "--batch-size", "8"]) == plan.READY, (
+        capsys.readouterr())
+    assert "verdict: ready to launch" in capsys.readouterr().out

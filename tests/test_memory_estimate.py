@@ -856,3 +856,58 @@ def test_the_users_model_and_optimizer_are_left_as_they_were():
 def test_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="sub")
+        self.up = keras.layers.Dense(32, activation="tanh", name="up")
+        self.out = keras.layers.Dense(4, name="out")
+
+    def call(self, x):
+        return self.out(self.up(x))
+
+
+def compiled_sequential():
+    model = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(32, name="up"),
+                              keras.layers.Dense(4, name="out")], name="seq")
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def compiled_subclassed():
+    model = _Subclassed()
+    model(keras.ops.zeros((1, 16)))
+    model.compile(optimizer=keras.optimizers.AdamW(3e-4), loss="mae")
+    return model
+
+
+def compiled_loss_scaled():
+    model = compiled_sequential()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("make", [compiled_sequential, compiled_subclassed,
+                                  compiled_loss_scaled])
+def test_a_make_model_that_compiles_is_planned_estimated_and_dry_run(make):
+    # The documented default: optimizer and loss are the compiled ones.
+    # Their learning rate is a variable without a value in a model built
+    # without values (get_config read it: TracerArrayConversionError on
+    # JAX, ".numpy() is not supported" on torch, a graph error on TF).
+    shape = {"input_shape": (16,)} if make is compiled_subclassed else {}
+    estimate = kd.layouts.estimate_memory(make, batch_size=8, **shape)
+    slots = 2 if make is not compiled_loss_scaled else 1  # Adam(W) / SGD+m
+    kernel_and_bias = (16 * 32 + 32 + 32 * 4 + 4) * 4
+    assert estimate.optimizer >= slots * kernel_and_bias
+    assert estimate.peak > estimate.parameters > 0
+    verdict = kd.layouts.dry_run(make, global_batch_size=8,
+                                 device_memory=2**30, **shape)
+    assert verdict.ok, verdict.table()
+    if BACKEND != "tensorflow":
+        mesh = DeviceMesh((2,), ["batch"], [f"cpu:{i}" for i in range(2)])
+        plan = kd.layouts.plan_layout(make, mesh)
+        assert plan.layout_map is not None
+

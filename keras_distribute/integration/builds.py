@@ -14,11 +14,15 @@ must come out of such a build as they went in:
 """
 
 import contextlib
+from typing import Any
+from typing import Dict
 from typing import Iterator
 
 from keras_distribute.integration import registry
 
 _NAME_SCOPE_STACK = "name_scope_stack"  # keras.src.backend.common.name_scope
+# The learning rate a config read without values gives (`optimizer_config`).
+_PLACEHOLDER_LEARNING_RATE = 0.001
 
 
 @contextlib.contextmanager
@@ -52,3 +56,49 @@ def keras_global_state_kept() -> Iterator[None]:
             stack[:] = scopes
         elif scopes is None and isinstance(now, list):
             now.clear()
+
+
+def optimizer_config(optimizer: Any) -> Dict[str, Any]:
+    """`optimizer.get_config()`, also for an optimizer made without values.
+
+    An optimizer compiled in a model built without values (a `make_model`
+    that compiles, given to the planner) holds its learning rate in a
+    variable that has no value, and Keras' `get_config` reads it. While it
+    runs, a placeholder rate stands in for such a variable (of the
+    optimizer and of a `LossScaleOptimizer`'s inner one); the variable is
+    put back after. The config makes an optimizer of the same kind and
+    slots, which is all the planner needs: the learning rate changes no
+    shape and no byte of a step.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`.
+
+    Returns:
+        Its config, with the learning rate a placeholder where it was a
+        variable.
+
+    Raises:
+        KerasVersionError: if the running Keras keeps the learning rate
+            elsewhere.
+
+    Example:
+
+    ```python
+    fresh = type(optimizer).from_config(optimizer_config(optimizer))
+    ```
+    """
+    import keras
+
+    attribute = registry.resolve("Optimizer._learning_rate")
+    swapped = []
+    for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        rate = getattr(owner, attribute, None)
+        if isinstance(rate, keras.Variable):
+            swapped.append((owner, rate))
+            # (object's own setattr: Keras' would track the float)
+            object.__setattr__(owner, attribute, _PLACEHOLDER_LEARNING_RATE)
+    try:
+        return dict(optimizer.get_config())
+    finally:
+        for owner, rate in swapped:
+            object.__setattr__(owner, attribute, rate)

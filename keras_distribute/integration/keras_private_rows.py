@@ -364,6 +364,12 @@ ROWS += (
     Row("Variable._layout", (), _A + "Variable: the layout a variable was "
         "made with (JAX adopt, torch sharding)", "3.10-3.16",
         instance_of="Variable", backends=("jax", "torch")),
+    Row("Optimizer._learning_rate", (), _A + "BaseOptimizer: the planner "
+        "reads the config of an optimizer compiled in a model built "
+        "without values, whose learning-rate variable has none (a "
+        "placeholder rate stands in while get_config runs)", "3.10-3.16",
+        "a get_config that does not read variable values",
+        instance_of="Optimizer"),
     Row("Model._initial_epoch", (), _A + "Trainer: the epoch a resumed fit "
         "starts from, as Keras' own BackupAndRestore sets it", "3.10-3.16",
         "a public resume hook", instance_of="Model"),

@@ -54,6 +54,7 @@ def _probe(kind: str) -> Any:
             "Variable": lambda: keras.Variable(0.0, trainable=False),
             "Model": lambda: keras.Sequential(),
             "Layer": lambda: keras.layers.Dense(1),
+            "Optimizer": lambda: keras.optimizers.SGD(),
             "BackupAndRestore": lambda: keras.callbacks.BackupAndRestore(
                 "kd-probe-backup"),
             "ModelCheckpoint": lambda: keras.callbacks.ModelCheckpoint(

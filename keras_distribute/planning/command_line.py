@@ -13,7 +13,8 @@ model is built without values, the layout map (`--layout-map`: a
 when it takes an argument; `--plan`: `kd.layouts.plan_layout` on the mesh)
 is checked against it and against the cluster, and the verdict table is
 printed (`kd.layouts.dry_run`). Exit status: 0 ready to launch, 1 findings,
-2 a command line that cannot be used. On JAX the process's CPU platform is
+2 a command line that cannot be used, 3 the model could not be built (the
+model function's error is shown). On JAX the process's CPU platform is
 given as many devices as the mesh has before JAX starts, so the memory
 estimate is XLA's analysis of the step compiled for the job's mesh.
 """
@@ -29,6 +30,7 @@ import os
 import re
 import runpy
 import sys
+import traceback
 from typing import Any
 from typing import Dict
 from typing import List
@@ -41,6 +43,9 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 class UsageError(Exception):
     """A command line that cannot be used (exit status 2)."""
+
+
+READY, FINDINGS, UNUSABLE_COMMAND_LINE, MODEL_NOT_BUILT = 0, 1, 2, 3
 
 
 def parse_bytes(text: str) -> int:
@@ -222,14 +227,14 @@ def _mesh(args: argparse.Namespace, keras: Any) -> Optional[Any]:
 
 
 def _layout_map(args: argparse.Namespace, definitions: Dict[str, Any],
-                builder: Any, mesh: Any, keras: Any) -> Optional[Any]:
+                model: Any, mesh: Any, keras: Any) -> Optional[Any]:
     from keras_distribute.planning.layout_planner import plan_layout
 
     if args.plan:
         if mesh is None:
             raise UsageError("--plan needs a mesh: give --mesh (or --hosts "
                              "and --devices-per-host).")
-        return plan_layout(builder, mesh).layout_map
+        return plan_layout(model, mesh).layout_map
     if not args.layout_map:
         if mesh is None:
             return None
@@ -249,9 +254,28 @@ def _layout_map(args: argparse.Namespace, definitions: Dict[str, Any],
     return found
 
 
+def _build(builder: Any, name: str, keras: Any) -> Optional[Any]:
+    """The model `builder` builds without values, or None after printing
+    its error (the model function's own code failed)."""
+    from keras_distribute.planning.layout_planner import built_model
+
+    try:
+        return built_model(builder, keras)
+    except Exception as error:  # (the user's code: shown, exit status 3)
+        frames = traceback.format_exception(error)
+        print(f"python -m keras_distribute.planning: the model could not be "
+              f"built: {name}() raised {type(error).__name__}: {error}\n"
+              "Fix the model function (it must build a Keras model; it is "
+              "called without values, so it must not read variable values "
+              "while it builds). Its traceback:\n" + "".join(frames[-12:]),
+              file=sys.stderr)
+        return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the dry run the command line asks for; returns the exit
-    status (0: ready to launch, 1: findings, 2: unusable command line)."""
+    status (0: ready to launch, 1: findings, 2: unusable command line, 3:
+    the model could not be built)."""
     args = build_parser().parse_args(argv)
     simulate_mesh_devices(args)
     try:
@@ -263,9 +287,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         builder = _pick(definitions, args.model, "model function",
                         _MODEL_FUNCTIONS)
         mesh = _mesh(args, keras)
-        layout_map = _layout_map(args, definitions, builder, mesh, keras)
+        model = _build(builder, getattr(builder, "__name__", "model"), keras)
+        if model is None:
+            return MODEL_NOT_BUILT
+        layout_map = _layout_map(args, definitions, model, mesh, keras)
         verdict = dry_run(
-            builder, layout_map, hosts=args.hosts,
+            model, layout_map, hosts=args.hosts,
             devices_per_host=args.devices_per_host,
             global_batch_size=args.batch_size,
             device_memory=(parse_bytes(args.device_memory)
@@ -275,7 +302,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             input_shape=parse_input_shape(args.input_shape))
     except (UsageError, TypeError, ValueError) as error:
         print(f"python -m keras_distribute.planning: {error}", file=sys.stderr)
-        return 2
+        return UNUSABLE_COMMAND_LINE
     print(verdict.table())
-    return 0 if verdict.ok else 1
+    return READY if verdict.ok else FINDINGS
 

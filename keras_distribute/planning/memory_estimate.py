@@ -35,6 +35,7 @@ from keras_distribute.common.layouts import graph_safe
 from keras_distribute.common.layouts import slot_owner
 from keras_distribute.common.layouts import variable_layout
 from keras_distribute.integration.builds import keras_global_state_kept
+from keras_distribute.integration.builds import optimizer_config
 from keras_distribute.planning.layout_planner import build_without_values
 from keras_distribute.planning.layout_planner import built_model
 from keras_distribute.planning.layout_planner import variables_of
@@ -234,7 +235,7 @@ def _fresh_optimizer(optimizer: Any, model: Layer, keras: Any) -> Any:
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None) or "adam"
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        return type(optimizer).from_config(optimizer.get_config())
+        return type(optimizer).from_config(optimizer_config(optimizer))
     if not isinstance(optimizer, (str, dict)):
         raise TypeError(
             "optimizer must be a keras.optimizers.Optimizer, its name or "
