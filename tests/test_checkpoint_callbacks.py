@@ -937,3 +937,44 @@ def test_nested_checkpoints_lists_and_dicts_as_in_the_tf_guide(tmp_path):
     with pytest.raises(ValueError, match="Dict keys of saved objects must be "
                        "strings"):
         ckpt.ShardedCheckpoint(table={(1, 2): keras.Variable(1.0)})
+
+
+def test_a_dropped_checkpoint_keeps_its_deferred_restore(tmp_path):
+    # A guide's resume in one expression, before the optimizer is built:
+    # the checkpoint object is collected at once, its optimizer restore
+    # must still arrive (tf.train.Checkpoint keeps it) - and it must not
+    # keep the model alive once nothing waits.
+    import gc
+    import weakref
+
+    model = trained()
+    path = ckpt.ShardedCheckpoint(model=model, optimizer=model.optimizer
+                                  ).write(str(tmp_path / "c"))
+    keras.utils.set_random_seed(9)
+    fresh = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5),
+                              keras.layers.Dense(2)])
+    fresh.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    ckpt.ShardedCheckpoint(model=fresh, optimizer=fresh.optimizer
+                           ).restore(path)
+    gc.collect()
+    fresh.optimizer.build(fresh.trainable_variables)
+    for a, b in zip(state(model), state(fresh)):
+        np.testing.assert_array_equal(a, b)
+    assert int(fresh.optimizer.iterations) == int(
+        model.optimizer.iterations) > 0
+    # Applied: nothing of it is held any more.
+    from keras_distribute.checkpoint import restoring
+    assert not restoring.kept_after_drop
+    # Dropped with its objects, never built: released with them.
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5),
+                              keras.layers.Dense(2)])
+    other.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    ckpt.ShardedCheckpoint(model=other, optimizer=other.optimizer
+                           ).restore(path)
+    gc.collect()
+    assert len(restoring.kept_after_drop) == 1
+    model_ref = weakref.ref(other)
+    del other
+    gc.collect()
+    assert model_ref() is None  # not held: collected with its optimizer
+    assert not restoring.kept_after_drop

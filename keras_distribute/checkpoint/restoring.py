@@ -114,6 +114,22 @@ def ready(obj: Any, variables: Dict[str, Any], wanted: List[str]) -> bool:
 waiting: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
+# Checkpoints collected with restores still deferred, kept (strongly) until
+# those restores apply or the objects they wait for are gone: a restore
+# written as one expression (`ShardedCheckpoint(...).restore(path)`) before
+# the optimizer is built must still reach it, as tf.train.Checkpoint's does.
+kept_after_drop: "set[Any]" = set()
+
+
+def keep_after_drop(checkpoint: Any) -> None:
+    """Keeps `checkpoint`, being collected with deferred restores, alive on
+    weak references to the objects it waits for (`_wait_weakly`): nothing
+    else of it (a model it restored already) is held."""
+    checkpoint._wait_weakly(lambda: kept_after_drop.discard(checkpoint))
+    kept_after_drop.add(checkpoint)
+    waiting.add(checkpoint)
+
+
 def defer(checkpoint: Any, services: KerasServices) -> None:
     """Marks `checkpoint` as waiting for variables to be created; the hooks
     that apply its restores then are installed (once) through `services`

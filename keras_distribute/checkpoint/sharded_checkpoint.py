@@ -2,8 +2,10 @@
 
 import concurrent.futures
 import os
+import sys
 import threading
 import time
+import weakref
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -105,6 +107,38 @@ class ShardedCheckpoint:
         # After a read: (path, saved variables, object paths, this
         # checkpoint's prefix in the one read), for objects attached later.
         self._restored_from: Optional[tuple] = None
+        # Once dropped with restores deferred (`_wait_weakly`): the objects
+        # those restores wait for, by name, as weak references.
+        self._weak_leaves: Optional[Dict[str, weakref.ref]] = None
+
+    def __del__(self) -> None:
+        # A restore deferred until an object's variables exist outlives
+        # this object, as tf.train.Checkpoint's does: the checkpoint is kept
+        # (`restoring.keep_after_drop`) until it applies.
+        if self.__dict__.get("_deferred") and (
+                self.__dict__.get("_weak_leaves") is None) and (
+                    not sys.is_finalizing()):
+            restoring.keep_after_drop(self)
+
+    def _wait_weakly(self, released: Callable[[], None]) -> None:
+        """Holds only weak references to the objects the deferred restores
+        wait for, and none to the others; `released()` once they are all
+        collected (nothing left to restore)."""
+        weak: Dict[str, weakref.ref] = {}
+
+        def collected(_: Any) -> None:
+            if all(ref() is None for ref in weak.values()):
+                released()
+
+        for name, (_, _, _, prefix) in self._deferred.items():
+            leaves = saved_objects.leaf_objects(self._objects,
+                                                ShardedCheckpoint, prefix)
+            if name in leaves:
+                weak[name] = weakref.ref(leaves[name], collected)
+        self._weak_leaves = weak
+        self._objects = {}
+        if not weak:
+            released()
 
     # -------------------------------------------- objects as attributes
     def __getattr__(self, name: str) -> Any:
@@ -513,9 +547,8 @@ class ShardedCheckpoint:
                 return
             for name, (path, saved, paths, prefix) in list(
                     self._deferred.items()):
-                leaves = saved_objects.leaf_objects(
-                    self._objects, ShardedCheckpoint, prefix)
-                if name not in leaves:  # detached since
+                leaves = self._deferred_leaves(prefix)
+                if name not in leaves:  # detached (or collected) since
                     del self._deferred[name]
                     continue
                 variables = self._variables_by_object(
@@ -527,6 +560,17 @@ class ShardedCheckpoint:
                         saved, paths, variables, {name: leaves[name]}))
             if not self._deferred:
                 restoring.waiting.discard(self)
+                restoring.kept_after_drop.discard(self)
+
+    def _deferred_leaves(self, prefix: str) -> Dict[str, Any]:
+        """The leaf objects under `prefix`; once this checkpoint was dropped,
+        those of its weakly held objects still alive."""
+        if self._weak_leaves is None:
+            return saved_objects.leaf_objects(self._objects,
+                                              ShardedCheckpoint, prefix)
+        return {name: obj for name, obj in (
+            (name, ref()) for name, ref in self._weak_leaves.items())
+            if obj is not None}
 
     def _remember_restored(self, path: str, saved: dict, paths: dict,
                            prefix: str) -> None:
