@@ -978,3 +978,29 @@ def test_a_dropped_checkpoint_keeps_its_deferred_restore(tmp_path):
     gc.collect()
     assert model_ref() is None  # not held: collected with its optimizer
     assert not restoring.kept_after_drop
+
+
+def test_checkpoint_numbers_of_any_size_order_exactly(tmp_path):
+    # A nanosecond timestamp as the step (19 digits) and a number past
+    # int64: ordered as integers, seen by a new manager, and a save is
+    # never numbered below one that exists.
+    timestamp = 1796656304171905536
+    model = trained()
+    checkpoint = ckpt.ShardedCheckpoint(model=model)
+    manager = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=9)
+    saved = [manager.save(checkpoint_number=timestamp - 5),
+             manager.save(checkpoint_number=timestamp), manager.save()]
+    assert saved[-1] == str(tmp_path / f"ckpt-{timestamp + 1}")
+    manager.close()
+    again = ckpt.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=9)
+    assert again.checkpoints == saved
+    assert again.restore_or_initialize() == saved[-1]
+    assert again.save() == str(tmp_path / f"ckpt-{timestamp + 2}")
+    huge = 10**30
+    assert again.save(checkpoint_number=huge) == str(
+        tmp_path / f"ckpt-{huge}")
+    assert ckpt.checkpoints_in(str(tmp_path))[-1] == str(
+        tmp_path / f"ckpt-{huge}")
+    assert ckpt.latest_checkpoint(str(tmp_path)) == str(
+        tmp_path / f"ckpt-{huge}")
+    again.close()

@@ -782,3 +782,24 @@ def test_a_reader_reads_only_the_byte_ranges_it_restores(prefix, tmp_path,
     assert {name for name, _, _ in ranges} == {"shards-00000.h5",
                                                "shards-00001.h5"}
     assert os.listdir(reader.path) == ["index.json"]  # nothing downloaded
+
+
+def test_checkpoint_numbers_of_any_size_order_exactly_on_s3(prefix):
+    # A nanosecond timestamp as the step (19 digits, past int64's 18):
+    # a new manager sees it, resumes the latest, and numbers after it.
+    timestamp = 1796656304171905536
+    model = _model()
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix,
+                                              max_to_keep=5)
+    saved = [manager.save(checkpoint_number=timestamp - 5),
+             manager.save(checkpoint_number=timestamp), manager.save()]
+    assert saved[-1] == f"{prefix}/ckpt-{timestamp + 1}"
+    manager.close()
+    again = kd.checkpoint.CheckpointManager(checkpoint, prefix,
+                                            max_to_keep=5)
+    assert again.checkpoints == saved
+    assert again.latest_checkpoint == saved[-1]
+    assert kd.checkpoint.checkpoints_in(prefix) == saved
+    assert again.save() == f"{prefix}/ckpt-{timestamp + 2}"
+    again.close()

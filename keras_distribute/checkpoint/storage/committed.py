@@ -63,7 +63,8 @@ def checkpoints_in(directory: str) -> List[str]:
     for name in os.listdir(directory):
         # `<name>.old`: a commit died between its renames; it is listed by
         # its own name and read where it lies (`reading.locate`).
-        match = re.fullmatch(r"(.*-(\d+))(\.old)?", name)
+        match = re.fullmatch(f"(.*-({ckpt_paths.NUMBER}))" + r"(\.old)?",
+                             name)
         if not match:
             continue
         path = os.path.join(directory, match.group(1))

@@ -24,6 +24,7 @@ from typing import Optional
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import remote_checkpoints
 from keras_distribute.checkpoint.storage import writing as ckpt_writing
 
@@ -56,7 +57,7 @@ def numbered_entries(directory: str, stem: str) -> List[tuple]:
         return remote_checkpoints.numbered_entries(directory, stem)
     if not os.path.isdir(directory):
         return []
-    pattern = re.compile(re.escape(stem) + r"-(\d{1,18})")
+    pattern = re.compile(re.escape(stem) + "-(" + ckpt_paths.NUMBER + ")")
     found = []
     for name in os.listdir(directory):
         match = pattern.fullmatch(name)
@@ -83,8 +84,9 @@ def owned_checkpoints(directory: str, stem: str, owner: str,
     paths = [path for _, path in numbered_entries(directory, stem)]
     if moved_aside and not object_store.is_remote(directory) and (
             os.path.isdir(directory)):
-        pattern = re.compile(re.escape(stem) + r"-\d{1,18}"
-                             + re.escape(moved_aside) + r"(-\d{1,18})?")
+        number = ckpt_paths.NUMBER
+        pattern = re.compile(re.escape(stem) + "-" + number
+                             + re.escape(moved_aside) + f"(-{number})?")
         paths += sorted(os.path.join(directory, name)
                         for name in os.listdir(directory)
                         if pattern.fullmatch(name))

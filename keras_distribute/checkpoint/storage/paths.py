@@ -18,6 +18,10 @@ from keras_distribute.checkpoint.storage import object_store
 # `<scheme>:/`, as RFC 3986 spells a scheme (`s3`, `gs`, `hdfs`, `file`;
 # `pathlib` turns `s3://b` into `s3:/b`); one letter is a Windows drive.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]+):/")
+# The number of a `<name>-<number>` checkpoint: an exact integer of any
+# size a name can hold (a 19-digit timestamp used as the step included),
+# bounded only below Python's limit on parsing digits (4,300).
+NUMBER = r"\d{1,1000}"
 
 
 def local_path(path: Union[str, "os.PathLike[str]"],

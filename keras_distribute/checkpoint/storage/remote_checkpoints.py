@@ -43,6 +43,7 @@ from typing import Tuple
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import paths as ckpt_paths
 from keras_distribute.checkpoint.storage import validation
 from keras_distribute.checkpoint.storage.format import INDEX
 from keras_distribute.checkpoint.storage.format import CheckpointError
@@ -281,7 +282,7 @@ def owner_of(path: str) -> Optional[str]:
 
 def numbered_entries(directory: str, stem: str) -> List[Tuple[int, str]]:
     """`(number, path)` of every child `<stem>-<number>` of `directory`."""
-    pattern = re.compile(re.escape(stem) + r"-(\d{1,18})")
+    pattern = re.compile(re.escape(stem) + "-(" + ckpt_paths.NUMBER + ")")
     found = []
     for name in object_store.store_for(directory).children(directory):
         match = pattern.fullmatch(name)
@@ -296,7 +297,7 @@ def checkpoints_in(directory: str) -> List[str]:
     store = object_store.store_for(directory)
     found = []
     for name, is_dir in store.children(directory).items():
-        match = re.fullmatch(r".*-(\d{1,18})", name)
+        match = re.fullmatch(".*-(" + ckpt_paths.NUMBER + ")", name)
         if match and is_dir and store.exists(
                 object_store.join(directory, name, INDEX)):
             found.append((int(match.group(1)),
@@ -315,7 +316,7 @@ def clean_unfinished(directory: str, owner: str) -> List[str]:
     store = object_store.store_for(directory)
     removed = []
     for name, is_dir in store.children(directory).items():
-        if not is_dir or not re.fullmatch(r".*-\d{1,18}", name):
+        if not is_dir or not re.fullmatch(".*-" + ckpt_paths.NUMBER, name):
             continue
         path = object_store.join(directory, name)
         children = store.children(path)
