@@ -644,9 +644,15 @@ def test_sharded_layout_errors_in_one_process():
             # the wrong process (seen: halves of a kernel's update swapped).
             (["cpu:1", "cpu:0"], "ranks must increase.*\\[\\[1, 0\\]\\] "
              "along axis 'model'")):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as raised:
             torch_mesh.mesh_ranks(
                 DeviceMesh((1, 2), ["batch", "model"], devices), cpu, 2)
+        # The fix it suggests works on the Keras in use (Keras 3.15's torch
+        # backend has no keras.distribution.list_devices()).
+        suggested = str(raised.value)
+        assert "[f'cpu:{r}' for r in range(2)]" in suggested
+        if "list_devices()" in suggested:
+            assert keras.distribution.list_devices()
     replicated = LayoutMap(DeviceMesh((1, 2), ["batch", "model"],
                                       ["cpu:0", "cpu:1"]))
     replicated[".*kernel"] = (None, None)  # nothing sharded: plain engine

@@ -84,17 +84,16 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
                 f"On the torch backend each device of the mesh is one "
                 f"process, named by its device type ({expected!r}) and rank, "
                 f"e.g. '{prefix}:0'. Received: device {name!r} in devices "
-                f"{names}. Build the mesh with "
-                "devices=keras.distribution.list_devices() or "
-                f"[f'{prefix}:{{r}}' for r in range({world_size})].")
+                f"{names}. Build the mesh with devices="
+                f"{_devices_hint(prefix, world_size)}.")
         ranks.append(int(index))
     if sorted(ranks) != list(range(world_size)):
         raise ValueError(
             f"The mesh's devices must name each rank of the job "
             f"(0..{world_size - 1}) once. Received: ranks {ranks} (devices "
-            f"{names}). Build the mesh with "
-            "devices=keras.distribution.list_devices(), or list each "
-            "process once.")
+            f"{names}). Build the mesh with devices="
+            f"{_devices_hint(prefix, world_size)}, or list each process "
+            "once.")
     grid = np.asarray(ranks).reshape(tuple(device_mesh.shape))
     for dim, axis in enumerate(device_mesh.axis_names):
         if not np.all(np.diff(grid, axis=dim) > 0):
@@ -105,5 +104,21 @@ def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:
                 f"would land on another process than its position says. "
                 f"Received: ranks {grid.tolist()} along axis {axis!r} "
                 f"(devices {names}). List the devices so that each axis "
-                "counts up, e.g. keras.distribution.list_devices() in order.")
+                f"counts up, e.g. {_devices_hint(prefix, world_size)} in "
+                "order.")
     return grid
+
+
+def _devices_hint(prefix: str, world_size: int) -> str:
+    """A `devices=` value that works on the Keras in use: the names spelled
+    out, and Keras' `list_devices()` where its torch backend has one (Keras
+    3.15's torch backend has no distribution module: the call raises
+    `AttributeError`)."""
+    import keras
+
+    spelled = f"[f'{prefix}:{{r}}' for r in range({world_size})]"
+    try:
+        keras.distribution.list_devices()
+    except AttributeError:
+        return spelled
+    return f"keras.distribution.list_devices() or {spelled}"
