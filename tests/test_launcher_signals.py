@@ -358,3 +358,91 @@ def test_a_jobs_free_port_is_outside_the_kernels_ephemeral_range(
     monkeypatch.setattr(processes, "_EPHEMERAL_RANGE",
                         str(tmp_path / "missing"))
     assert 0 < processes.free_port() < 65536
+
+
+PRELOAD_PROGRAM = """
+import os, sys, tempfile, time
+import keras_distribute as kd
+
+def where_temporary_files_go():
+    return tempfile.gettempdir()
+
+if __name__ == "__main__":
+    if sys.argv[1] == "tmpdir":
+        os.environ["TMPDIR"] = sys.argv[2]
+        first = kd.launch(where_temporary_files_go, num_processes=1)
+        os.environ["TMPDIR"] = sys.argv[3]
+        second = kd.launch(where_temporary_files_go, num_processes=1)
+        print("TEMPORARY", first[0], second[0])
+        raise SystemExit(0)
+    started = time.monotonic()
+    try:
+        kd.launch(print, num_processes=1, timeout=float(sys.argv[2]))
+    except BaseException as error:
+        print("RAISED", type(error).__name__, error)
+    print(f"AFTER {time.monotonic() - started:.1f}")
+"""
+
+PRELOADED = {
+    "kd_raising": "raise RuntimeError('no licence server found')\n",
+    "kd_exiting": "raise SystemExit(3)\n",
+    "kd_blocking": "import time\ntime.sleep(600)\n",
+    "kd_tempdir": "import tempfile\ntempfile.gettempdir()\n",
+}
+
+
+def test_a_preloaded_module_that_fails_is_named_within_the_timeout(
+        tmp_path):
+    # Python's fork server ignored an ImportError (a missing submodule was
+    # dropped), died on any other error (EOFError in the launcher) and
+    # waited without end on a blocking import (a launch with timeout=60
+    # hung past 150 s). Each is now named, within the launch's timeout.
+    (tmp_path / "program.py").write_text(PRELOAD_PROGRAM)
+    for name, source in PRELOADED.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("KERAS_DISTRIBUTE_START_METHOD", None)
+    cases = {"kd_raising": "RuntimeError: no licence server found",
+             "kd_exiting": "SystemExit: 3",
+             "json.kd_missing": "ModuleNotFoundError: No module named "
+                                "'json.kd_missing'",
+             "kd_blocking": "did not finish within the launch's timeout"}
+    runs = {module: subprocess.Popen(
+        [sys.executable, "program.py", "fail", "8"], cwd=tmp_path,
+        env=dict(env, KERAS_DISTRIBUTE_PRELOAD=module), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for module in cases}
+    for module, expected in cases.items():
+        out, _ = runs[module].communicate(timeout=180)
+        assert "RAISED LaunchError" in out or "RAISED ImportError" in out, out
+        assert f"KERAS_DISTRIBUTE_PRELOAD names {module!r}, which the " \
+               "launch's fork server could not import" in out, out
+        assert expected in out, out
+        seconds = float(out.rsplit("AFTER ", 1)[1].split()[0])
+        # (the blocking module sleeps 600 s: it is cut at the launch's
+        # deadline, 8 s after its start; the rest is the fork server's own
+        # start, which four programs at once on 2 cores make slow)
+        assert seconds < 90, out
+
+
+def test_a_forked_process_finds_temporary_files_where_the_launcher_says(
+        tmp_path):
+    # A preloaded import fixed tempfile's directory in the fork server
+    # (from the server's TMPDIR): a forked process must find it from the
+    # launcher's environment of the moment, as a spawned one does.
+    (tmp_path / "program.py").write_text(PRELOAD_PROGRAM)
+    (tmp_path / "kd_tempdir.py").write_text(PRELOADED["kd_tempdir"])
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    env = dict(os.environ, KERAS_DISTRIBUTE_PRELOAD="kd_tempdir",
+               PYTHONPATH=os.pathsep.join(
+                   [str(tmp_path), str(ROOT),
+                    os.environ.get("PYTHONPATH", "")]))
+    env.pop("KERAS_DISTRIBUTE_START_METHOD", None)
+    run = subprocess.run(
+        [sys.executable, "program.py", "tmpdir", str(first), str(second)],
+        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert f"TEMPORARY {first} {second}" in run.stdout, run.stdout

@@ -93,6 +93,7 @@ def _worker(payload: bytes, rank: int, world_size: int, port: int,
     if os.environ.get("PYTHONFAULTHANDLER") and not faulthandler.is_enabled():
         faulthandler.enable()  # (read at start-up only; this one started)
     try:
+        starting.raise_preload_failure()
         import cloudpickle
 
         fn, args = cloudpickle.loads(payload)
@@ -218,8 +219,9 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
                 except OSError:
                     pass
 
-    for process in processes:
-        process.start()
+    with starting.server_start_environment(timeout):
+        for process in processes:
+            process.start()
     with SignalForwarder(send) as forwarder:
         try:
             return _collect(processes, results, timeout, forwarder)

@@ -44,14 +44,18 @@ Imports: `multiprocessing`, the standard library.
 """
 
 import atexit
+import contextlib
 import importlib.util
 import multiprocessing
 import os
 import signal
 import sys
+import tempfile
+import time
 from multiprocessing import reduction
 from typing import Any
 from typing import Dict
+from typing import Iterator
 from typing import Mapping
 from typing import Optional
 from typing import Tuple
@@ -64,8 +68,13 @@ START_METHODS = ("forkserver", "spawn")
 PRELOADED_MODULES = ("__main__", "keras", "keras_distribute")
 
 # More modules for the fork server to import after those (comma-separated
-# names), read when the first launch starts it.
+# names), read when the first launch starts it; imported by `_PRELOADER`.
 PRELOAD_VARIABLE = "KERAS_DISTRIBUTE_PRELOAD"
+_PRELOADER = "keras_distribute.launch.preload"
+# When those imports must have ended (seconds since the epoch): the
+# launch's deadline, in the environment the fork server starts with only
+# (`server_start_environment`).
+PRELOAD_DEADLINE_VARIABLE = "KERAS_DISTRIBUTE_PRELOAD_DEADLINE"
 
 # Variables that Keras, the frameworks and their native libraries read as
 # they are imported: a change since the server started makes its imports
@@ -170,8 +179,10 @@ def start_method() -> str:
 
 def _imports_are_stale(started_with: Dict[str, str]) -> bool:
     """Whether a variable imports read differs from the server's start,
-    beyond those that an import set since (`SET_BY_IMPORTS`)."""
+    beyond those that an import set since (`SET_BY_IMPORTS`), or the
+    modules `KERAS_DISTRIBUTE_PRELOAD` names do."""
     now = import_time_env()
+    now[PRELOAD_VARIABLE] = os.environ.get(PRELOAD_VARIABLE, "")
     changed = {name for name in set(started_with) | set(now)
                if started_with.get(name) != now.get(name)}
     return bool(changed - (SET_BY_IMPORTS - set(started_with)))
@@ -272,9 +283,40 @@ def context_for_launch() -> Tuple[Any, bool]:
     method = start_method()
     context = multiprocessing.get_context(method)
     if method == "forkserver" and _server["import_env"] is None:
-        context.set_forkserver_preload(list(preloaded_modules()))
-        _server["import_env"] = import_time_env()
+        modules = preloaded_modules()
+        if len(modules) > len(PRELOADED_MODULES):
+            # (the named ones through `preload`: each bounded, its failure
+            # kept for the launched processes to raise)
+            modules = PRELOADED_MODULES + (_PRELOADER,)
+        context.set_forkserver_preload(list(modules))
+        started_with = import_time_env()
+        started_with[PRELOAD_VARIABLE] = os.environ.get(PRELOAD_VARIABLE, "")
+        _server["import_env"] = started_with
     return context, method == "forkserver"
+
+
+@contextlib.contextmanager
+def server_start_environment(timeout: float) -> Iterator[None]:
+    """Around a launch's first process starts: the fork server, if this
+    starts it, ends the imports `KERAS_DISTRIBUTE_PRELOAD` names by the
+    launch's deadline (`timeout` seconds from now). The variable is in this
+    process's environment only while the processes start (a forked process
+    takes the launcher's environment from before, `launcher_state`)."""
+    deadline = repr(time.time() + float(timeout))  # (the server: this host)
+    os.environ[PRELOAD_DEADLINE_VARIABLE] = deadline
+    try:
+        yield
+    finally:
+        if os.environ.get(PRELOAD_DEADLINE_VARIABLE) == deadline:
+            del os.environ[PRELOAD_DEADLINE_VARIABLE]
+
+
+def raise_preload_failure() -> None:
+    """In a launched process: raises `ImportError` naming the module that
+    the fork server it was forked from could not import (`preload`)."""
+    loaded = sys.modules.get(_PRELOADER)
+    if loaded is not None:
+        loaded.raise_failure()
 
 
 class InheritedStream:
@@ -329,6 +371,10 @@ def become_launched(state: Optional[Dict[str, Any]]) -> None:
         return
     os.environ.clear()
     os.environ.update(state["environ"])
+    # `tempfile` fixed its directory from the server's environment (an
+    # import there asked for it): found again from this one (TMPDIR), as
+    # a spawned process finds it.
+    tempfile.tempdir = None
     for source, target in zip(state["streams"], (1, 2)):
         if source is not None:
             os.dup2(source, target)
