@@ -88,11 +88,22 @@ def test_backup_and_restore_resumes_mid_epoch_to_the_same_weights(
     np.random.seed(123)
     model = make_model(in_scope)
     stopper = keras.callbacks.EarlyStopping("loss", patience=50)
+    seen = {"begin": [], "end": []}
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen["begin"].append(batch),
+        on_train_batch_end=lambda batch, logs: seen["end"].append(
+            (batch, sorted(logs or {}))))
     resumed = fit(model, [kd.callbacks.BackupAndRestore(
-        backup_dir, save_freq=save_freq), stopper])
+        backup_dir, save_freq=save_freq), stopper, counter])
     for a, b in zip(expected, state(model)):
         np.testing.assert_array_equal(a, b)
     assert stopper.best == expected_best
+    # The batches skipped (trained on before the interruption) reach no
+    # callback: epoch 1 from the backup's batch on, then all of epoch 2.
+    batches = list(range(backup_batch, 6)) + list(range(6))
+    assert seen["begin"] == batches
+    assert [batch for batch, _ in seen["end"]] == batches
+    assert all(keys for _, keys in seen["end"])  # (real logs, never {})
     assert len(resumed.history["loss"]) == 2  # epochs 1 and 2 ran
     np.testing.assert_allclose(resumed.history["loss"],
                                reference.history["loss"][1:], rtol=1e-6)

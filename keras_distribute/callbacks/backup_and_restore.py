@@ -197,7 +197,9 @@ class BackupAndRestore(TrainingStateCallback):
                 self._restore_epoch_metrics()
                 integration_training.skip_train_steps(
                     self.model, skip, lambda: restore_rng(resume["rng"]),
-                    on_first_batch=self._metrics_builder())
+                    on_first_batch=self._metrics_builder(),
+                    callback_list=integration_training.calling_callback_list(
+                        self))
         super().on_epoch_begin(epoch, logs)
         if resume is not None and resume.get("step"):
             # The epoch restarted mid-way: its step count goes on from there.

@@ -119,17 +119,23 @@ def calling_callback_list(callback: Any) -> Optional[Any]:
 
 
 def skip_train_steps(model: Model, count: int, when_done: Callable,
-                     on_first_batch: Optional[Callable] = None) -> None:
+                     on_first_batch: Optional[Callable] = None,
+                     callback_list: Optional[Any] = None) -> None:
     """Makes the next `count` train steps consume their batch and do nothing.
 
     Those batches were trained on before the interruption; the restored
     state already includes them. `on_first_batch(batch)` is called with the
-    first batch taken (e.g. to build what needs a batch's shapes).
+    first batch taken (e.g. to build what needs a batch's shapes). The
+    `callback_list` fit dispatches through hands the skipped batches to no
+    callback's `on_train_batch_begin` / `on_train_batch_end` (a callback
+    that counts batches would count them twice).
     """
     original = model.train_function
     remaining = [count]
     first = [on_first_batch]
     steps_per_call = max(1, int(getattr(model, "steps_per_execution", 1)))
+    if callback_list is not None:
+        _hide_batches_until(callback_list, lambda: remaining[0] <= 0)
 
     def skip(*args):
         data = args[-1]
@@ -155,3 +161,20 @@ def skip_train_steps(model: Model, count: int, when_done: Callable,
 
 
 _END = object()
+
+
+def _hide_batches_until(callback_list: Any,
+                        finished: Callable[[], bool]) -> None:
+    """`callback_list` dispatches no train batch until `finished()` is true
+    at a batch's end (that batch hidden too); then Keras' own methods
+    dispatch again (the instance's stand-ins removed)."""
+    def on_train_batch_begin(batch: Any, logs: Any = None) -> None:
+        return None  # (a batch trained on before the interruption)
+
+    def on_train_batch_end(batch: Any, logs: Any = None) -> None:
+        if finished():
+            del callback_list.on_train_batch_begin
+            del callback_list.on_train_batch_end
+
+    callback_list.on_train_batch_begin = on_train_batch_begin
+    callback_list.on_train_batch_end = on_train_batch_end
