@@ -221,3 +221,57 @@ def test_an_unreadable_lease_file_is_not_taken_for_ours(tmp_path):
     manager = _manager(tmp_path)
     assert lease.holder(str(tmp_path))["pid"] == os.getpid()
     manager.close()
+
+
+UNWRITABLE_PROGRAM = """
+import sys
+import keras
+import keras_distribute as kd
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+try:
+    kd.checkpoint.CheckpointManager(checkpoint, sys.argv[1], max_to_keep=2)
+except Exception as error:
+    print("RAISED", type(error).__name__, error)
+"""
+
+
+def test_a_directory_this_process_cannot_write_is_named_as_such():
+    # Run as an unprivileged user (root writes anywhere): the manager's
+    # lease cannot be made, and the error says so - not a lease "held".
+    import shutil
+    import tempfile
+
+    if BACKEND != "torch":
+        pytest.skip("the lease takes no framework: run once, on torch")
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as an unprivileged user")
+    # (a directory of its own that the unprivileged user can reach: the
+    # test's tmp_path lies under pytest's directory, private to root)
+    place = tempfile.mkdtemp(prefix="kd-unwritable-")
+    try:
+        os.chmod(place, 0o755)
+        directory = os.path.join(place, "read-only")
+        os.mkdir(directory, 0o555)
+        os.chmod(directory, 0o555)
+        program = os.path.join(place, "program.py")
+        with open(program, "w") as file:
+            file.write(UNWRITABLE_PROGRAM)
+        os.chmod(program, 0o644)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, HOME=place, KERAS_HOME=place,
+                   PYTHONPATH=os.pathsep.join([root, os.environ.get(
+                       "PYTHONPATH", "")]), PYTHONDONTWRITEBYTECODE="1")
+        for variable in ("JAX_COMPILATION_CACHE_DIR", "TMPDIR"):
+            env.pop(variable, None)
+        run = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, program, directory], env=env, cwd=place,
+            capture_output=True, text=True, timeout=240)
+        assert "RAISED PermissionError The checkpoint directory" in (
+            run.stdout), run.stdout + run.stderr[-3000:]
+        assert "cannot be written by this process" in run.stdout
+        assert os.listdir(directory) == []  # nothing written
+    finally:
+        shutil.rmtree(place)

@@ -85,6 +85,8 @@ class CheckpointManager:
             `step_counter`, a bad `best_metric` or `best_mode`, or
             `keep_every_n_steps` with `best_metric` (it keeps by age).
         DirectoryInUseError: another live job saves into `directory`.
+        PermissionError: `directory` cannot be written by this process
+            (its lease cannot be made there), in every process of the job.
 
     Example:
 
@@ -216,16 +218,29 @@ class CheckpointManager:
             except lease.DirectoryInUseError as error:
                 refusal = str(error)
         elif self._is_chief:
-            os.makedirs(self.directory, exist_ok=True)
             try:
+                os.makedirs(self.directory, exist_ok=True)
                 path = lease.take(self.directory)
                 self._lease = lease.release_when_collected(self, path)
             except lease.DirectoryInUseError as error:
                 refusal = str(error)
+            except OSError as error:  # (every process raises it: below)
+                refusal = _UNWRITABLE + self._unwritable(error)
         if engine.process_count > 1:
             refusal = engine.broadcast_text(refusal)
+        if refusal.startswith(_UNWRITABLE):
+            raise PermissionError(refusal[len(_UNWRITABLE):])
         if refusal:
             raise lease.DirectoryInUseError(refusal)
+
+    def _unwritable(self, error: OSError) -> str:
+        return (f"The checkpoint directory {self.directory!r} cannot be "
+                f"written by this process ({type(error).__name__}: "
+                f"{error.strerror or error}): its lease "
+                f"({lease.LEASE}) could not be made there. Nothing was "
+                "written. Give the job a directory it can write (check its "
+                "owner, permissions and whether its file system is "
+                "read-only).")
 
     def close(self) -> None:
         """Waits for a background save, then lets go of the directory's
@@ -545,6 +560,10 @@ class CheckpointManager:
         if self.step_counter is not None:
             self._last_saved_step = int(self.step_counter)
         return latest
+
+
+# The first word of a refusal broadcast from process 0 that is no lease's.
+_UNWRITABLE = "unwritable:"
 
 
 def _number(path: str) -> int:
