@@ -130,6 +130,14 @@ def test_the_guides_metrics_and_test_step_are_global(user_step_runs):
     np.testing.assert_allclose(rank0["guide"]["history"]["mae"],
                                reference["guide"]["history"]["mae"],
                                rtol=1e-5)
+    # The same fit with no reader of per-batch logs: its history is global
+    # too (the step's nested `compile_metrics` log had kept Keras from
+    # taking the metrics' results at the epoch's end: each process's own).
+    for rank in (rank0, rank1):
+        np.testing.assert_allclose(rank["guide_quiet"]["history"]["mae"],
+                                   reference["guide_quiet"]["history"]["mae"],
+                                   rtol=1e-5)
+    assert rank0["guide_quiet"]["history"] == rank1["guide_quiet"]["history"]
     # The custom test_step returns the loss itself: the last batch's,
     # global (rows-weighted over the processes), not one process's.
     np.testing.assert_allclose(rank0["guide"]["evaluate"],

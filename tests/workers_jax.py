@@ -384,3 +384,65 @@ def own_jitted_loop_then_save(directory):
     out["whole_batch"] = os.path.basename(manager.save())
     out["weights"] = model.get_weights()
     return out
+
+
+def divergence_in_every_region():
+    """2 processes x 2 devices, a (2, 2) mesh: kernels sharded over the
+    model axis (each process holds every piece of its replica), Adam's
+    slots alike. Process 1 changes one region of one variable at a time
+    (every copy of it it holds: its own replicas agree) and the check runs
+    in both: `[(variable, region, the variable the check named)]`."""
+    _jax_process()
+    import jax
+    import keras
+
+    import keras_distribute as kd
+
+    rank = int(os.environ["RANK"])
+    kd.MultiWorkerMirroredStrategy(  # (the job first: then its devices)
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*big/kernel"] = (None, "model")
+    layout_map[".*down/kernel"] = ("model", None)
+    strategy = kd.MultiWorkerMirroredStrategy(
+        layout_map=layout_map,
+        communication_options=kd.CommunicationOptions(timeout_seconds=60))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)),
+                                  keras.layers.Dense(32, name="big"),
+                                  keras.layers.Dense(4, name="down")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    model.fit(x, x[:, :4], batch_size=8, epochs=1, verbose=0)
+    strategy.check_replicas_agree(model)  # no error
+
+    def region_of(shard, shape):
+        return tuple((index.start or 0,
+                      size if index.stop is None else index.stop)
+                     for index, size in zip(shard.index, shape))
+
+    found = []
+    variables = list(model.trainable_variables) + list(
+        model.optimizer.variables)
+    for variable in variables:
+        value = variable.value
+        regions = sorted({region_of(s, value.shape)
+                          for s in value.addressable_shards})
+        for target in regions:
+            if rank == 1:
+                shards = [jax.device_put(
+                    np.asarray(s.data) + (region_of(s, value.shape)
+                                          == target), s.device)
+                    for s in value.addressable_shards]
+                variable._value = jax.make_array_from_single_device_arrays(
+                    value.shape, value.sharding, shards)
+            try:
+                strategy.check_replicas_agree(model)
+                named = None
+            except kd.ReplicasDivergedError as raised:
+                named = raised.variable
+            variable._value = value
+            found.append((variable.path, target, named))
+    return found

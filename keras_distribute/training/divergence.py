@@ -7,8 +7,9 @@ every process fingerprints each copy it holds of the model's trainable
 variables and of its optimizer's variables (a 63-bit xxh3 digest of the
 bytes), copies of one region are compared within the process (the replicas
 of one process: JAX's devices, TensorFlow's mirrored copies) and copies of
-one region across processes (whole copies, and the pieces of a sharded
-variable that several processes hold; one small all-gather). A difference raises
+one region across processes (whole copies, and every piece of a sharded
+variable that several processes hold; keys and digests exactly, as 21-bit
+pieces, through two small all-gathers). A difference raises
 `kd.ReplicasDivergedError` in every process alike, naming the first variable
 that differs and the likely causes; `set_divergence_check("warn")` (or
 `KERAS_DISTRIBUTE_DIVERGENCE_CHECK=warn`) warns instead, `"off"` skips it.
@@ -32,7 +33,6 @@ from typing import Tuple
 import numpy as np
 
 from keras_distribute.backend.interface import ReplicaEngine
-from keras_distribute.backend.interface import whole_region
 from keras_distribute.common.errors import ReplicasDivergedError
 
 if TYPE_CHECKING:
@@ -117,16 +117,14 @@ def _region_key(region: tuple) -> int:
 
 def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]],
                   within_process: bool = True
-                  ) -> Tuple[np.ndarray, np.ndarray, int]:
-    """`(region keys, digests, index of the first variable whose copies
-    differ inside this process (-1: none))`: for each variable, the key and
-    digest of one region this process holds — its whole copy, else its
-    first piece in region order (a sharded variable: processes holding the
-    same piece compare it) — or -1 and -1 when it holds none.
-    `within_process=False` reads one copy of each region (the comparison
-    across processes only)."""
-    keys = np.full(len(named), -1, np.int64)
-    digests = np.full(len(named), -1, np.int64)
+                  ) -> Tuple[List[Tuple[int, int, int]], int]:
+    """`([(variable index, region key, digest)], index of the first
+    variable whose copies differ inside this process (-1: none))`: one row
+    for every region this process holds of every variable (its whole copy,
+    or each piece of a sharded one: processes holding the same piece
+    compare it). `within_process=False` reads one copy of each region (the
+    comparison across processes only)."""
+    rows = []
     local_difference = -1
     for index, (_, variable) in enumerate(named):
         seen, differ = copy_digests(engine, variable,
@@ -138,15 +136,52 @@ def _fingerprints(engine: ReplicaEngine, named: Sequence[Tuple[str, Any]],
             # iteration count run on some replicas only, now fixed in
             # integration/tf_hooks.py.)
             seen, differ = copy_digests(engine, variable,
-                                    every_copy=within_process)
+                                        every_copy=within_process)
         if differ and local_difference < 0:
             local_difference = index
-        if seen:
-            whole = tuple(whole_region(tuple(variable.shape)))
-            region = whole if whole in seen else min(seen)
-            keys[index] = _region_key(region)
-            digests[index] = seen[region]
-    return keys, digests, local_difference
+        rows += [(index, _region_key(region), digest)
+                 for region, digest in sorted(seen.items())]
+    return rows, local_difference
+
+
+# 63-bit keys and digests cross the processes as three 21-bit pieces in
+# int32 (JAX without 64-bit types truncates int64 to int32: keys read as
+# negative, digests compared on their low half, divergences unseen).
+_PIECE_BITS = 21
+_PIECES = 3
+
+
+def _in_pieces(values: Sequence[int]) -> List[int]:
+    mask = (1 << _PIECE_BITS) - 1
+    return [(value >> (_PIECE_BITS * piece)) & mask
+            for value in values for piece in range(_PIECES)]
+
+
+def _from_pieces(pieces: Sequence[int]) -> int:
+    return sum(int(piece) << (_PIECE_BITS * position)
+               for position, piece in enumerate(pieces))
+
+
+def _gathered_rows(engine: ReplicaEngine, rows: List[Tuple[int, int, int]],
+                   local: int) -> Tuple[List[int], List[List[Tuple]]]:
+    """Every process's `local` and rows (a collective): the rows padded to
+    the longest process's, as int32 pieces, decoded exactly."""
+    longest = int(np.max(np.asarray(engine.process_all_gather(
+        np.array([len(rows)], np.int32)))))
+    width = 1 + 2 * _PIECES
+    table = np.full((longest, width), -1, np.int32)
+    for position, (index, key, digest) in enumerate(rows):
+        table[position] = [index] + _in_pieces([key, digest])
+    everyone = np.asarray(engine.process_all_gather(
+        np.concatenate([[local], table.reshape(-1)]).astype(np.int32)))
+    locals_ = everyone[:, 0].tolist()
+    by_process = []
+    for gathered in everyone[:, 1:].reshape(len(everyone), longest, width):
+        by_process.append([
+            (int(row[0]), _from_pieces(row[1:1 + _PIECES]),
+             _from_pieces(row[1 + _PIECES:])) for row in gathered.tolist()
+            if row[0] >= 0])
+    return locals_, by_process
 
 
 def copy_digests(engine: ReplicaEngine, variable: Any,
@@ -194,17 +229,20 @@ def find_divergence(engine: ReplicaEngine,
         its copies differ.
     """
     counts = np.asarray(engine.process_all_gather(
-        np.array([len(named)], np.int64)))[:, 0]
+        np.array([len(named)], np.int32)))[:, 0]
     if len(set(counts.tolist())) > 1:
         return ("(the variable lists)",
                 "the processes hold different numbers of trainable and "
                 f"optimizer variables: {counts.tolist()} by process")
-    keys, digests, local = _fingerprints(engine, named, within_process)
-    everyone = np.asarray(engine.process_all_gather(
-        np.concatenate([[local], keys, digests]).astype(np.int64)))
-    locals_ = everyone[:, 0].tolist()
-    key_table = everyone[:, 1:1 + len(named)]
-    digest_table = everyone[:, 1 + len(named):]
+    rows, local = _fingerprints(engine, named, within_process)
+    locals_, by_process = _gathered_rows(engine, rows, local)
+    first_holder: dict = {}  # (variable, region key) -> (process, digest)
+    differ: dict = {}  # variable index -> (first process, other process)
+    for process, process_rows in enumerate(by_process):
+        for index, key, digest in process_rows:
+            holder = first_holder.setdefault((index, key), (process, digest))
+            if holder[1] != digest:
+                differ.setdefault(index, (holder[0], process))
     for index, (name, _) in enumerate(named):
         if index in locals_:
             process = locals_.index(index)
@@ -212,16 +250,9 @@ def find_divergence(engine: ReplicaEngine,
                       if process == engine.process_id else "")
             return name, (f"between the replicas of process {process}"
                           f"{values}")
-        first_holder: dict = {}  # region key -> (process, digest)
-        for process, (key, digest) in enumerate(
-                zip(key_table[:, index].tolist(),
-                    digest_table[:, index].tolist())):
-            if key < 0:
-                continue
-            holder = first_holder.setdefault(key, (process, digest))
-            if holder[1] != digest:
-                return name, (f"between process {holder[0]} and process "
-                              f"{process}")
+        if index in differ:
+            first, other = differ[index]
+            return name, f"between process {first} and process {other}"
     return None
 
 

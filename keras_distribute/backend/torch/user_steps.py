@@ -266,7 +266,11 @@ def wrap_step_function(engine: TorchEngine, model: Model,
             _open -= 1
             _state.session = previous
         if is_train and not engine.sync_metrics_each_step:
-            return logs
+            # Flat, as Keras shows them: at the epoch's end Keras takes
+            # the metrics' (global) results where the keys are theirs; a
+            # nested `compile_metrics` log never matched (each process's
+            # own results were logged).
+            return _flattened(logs) if isinstance(logs, dict) else logs
         return session.global_logs(logs)
 
     step._kd_user_step = True  # type: ignore[attr-defined]
