@@ -803,3 +803,47 @@ def test_checkpoint_numbers_of_any_size_order_exactly_on_s3(prefix):
     assert kd.checkpoint.checkpoints_in(prefix) == saved
     assert again.save() == f"{prefix}/ckpt-{timestamp + 2}"
     again.close()
+
+
+def test_a_store_that_fails_mid_resume_is_named_and_the_backup_kept(
+        prefix, monkeypatch):
+    # #72.4b: a store resetting ranged reads during a BackupAndRestore
+    # resume was taken for corruption: the intact backup was moved aside
+    # as `.corrupt` and the job trained from epoch 0. A network failure
+    # that outlasts the retries is raised as what it is, and nothing of
+    # the backups is moved; once the store answers, the resume works.
+    import test_checkpoint_callbacks as on_disk
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    backup_dir = prefix + "/backup"
+    model = on_disk.make_model()
+    reference = on_disk.fit(model, [])
+    model = on_disk.make_model()
+    with pytest.raises(on_disk.Interrupt):
+        on_disk.fit(model, [kd.callbacks.BackupAndRestore(backup_dir),
+                            on_disk.InterruptAt(15)])
+    store = object_store.store_for(backup_dir)
+    before = sorted(store.files_under(backup_dir))
+    original = store.fs.cat_file
+
+    def reset_shard_reads(key, *args, **kwargs):
+        if key.endswith(".h5"):  # (the index reads; the shards' ranges not)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return original(key, *args, **kwargs)
+
+    monkeypatch.setattr(object_store, "_BACKOFF_S", 0.01)
+    monkeypatch.setattr(store.fs, "cat_file", reset_shard_reads)
+    with pytest.raises(kd.checkpoint.CheckpointStorageError,
+                       match=r"Reading s3://.*\.h5 failed 4 times.*"
+                       "Connection reset by peer.*store did not answer"):
+        on_disk.fit(on_disk.make_model(),
+                    [kd.callbacks.BackupAndRestore(backup_dir)])
+    monkeypatch.setattr(store.fs, "cat_file", original)
+    assert sorted(store.files_under(backup_dir)) == before  # all kept
+    assert not [n for n in store.children(backup_dir) if "corrupt" in n]
+    resumed = on_disk.fit(on_disk.make_model(),
+                          [kd.callbacks.BackupAndRestore(backup_dir)])
+    assert len(resumed.history["loss"]) == 1  # only epoch 2 was left
+    np.testing.assert_allclose(resumed.history["loss"],
+                               reference.history["loss"][2:], rtol=1e-6)

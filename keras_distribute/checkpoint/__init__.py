@@ -39,9 +39,11 @@ from keras_distribute.checkpoint.storage.committed import load_variable
 from keras_distribute.checkpoint.storage.committed import read_metadata
 from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
+from keras_distribute.checkpoint.storage.format import CheckpointStorageError
 from keras_distribute.checkpoint.storage.lease import DirectoryInUseError
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError",
+           "CheckpointStorageError",
            "CheckpointOptions", "CheckpointReader", "DirectoryInUseError",
            "InitializationOnlyStatus", "LoadStatus",
            "ShardedCheckpoint", "checkpoints_in", "export_weights",

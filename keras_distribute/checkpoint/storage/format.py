@@ -67,6 +67,13 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unfinished, corrupt or does not fit."""
 
 
+class CheckpointStorageError(OSError):
+    """The store holding a checkpoint did not answer (a network error that
+    outlasted the retries). Not corruption: the checkpoint's bytes were
+    never read, so it may be intact; nothing is moved aside or deleted
+    because of it. Try again once the store answers."""
+
+
 class CheckpointMismatchError(CheckpointError):
     """An intact checkpoint that does not fit the objects restored into it
     (another architecture: a variable's shape differs). Not corruption:

@@ -27,6 +27,8 @@ from typing import Dict
 from typing import List
 from typing import Tuple
 
+from keras_distribute.checkpoint.storage.format import CheckpointStorageError
+
 # scheme -> (the fsspec package serving it, the extra that installs it)
 REMOTE_SCHEMES: Dict[str, Tuple[str, str]] = {
     "s3": ("s3fs", "s3"),
@@ -177,7 +179,8 @@ class Store:
         times) when the network or the server fails.
 
         Raises:
-            OSError: the last failure, naming `what`.
+            CheckpointStorageError: the network or the server failed every
+                try (naming `what`; an `OSError`).
         """
         for attempt in range(_TRIES):
             try:
@@ -185,9 +188,12 @@ class Store:
             except Exception as error:  # noqa: BLE001 - sorted below
                 if not _retryable(error) or attempt == _TRIES - 1:
                     if _retryable(error):
-                        raise OSError(
+                        raise CheckpointStorageError(
                             f"{what} failed {_TRIES} times; the last error: "
-                            f"{type(error).__name__}: {error}") from error
+                            f"{type(error).__name__}: {error}. The "
+                            f"{self.scheme}:// store did not answer: check "
+                            "the network and the endpoint, then try again "
+                            "(what it holds was not changed).") from error
                     raise
                 time.sleep(_BACKOFF_S * (2 ** attempt)
                            * (0.5 + _JITTER.random()))

@@ -36,6 +36,7 @@ from keras_distribute.checkpoint.storage import validation
 from keras_distribute.checkpoint.storage.format import CHECKSUM_FIELDS
 from keras_distribute.checkpoint.storage.format import INDEX
 from keras_distribute.checkpoint.storage.format import CheckpointError
+from keras_distribute.checkpoint.storage.format import CheckpointStorageError
 from keras_distribute.checkpoint.storage.format import Slice
 from keras_distribute.checkpoint.storage.format import load_index_json
 from keras_distribute.checkpoint.storage.format import new_digest
@@ -496,9 +497,17 @@ def _read_verified(path: str, piece: dict, stored: _Stored, dtype: np.dtype,
                 data.reshape(-1).view(np.uint8)))
         elif data.nbytes and descriptor is not None:
             parallel_io.read_at(descriptor, data, stored.offset)
-    except CheckpointError:
+    except (CheckpointError, CheckpointStorageError):
         raise
     except Exception as error:  # OSError, EOFError; h5py's
+        if stored.remote is not None:  # (its bytes never arrived)
+            raise CheckpointStorageError(
+                f"Reading {piece['dataset']!r} of "
+                f"{stored.remote.url(piece['file'])!r} from its store "
+                f"failed ({type(error).__name__}: {str(error)[:200]}): the "
+                "store did not answer; the checkpoint was not found corrupt. "
+                "Check the network and the endpoint, then try again.") from (
+                    error)
         raise CheckpointError(
             f"The shard file {full!r} (entry {piece['dataset']!r}) is "
             f"truncated or corrupt ({type(error).__name__}: "

@@ -82,6 +82,10 @@ class RemoteShardFiles:
             "concurrent.futures.Future[bytes]", int]] = {}
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
+    def url(self, name: str) -> str:
+        """Where file `name` of the checkpoint lies in the store."""
+        return self._key(name)
+
     def _key(self, name: str) -> str:
         if name not in self._sizes:
             raise CheckpointError(
