@@ -286,6 +286,9 @@ class RemoteFiles(Protocol):
     def release(self) -> None:
         """Drops what the reads kept in memory (a restore ended)."""
 
+    def url(self, name: str) -> str:
+        """Where file `name` lies in the store."""
+
 
 # Local copies of checkpoints in object storage: real directory -> files.
 _remote: Dict[str, RemoteFiles] = {}
