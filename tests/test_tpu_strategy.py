@@ -255,3 +255,50 @@ def test_a_large_sharded_variable_is_born_as_its_shards(monkeypatch):
     assert {s.data.shape for s in big.addressable_shards} == {(1024, 512)}
     for a, b in zip(reference.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+class _Branching(keras.initializers.Initializer):
+    """Branches in Python on a value it drew: cannot be traced."""
+
+    def __call__(self, shape, dtype=None):
+        drawn = keras.random.normal(shape, seed=1, dtype=dtype)
+        return drawn if float(keras.ops.mean(drawn)) > 0 else -drawn
+
+
+class _ThroughNumpy(keras.initializers.Initializer):
+    """Converts a draw to NumPy: cannot be traced."""
+
+    def __call__(self, shape, dtype=None):
+        drawn = np.asarray(keras.random.uniform(shape, seed=2, dtype=dtype))
+        return keras.ops.convert_to_tensor(drawn * 2.0)
+
+
+@pytest.mark.parametrize("initializer", [_Branching, _ThroughNumpy])
+def test_an_initializer_that_cannot_be_traced_is_made_whole_then_cut(
+        initializer):
+    # #72.12: kd's born-sharded rule jits the initializer with the layout's
+    # out_shardings; one that branches on a drawn value or reads it as
+    # NumPy failed there (ConcretizationTypeError,
+    # TracerArrayConversionError) where Keras' ModelParallel makes it whole
+    # and cuts it. kd then does the same: the values equal an unsharded
+    # model's, laid out as the map says.
+    import jax
+    from keras.distribution import DeviceMesh
+    from keras.distribution import LayoutMap
+
+    def make():
+        return keras.Sequential([
+            keras.Input((1024,)),
+            keras.layers.Dense(2048, name="big",
+                               kernel_initializer=initializer())])
+
+    reference = make()
+    layout_map = LayoutMap(DeviceMesh((2, 4), ["batch", "model"],
+                                      jax.devices()))
+    layout_map[".*big/kernel"] = (None, "model")
+    with kd.MirroredStrategy(layout_map=layout_map).scope():
+        model = make()
+    big = model.get_layer("big").kernel.value
+    assert {s.data.shape for s in big.addressable_shards} == {(1024, 512)}
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

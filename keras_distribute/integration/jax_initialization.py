@@ -17,6 +17,13 @@ initializer has an int seed, and process 0's seed is broadcast first (one
 small collective) and given to a copy of the initializer (the layer's own
 keeps its seed); or its initializer draws nothing (zeros, ones, a
 constant). Any other initializer keeps the whole value and the broadcast.
+
+An initializer that cannot be traced (one that branches on a drawn value,
+`float(x) > 0`, or converts a draw to NumPy) fails under `jax.jit`; where
+kd's rule (not Keras' own, from 250 MB x devices) chose to make it as its
+shards, it is made again as Keras' `ModelParallel` makes it below that
+size: whole on one device, then cut. That costs the whole variable's
+bytes on one device for a moment (`_whole_if_not_traceable`).
 """
 
 import contextvars
@@ -44,9 +51,10 @@ def born_sharded(should_shard_at_init: Callable,
             return True
         import jax
 
-        if (jax.process_count() > 1 and not _SAME_IN_EVERY_PROCESS.get()) or (
-                not getattr(current_distribution(),
-                            "_kd_strategy_distribution", False)):
+        if _WHOLE_FIRST.get() or not getattr(
+                current_distribution(), "_kd_strategy_distribution", False):
+            return False
+        if jax.process_count() > 1 and not _SAME_IN_EVERY_PROCESS.get():
             return False
         return _large_and_sharded(init_layout, shape)
 
@@ -71,6 +79,33 @@ def _large_and_sharded(init_layout: Any, shape: Any) -> bool:
 _SAME_IN_EVERY_PROCESS = contextvars.ContextVar(
     "kd_same_in_every_process", default=False)
 
+# Set while a variable whose initializer could not be traced is made again
+# whole, then cut (`_whole_if_not_traceable`): `born_sharded` leaves it to
+# Keras' own rule.
+_WHOLE_FIRST = contextvars.ContextVar("kd_whole_first", default=False)
+
+
+def _whole_if_not_traceable(initialize: Callable[[], Any]) -> Any:
+    """`initialize()`; if the initializer cannot be traced under `jax.jit`
+    (a Python branch on a drawn value, a draw converted to NumPy), once
+    more with kd's born-sharded rule off: the value made whole, then cut."""
+    import jax
+
+    untraceable = (jax.errors.ConcretizationTypeError,
+                   jax.errors.TracerArrayConversionError,
+                   jax.errors.TracerIntegerConversionError)
+    try:
+        return initialize()
+    except untraceable:
+        if _WHOLE_FIRST.get():
+            raise
+    token = _WHOLE_FIRST.set(True)
+    try:
+        return initialize()
+    finally:
+        _WHOLE_FIRST.reset(token)
+
+
 # Keras' initializers that draw no random numbers.
 _DRAWING_NOTHING = ("Zeros", "Ones", "Constant")
 
@@ -87,8 +122,9 @@ def seed_of_process_zero(initialize_with_initializer: Callable,
         import jax
 
         def keras_own() -> Any:
-            return initialize_with_initializer(self, initializer, *args,
-                                               **kwargs)
+            return _whole_if_not_traceable(
+                lambda: initialize_with_initializer(self, initializer, *args,
+                                                    **kwargs))
 
         if jax.process_count() <= 1 or not getattr(
                 current_distribution(), "_kd_strategy_distribution", False):
@@ -119,7 +155,9 @@ def seed_of_process_zero(initialize_with_initializer: Callable,
             return keras_own()
         token = _SAME_IN_EVERY_PROCESS.set(True)
         try:
-            return initialize_with_initializer(self, chosen, *args, **kwargs)
+            return _whole_if_not_traceable(
+                lambda: initialize_with_initializer(self, chosen, *args,
+                                                    **kwargs))
         finally:
             _SAME_IN_EVERY_PROCESS.reset(token)
 
