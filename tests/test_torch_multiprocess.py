@@ -772,6 +772,19 @@ def test_every_keras_optimizer_trains_fully_sharded_like_one_process():
                 np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_the_processes_of_one_replica_draw_the_same_dropout_masks():
+    # #72.10: keras-io's guide under a (1, 2) mesh with no seed set: the
+    # two processes of the one model replica drew their own dropout masks
+    # (torch's global generator), the replicated d2/kernel diverged and the
+    # guard stopped fit after the first epoch.
+    results = kd.launch(workers.guide_model_parallel_unseeded,
+                        num_processes=2, timeout=TIMEOUT)
+    for result in results:
+        assert result["error"] is None, result["error"]
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_large_sharded_variable_is_born_as_its_shards():
     # #45.3 on torch: each process draws only its half of the 4 MiB
     # kernel (in chunks of 65,536 values), from process 0's seed although

@@ -1595,3 +1595,43 @@ def gloo_collective_staging(rows=4096):
                           "result": result.numel() * 4}
         del result
     return measured
+
+
+def guide_model_parallel_unseeded(processes_per_replica=2):
+    """keras-io's "Distributed training with Keras 3" model under
+    `kd.MirroredStrategy(layout_map=...)`: d1 sharded over the model axis,
+    a Dropout after it, no Keras seed set (each process's torch generator
+    its own). Returns the weights after fit and whether fit raised."""
+    _setup()
+    import keras
+    import torch
+
+    import keras_distribute as kd
+
+    world = int(os.environ["WORLD_SIZE"])
+    # Each process's torch generator its own, as after any draw one rank
+    # makes alone, or a script's `torch.manual_seed(seed + rank)`.
+    torch.manual_seed(1000 + int(os.environ["RANK"]))
+    mesh = keras.distribution.DeviceMesh(
+        (world // processes_per_replica, processes_per_replica),
+        ["batch", "model"], devices=[f"cpu:{r}" for r in range(world)])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, activation="relu", name="d1")(inputs)
+        hidden = keras.layers.Dropout(0.5)(hidden)
+        outputs = keras.layers.Dense(4, name="d2")(hidden)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.normal(size=(64, 4)).astype("float32")
+    try:
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        error = None
+    except kd.ReplicasDivergedError as raised:
+        error = str(raised)
+    return {"error": error, "weights": model.get_weights()}

@@ -23,6 +23,7 @@ layer runs: `fully_sharded.py`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import weakref
 from typing import TYPE_CHECKING
@@ -130,6 +131,21 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         self.num_input_pipelines, self.input_pipeline_id = shape[0], replica
         self.replica_group = self.torch_mesh[names[0]].get_group()
         self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        if math.prod(shape[1:]) > 1:
+            self._draw_alike_in_each_replica(replica)
+
+    def _draw_alike_in_each_replica(self, replica: int) -> None:
+        """The processes that compute one replica between them draw the
+        same random numbers where Keras draws from torch's global generator
+        (an unseeded `Dropout`, `torch.nn.functional.dropout`): it is seeded
+        alike in them, from process 0's generator (so a program that seeded
+        before is reproducible) plus the replica's position, so that the
+        data-parallel replicas draw apart, as one device's rows do. Without
+        it each process of a replica dropped other units of one activation,
+        and the replicated variables after it diverged. (A collective.)"""
+        drawn = [int(torch.randint(0, 2**31 - 1, (1,)).item())]
+        dist.broadcast_object_list(drawn, src=0)
+        torch.manual_seed(drawn[0] + replica)
 
     # ------------------------------------------------------------ variables
     def placements(self, layout: Optional[Any]) -> list:
