@@ -426,3 +426,32 @@ def test_the_command_line_runs_a_script_whose_model_compiles(tmp_path,
     assert plan.main([str(script), "--batch-size", "8"]) == plan.READY, (
         capsys.readouterr())
     assert "verdict: ready to launch" in capsys.readouterr().out
+
+
+def test_the_command_line_gives_a_verdict_for_thousands_of_devices(
+        tmp_path):
+    # #72.11: 4,096 and 8,192 devices ended in XLA's "Multiprocess
+    # computations aren't implemented on the CPU backend" traceback. Past
+    # what XLA's CPU compiles for, the memory comes from a shape trace, and
+    # the command says which parts were checked how.
+    if BACKEND != "jax":
+        pytest.skip("XLA's analysis: JAX (torch and TensorFlow estimate "
+                    "on shapes or fake tensors, needing no devices)")
+    (tmp_path / "train.py").write_text(PLAN_SCRIPT.replace(
+        "kernal", "kernel"))
+    env = dict(os.environ, KERAS_BACKEND="jax",
+               PYTHONPATH=os.pathsep.join(
+                   [os.path.dirname(TESTS), os.environ.get("PYTHONPATH",
+                                                           "")]))
+    env.pop("XLA_FLAGS", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "keras_distribute.planning", "train.py",
+         "--hosts", "1024", "--devices-per-host", "4", "--batch-size",
+         "4096", "--device-memory", "1GB"], cwd=tmp_path,
+        capture_output=True, text=True, env=env, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "the mesh's 4096 devices are more than XLA's CPU compiles" in (
+        run.stdout)
+    assert "(4096 device(s))" in run.stdout
+    assert "from: every layer's output at one replica's batch" in run.stdout
+    assert run.stdout.rstrip().endswith("verdict: ready to launch")

@@ -46,6 +46,10 @@ class UsageError(Exception):
 
 
 READY, FINDINGS, UNUSABLE_COMMAND_LINE, MODEL_NOT_BUILT = 0, 1, 2, 3
+# The most CPU devices XLA compiles one program for here: from 4,096 its
+# CPU client refuses ("Multiprocess computations aren't implemented on the
+# CPU backend"); 2,048 compile.
+MAX_SIMULATED_DEVICES = 2048
 
 
 def parse_bytes(text: str) -> int:
@@ -180,6 +184,14 @@ def simulate_mesh_devices(args: argparse.Namespace) -> None:
     except UsageError:
         return  # (said once the command line is read: `_mesh`)
     if not size or size < 2:
+        return
+    if size > MAX_SIMULATED_DEVICES:
+        print(f"python -m keras_distribute.planning: the mesh's {size} "
+              f"devices are more than XLA's CPU compiles one program for "
+              f"here (at most {MAX_SIMULATED_DEVICES}): the layout, cluster, "
+              "batch and checkpoint are checked for the whole mesh, the "
+              "memory from a shape trace of one replica's step (the "
+              "table's 'from:' line says so).")
         return
     flags = os.environ.get("XLA_FLAGS", "")
     given = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
