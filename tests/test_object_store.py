@@ -847,3 +847,33 @@ def test_a_store_that_fails_mid_resume_is_named_and_the_backup_kept(
     assert len(resumed.history["loss"]) == 1  # only epoch 2 was left
     np.testing.assert_allclose(resumed.history["loss"],
                                reference.history["loss"][2:], rtol=1e-6)
+
+
+def test_a_refusing_store_is_named_with_the_url_and_what_to_check(
+        prefix, monkeypatch):
+    # #72.5: a missing bucket or refused credentials gave the store's own
+    # words ("The specified bucket does not exist", botocore's "The request
+    # signature we calculated does not match") without the URL, the
+    # operation or the fix. The error keeps its type.
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    model = _model()
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    missing = "s3://kd-no-such-bucket/run"
+    with pytest.raises(FileNotFoundError, match="s3://kd-no-such-bucket/run.*"
+                       "check the bucket's name, that it exists"):
+        kd.checkpoint.CheckpointManager(checkpoint, missing)
+    with pytest.raises(FileNotFoundError, match="Writing s3://kd-no-such-"
+                       "bucket/run/c.*check the bucket's name"):
+        checkpoint.write(missing + "/c")
+    path = checkpoint.write(prefix + "/c")
+    store = object_store.store_for(prefix)
+
+    def refused(*args, **kwargs):  # (s3fs' translation of a bad signature)
+        raise PermissionError("The request signature we calculated does "
+                              "not match the signature you provided.")
+
+    monkeypatch.setattr(store.fs, "cat_file", refused)
+    with pytest.raises(PermissionError, match=f"Reading {path}/index.json: "
+                       "The request signature .* check the credentials"):
+        checkpoint.read(path)

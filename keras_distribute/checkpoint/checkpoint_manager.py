@@ -87,6 +87,9 @@ class CheckpointManager:
         DirectoryInUseError: another live job saves into `directory`.
         PermissionError: `directory` cannot be written by this process
             (its lease cannot be made there), in every process of the job.
+        FileNotFoundError, OSError: the directory's lease could not be
+            made for another reason (a bucket that does not exist), in
+            every process of the job.
 
     Example:
 
@@ -211,36 +214,38 @@ class CheckpointManager:
         every process learns the verdict), before anything is touched."""
         engine = self.checkpoint.resolve_engine()
         refusal = ""
-        if self._is_chief and self._remote:
-            try:
+        try:
+            if self._is_chief and self._remote:
                 key = remote_lease.take(self.directory)
                 self._lease = remote_lease.ReleaseWhenCollected(self, key)
-            except lease.DirectoryInUseError as error:
-                refusal = str(error)
-        elif self._is_chief:
-            try:
+            elif self._is_chief:
                 os.makedirs(self.directory, exist_ok=True)
                 path = lease.take(self.directory)
                 self._lease = lease.release_when_collected(self, path)
-            except lease.DirectoryInUseError as error:
-                refusal = str(error)
-            except OSError as error:  # (every process raises it: below)
-                refusal = _UNWRITABLE + self._unwritable(error)
+        except lease.DirectoryInUseError as error:
+            refusal = f"{_IN_USE}:{error}"
+        except OSError as error:  # (every process raises it: below)
+            refusal = f"{_refused_as(error).__name__}:{self._refused(error)}"
         if engine.process_count > 1:
             refusal = engine.broadcast_text(refusal)
-        if refusal.startswith(_UNWRITABLE):
-            raise PermissionError(refusal[len(_UNWRITABLE):])
         if refusal:
-            raise lease.DirectoryInUseError(refusal)
+            kind, _, message = refusal.partition(":")
+            if kind == _IN_USE:
+                raise lease.DirectoryInUseError(message)
+            raise _REFUSALS[kind](message)
 
-    def _unwritable(self, error: OSError) -> str:
-        return (f"The checkpoint directory {self.directory!r} cannot be "
-                f"written by this process ({type(error).__name__}: "
-                f"{error.strerror or error}): its lease "
-                f"({lease.LEASE}) could not be made there. Nothing was "
-                "written. Give the job a directory it can write (check its "
-                "owner, permissions and whether its file system is "
-                "read-only).")
+    def _refused(self, error: OSError) -> str:
+        if isinstance(error, PermissionError):
+            return (f"The checkpoint directory {self.directory!r} cannot be "
+                    f"written by this process ({type(error).__name__}: "
+                    f"{error.strerror or error}): its lease "
+                    f"({lease.LEASE}) could not be made there. Nothing was "
+                    "written. Give the job a directory it can write (check "
+                    "its owner, permissions and whether its file system is "
+                    "read-only, or the store's credentials and policy).")
+        return (f"The checkpoint directory {self.directory!r} could not be "
+                f"used: its lease ({lease.LEASE}) could not be made there "
+                f"({type(error).__name__}: {error}). Nothing was written.")
 
     def close(self) -> None:
         """Waits for a background save, then lets go of the directory's
@@ -562,8 +567,16 @@ class CheckpointManager:
         return latest
 
 
-# The first word of a refusal broadcast from process 0 that is no lease's.
-_UNWRITABLE = "unwritable:"
+# The kinds of refusal process 0 broadcasts (`_take_lease`): the lease of
+# another job, or the error the directory gave, raised as its own type.
+_IN_USE = "in_use"
+_REFUSALS = {kind.__name__: kind for kind in (
+    PermissionError, FileNotFoundError, OSError)}
+
+
+def _refused_as(error: OSError) -> type:
+    return next(kind for kind in _REFUSALS.values()
+                if isinstance(error, kind))
 
 
 def _number(path: str) -> int:

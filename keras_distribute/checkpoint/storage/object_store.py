@@ -129,6 +129,19 @@ def _retryable(error: BaseException) -> bool:
                  "ConnectTimeoutError", "HttpError"))
 
 
+# Refusals of a store, raised as their own type with what to check.
+_NAMED_REFUSALS: Dict[type, str] = {
+    FileNotFoundError: (
+        "No such object or bucket: check the bucket's name, that it exists, "
+        "and the endpoint (AWS_ENDPOINT_URL for an S3-API server that is not "
+        "AWS)."),
+    PermissionError: (
+        "The store refused it: check the credentials (the AWS_* variables "
+        "or ~/.aws for S3; Google's application default credentials for "
+        "GCS) and that the bucket's policy allows this operation."),
+}
+
+
 class Store:
     """One object store (one scheme), through its fsspec file system.
 
@@ -186,6 +199,12 @@ class Store:
             try:
                 return fn(*args, **kwargs)
             except Exception as error:  # noqa: BLE001 - sorted below
+                if type(error) in _NAMED_REFUSALS:
+                    # (the same type, which callers tell apart; its message
+                    # naming the URL, the operation and what to check)
+                    raise type(error)(
+                        f"{what}: {error}. "
+                        f"{_NAMED_REFUSALS[type(error)]}") from error
                 if not _retryable(error) or attempt == _TRIES - 1:
                     if _retryable(error):
                         raise CheckpointStorageError(
