@@ -877,3 +877,34 @@ def test_a_refusing_store_is_named_with_the_url_and_what_to_check(
     with pytest.raises(PermissionError, match=f"Reading {path}/index.json: "
                        "The request signature .* check the credentials"):
         checkpoint.read(path)
+
+
+def test_the_dry_run_proves_it_can_write_and_delete_in_the_store(
+        prefix, monkeypatch):
+    # #72.6: a listing alone passed a missing bucket and a read-only user.
+    # The check writes, reads and deletes a probe object of its own.
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+
+    def make_model():
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+
+    def findings(directory):
+        verdict = kd.layouts.dry_run(make_model,
+                                     checkpoint_directory=directory)
+        return [f for f in verdict.findings if f.kind == "checkpoint"]
+
+    assert findings(prefix) == []
+    assert _objects(prefix) == []  # the probe was deleted, nothing left
+    (missing,) = findings("s3://kd-no-such-bucket/run")
+    assert "cannot list, write and delete" in missing.message
+    assert "check the bucket's name" in missing.message
+    store = object_store.store_for(prefix)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(store.fs, "pipe_file", read_only)
+    (refused,) = findings(prefix)
+    assert "PermissionError" in refused.message
+    assert "check the credentials" in refused.message

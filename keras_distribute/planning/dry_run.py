@@ -128,7 +128,8 @@ def dry_run(model: ModelOrBuilder, layout_map: Optional[LayoutMap] = None,
         device_memory: The bytes a device has: the step's peak (variables,
             gradients, optimizer slots, activations) must fit.
         checkpoint_directory: Where the job keeps its checkpoints (local,
-            mounted, `s3://` or `gs://`); read only.
+            mounted, `s3://` or `gs://`); a local one is only read, in
+            object storage a probe object is written and deleted.
         checkpoint_object: The name the model is saved under there.
         optimizer: The optimizer (or its name) the job trains with; by
             default the model's compiled one, else Adam.

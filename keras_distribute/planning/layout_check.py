@@ -121,7 +121,9 @@ def check_layout(layout_map: LayoutMap, model: ModelOrBuilder, *,
             be a local or mounted directory that can be created or written,
             and its latest checkpoint (if any) must hold this model's
             variables with the same shapes (it restores onto any mesh).
-            Read only; nothing is written there.
+            A local directory is only read; in object storage (`s3://`,
+            `gs://`) a probe object of a random name is written, read back
+            and deleted, proving the job can list, write and delete there.
         checkpoint_object: The name the model is saved under in those
             checkpoints (`ShardedCheckpoint(model=...)`: `"model"`).
         devices: The devices the job will have (hosts x devices per
@@ -264,12 +266,14 @@ def _checkpoint_findings(directory: str, model: Layer,
     if directory.startswith(("s3://", "gs://")):
         try:
             latest = committed.latest_checkpoint(directory)
+            _probe_store(directory)
         except (ImportError, OSError) as error:
             return [Finding(
                 "checkpoint", directory,
-                f"the object store cannot be listed ({type(error).__name__}: "
-                f"{error}); no checkpoint could be saved there. Check the "
-                "credentials, the endpoint and the bucket's name.")]
+                f"the job cannot list, write and delete its objects there "
+                f"({type(error).__name__}: {error}); no checkpoint could be "
+                "saved there. Check the credentials, the endpoint, the "
+                "bucket's name and its policy.")]
         return [] if latest is None else _checkpoint_fits(
             latest, model, object_name)
     existing = os.path.abspath(directory)
@@ -287,6 +291,31 @@ def _checkpoint_findings(directory: str, model: Layer,
     if latest is None:
         return []
     return _checkpoint_fits(latest, model, object_name)
+
+
+def _probe_store(directory: str) -> None:
+    """Proves the job can write and delete its own objects under an object
+    store's `directory` (a listing alone passes a missing bucket and a
+    read-only user): writes a probe object of a random name, reads it
+    back and deletes it — only it.
+
+    Raises:
+        OSError: what the store answered (FileNotFoundError for a missing
+            bucket, PermissionError for a refused write or delete).
+    """
+    import secrets
+
+    from keras_distribute.checkpoint.storage import object_store
+
+    store = object_store.store_for(directory)
+    probe = object_store.join(
+        directory, f".keras_distribute-probe-{secrets.token_hex(8)}")
+    store.write_bytes(probe, b"keras_distribute dry run")
+    try:
+        if store.read_bytes(probe, 64) != b"keras_distribute dry run":
+            raise OSError(f"{probe} reads back other bytes than written")
+    finally:
+        store.remove([probe])
 
 
 def _checkpoint_fits(latest: str, model: Layer,
