@@ -908,3 +908,34 @@ def test_the_dry_run_proves_it_can_write_and_delete_in_the_store(
     (refused,) = findings(prefix)
     assert "PermissionError" in refused.message
     assert "check the credentials" in refused.message
+
+
+def test_a_lease_is_judged_by_the_stores_clock_not_its_writers(
+        prefix, monkeypatch):
+    # #72.2: liveness compared the holder's clock with this host's: a dead
+    # job whose host clock ran 10 minutes ahead kept its lease while its
+    # last beat lay "in the future", and a live job whose clock ran behind
+    # lost it. The store's own stamps decide.
+    import time
+
+    store = object_store.store_for(prefix)
+    lease_key = prefix + "/.keras_distribute-lease"
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=_model())
+    monkeypatch.setattr(remote_lease, "STALE_AFTER_S", 3.0)
+    # A live job, its clock 10 minutes behind: refused.
+    store.write_bytes(lease_key, json.dumps({
+        "job": "behind", "host": "node-8", "pid": 13,
+        "beat": time.time() - 600}).encode())
+    with pytest.raises(kd.checkpoint.DirectoryInUseError, match="node-8"):
+        kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    # A dead job, its clock 10 minutes ahead, silent for longer than the
+    # staleness bound by the store's clock: taken over.
+    store.write_bytes(lease_key, json.dumps({
+        "job": "ahead", "host": "node-9", "pid": 14,
+        "beat": time.time() + 600}).encode())
+    time.sleep(4.5)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    assert json.loads(store.read_bytes(lease_key, 1 << 16))["job"] != "ahead"
+    manager.close()
+    # The probes that read the store's clock are gone.
+    assert not [n for n in store.children(prefix) if "clock" in n]

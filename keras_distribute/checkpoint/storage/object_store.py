@@ -19,6 +19,7 @@ is seen at once. Framework-free.
 import os
 import random
 import re
+import secrets
 import threading
 import time
 from typing import Any
@@ -127,6 +128,23 @@ def _retryable(error: BaseException) -> bool:
         name in ("ClientError", "ClientOSError", "ServerDisconnectedError",
                  "EndpointConnectionError", "ReadTimeoutError",
                  "ConnectTimeoutError", "HttpError"))
+
+
+def _epoch_seconds(info: Dict[str, Any], key: str) -> float:
+    """An object's last write, as the store stamped it: S3's
+    `LastModified` (a datetime), GCS' `updated` (an RFC 3339 string)."""
+    import datetime
+
+    stamp = info.get("LastModified") or info.get("mtime") or info.get(
+        "updated")
+    if isinstance(stamp, str):
+        stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    if not isinstance(stamp, datetime.datetime):
+        raise OSError(f"The store gives no time of last write for {key}: "
+                      f"{sorted(info)}.")
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=datetime.timezone.utc)
+    return stamp.timestamp()
 
 
 # Refusals of a store, raised as their own type with what to check.
@@ -280,6 +298,28 @@ class Store:
         self.call(f"Downloading {key}", self.fs.get_file, key, local)
         if os.path.getsize(local) != size:
             raise ValueError(f"{key} changed while it was downloaded.")
+
+    def modified(self, key: str) -> float:
+        """When object `key` was last written, by the store's own clock
+        (seconds since the epoch).
+
+        Raises:
+            FileNotFoundError: if there is no such object.
+        """
+        info = self.call(f"Looking up {key}", self.fs.info, key)
+        return _epoch_seconds(info, key)
+
+    def clock(self, prefix: str) -> float:
+        """The store's clock now: the time it gives a probe object of a
+        random name written under `prefix` (deleted at once; nothing else
+        is touched). A writer's own clock, which may run ahead or behind,
+        never enters a comparison with it."""
+        probe = join(prefix, f".keras_distribute-clock-{secrets.token_hex(8)}")
+        self.write_bytes(probe, b"")
+        try:
+            return self.modified(probe)
+        finally:
+            self.remove([probe])
 
     def size(self, key: str) -> int:
         """The size of object `key` in bytes."""

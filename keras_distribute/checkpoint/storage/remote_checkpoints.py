@@ -131,13 +131,27 @@ def generation_of(index: dict, path: str) -> str:
     return generation
 
 
-def is_live(record: Optional[dict],
-            stale_after_s: Optional[float] = None) -> bool:
-    """Whether a marker's (or a lease's) heartbeat is younger than
-    `stale_after_s` (default `STALE_AFTER_S`) by this host's clock."""
-    beat = record.get("beat") if record else None
+def is_live(key: str, record: Optional[dict],
+            stale_after_s: Optional[float] = None,
+            probe_in: Optional[str] = None) -> bool:
+    """Whether the heartbeat at `key` (a marker, a lease; read as `record`)
+    was written less than `stale_after_s` (default `STALE_AFTER_S`) ago by
+    the store's own clock: the time it stamped the object against the time
+    it stamps a probe now. The writer's `"beat"` (its host's clock, which
+    may run minutes ahead of this one's, or behind) is not compared: a dead
+    job whose clock ran ahead kept its lease while its last beat lay "in
+    the future". The probe is written in `probe_in` (default: beside
+    `key`; a checkpoint's marker probes in the checkpoints' directory, never
+    inside another job's generation)."""
+    if not record:
+        return False
     limit = STALE_AFTER_S if stale_after_s is None else stale_after_s
-    return isinstance(beat, (int, float)) and time.time() - beat < limit
+    store = object_store.store_for(key)
+    try:
+        written = store.modified(key)
+    except FileNotFoundError:
+        return False  # (gone meanwhile)
+    return store.clock(probe_in or key.rpartition("/")[0]) - written < limit
 
 
 class Heartbeat:
@@ -332,7 +346,9 @@ def clean_unfinished(directory: str, owner: str) -> List[str]:
             marker = marker_of(path, child)
             if marker is None or marker.get("owner") != owner:
                 continue
-            if marker.get("job") == lease.job_token() or not is_live(marker):
+            if marker.get("job") == lease.job_token() or not is_live(
+                    object_store.join(path, child, MARKER), marker,
+                    probe_in=directory):
                 remove_generation(path, child)
                 removed.append(object_store.join(path, child))
     return removed

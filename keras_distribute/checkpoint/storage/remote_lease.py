@@ -6,7 +6,9 @@ so the lease is the object `<directory>/.keras_distribute-lease`, naming the
 job (`lease.job_token()`), its host and process id and a heartbeat the
 holder rewrites (`remote_checkpoints.Heartbeat`). A job takes it when
 there is none, when it is its own, or when the holder's heartbeat stopped
-(`STALE_AFTER_S`, by this host's clock); it then writes it and reads it
+(`STALE_AFTER_S`, by the store's own clock: when it stamped the lease
+against when it stamps a probe now, never the holder's clock); it then
+writes it and reads it
 back after a moment: two jobs that wrote it at once both read the last
 writer's, and the other one is refused. Another job's live lease makes
 `take` raise `lease.DirectoryInUseError`, which names the holder.
@@ -74,7 +76,7 @@ def take(directory: str) -> str:
             return key
     holder = remote_checkpoints.read_record(key)
     if holder is not None and holder.get("job") != lease.job_token() and (
-            remote_checkpoints.is_live(holder, STALE_AFTER_S)):
+            remote_checkpoints.is_live(key, holder, STALE_AFTER_S)):
         raise _refusal(directory, holder)
     record = {"job": lease.job_token(), "host": socket.gethostname(),
               "pid": os.getpid(), "beat": time.time()}

@@ -64,7 +64,8 @@ def prepare(path: str, owner: Optional[str]) -> Tuple[str, Heartbeat]:
             continue  # not provably ours: left alone
         if marker.get("job") == lease.job_token():
             remove_generation(path, name)
-        elif is_live(marker):
+        elif is_live(object_store.join(path, name, MARKER), marker,
+                     probe_in=object_store.split(path)[0]):
             raise CheckpointError(
                 f"Not writing a checkpoint at {path!r}: another job is "
                 f"writing there now (host {marker.get('host')!r}, process "
