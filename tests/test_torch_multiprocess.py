@@ -772,6 +772,39 @@ def test_every_keras_optimizer_trains_fully_sharded_like_one_process():
                 np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_lora_adapters_are_sharded_and_saved_under_fully_sharded(tmp_path):
+    # #71.3: `enable_lora` under one-line FSDP: the adapters (128 and 256
+    # elements, over min_size=64) stayed whole on torch, and save_weights
+    # crashed ("aten.add.Tensor got mixed torch.Tensor and DTensor": Keras
+    # merges the adapters into the kernel at save). They are laid out like
+    # any variable of their size, train as one process does, and the saved
+    # file (adapters merged) gives one process's predictions.
+    import keras
+
+    results = kd.launch(workers.lora_fully_sharded, num_processes=2,
+                        args=(str(tmp_path),), timeout=TIMEOUT)
+    reference = workers._lora_model()
+    x, y = workers._lora_data()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for result in results:
+        assert result["local"] == {"lora_kernel_a": (16, 4),
+                                   "lora_kernel_b": (4, 32)}
+        assert any("lora_kernel_a" in p for p in result["trainable"])
+        for a, b in zip(result["weights"], reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    plain = keras.Sequential([keras.Input((32,)),
+                              keras.layers.Dense(64, activation="tanh",
+                                                 name="up"),
+                              keras.layers.Dense(8, name="down")])
+    plain.load_weights(str(tmp_path / "lora.weights.h5"))
+    np.testing.assert_allclose(plain.predict(x, verbose=0),
+                               reference.predict(x, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(results[0]["predict"],
+                               reference.predict(x, verbose=0), atol=1e-5)
+
+
 def test_the_processes_of_one_replica_draw_the_same_dropout_masks():
     # #72.10: keras-io's guide under a (1, 2) mesh with no seed set: the
     # two processes of the one model replica drew their own dropout masks

@@ -1635,3 +1635,46 @@ def guide_model_parallel_unseeded(processes_per_replica=2):
     except kd.ReplicasDivergedError as raised:
         error = str(raised)
     return {"error": error, "weights": model.get_weights()}
+
+
+def _lora_model():
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((32,)),
+                              keras.layers.Dense(64, activation="tanh",
+                                                 name="up"),
+                              keras.layers.Dense(8, name="down")])
+    model.get_layer("up").enable_lora(4)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def _lora_data():
+    x = np.random.default_rng(0).normal(size=(32, 32)).astype("float32")
+    return x, np.tanh(x[:, :8])
+
+
+def lora_fully_sharded(directory):
+    """`enable_lora` in the scope of one-line FSDP over 2 processes: the
+    adapters' layout, the weights after fit, and `save_weights`."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    strategy = kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=64))
+    with strategy.scope():
+        model = _lora_model()
+    up = model.get_layer("up")
+    local = {name: tuple(getattr(up, name).value.to_local().shape)
+             if hasattr(getattr(up, name).value, "to_local") else None
+             for name in ("lora_kernel_a", "lora_kernel_b")}
+    x, y = _lora_data()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.save_weights(os.path.join(directory, "lora.weights.h5"))
+    return {"local": local, "weights": model.get_weights(),
+            "trainable": [v.path for v in model.trainable_variables],
+            "predict": model.predict(x, verbose=0)}

@@ -67,6 +67,11 @@ ROWS: Tuple[Row, ...] = (
         "a public post-build callback"),
     Row("Layer._post_build", (), "see Layer", "3.10-3.16",
         parameters=("self",)),
+    Row("Layer.add_weight", (), "torch sharding: a variable added to a "
+        "built layer (LoRA's adapters, `enable_lora`) is laid out as the "
+        "layer's were at its build", "3.10-3.16",
+        "a public post-build callback", parameters=("self",),
+        backends=("torch_sharding",)),
     Row("BaseOptimizer", ((_S + "optimizers.base_optimizer",
                            "BaseOptimizer"),),
         "deferred restores of optimizer slots as they are created",

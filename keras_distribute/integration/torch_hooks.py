@@ -213,6 +213,17 @@ def _install_sharding() -> None:
         if not in_stateless_scope():
             torch_variables.on_layer_built(self)
 
+    original_add_weight = registry.resolve("Layer.add_weight")
+
+    @functools.wraps(original_add_weight)
+    def add_weight(self, *args, **kwargs):
+        variable = original_add_weight(self, *args, **kwargs)
+        if self.built and not in_stateless_scope():
+            # (a variable added to a built layer, e.g. LoRA's adapters:
+            # laid out now, as its layer's were at its build)
+            torch_variables.on_layer_built(self)
+        return variable
+
     original_forward = registry.resolve("TorchLayer").forward
 
     def forward(self, *args, **kwargs):
@@ -276,6 +287,7 @@ def _install_sharding() -> None:
     _patch(parallel, "_backend_increment_gradient_accumulators",
            _backend_increment_gradient_accumulators)
     _patch(layer_class, "_post_build", _post_build)
+    _patch(layer_class, "add_weight", add_weight)
     _patch(registry.resolve("TorchLayer"), "forward", forward)
     _patch(optimizer_class, "add_variable_from_reference",
            add_variable_from_reference)
