@@ -1678,3 +1678,46 @@ def lora_fully_sharded(directory):
     return {"local": local, "weights": model.get_weights(),
             "trainable": [v.path for v in model.trainable_variables],
             "predict": model.predict(x, verbose=0)}
+
+
+def _bfloat16_model(seed):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((32,)),
+        keras.layers.Dense(64, activation="tanh", name="up",
+                           dtype="bfloat16"),
+        keras.layers.Dense(8, name="down", dtype="bfloat16")])
+
+
+def fully_sharded_load_bfloat16(weights_path):
+    """A bfloat16 model made under one-line FSDP over 2 processes loads a
+    Keras `.weights.h5` of bfloat16 weights: its shards' shapes and dtypes,
+    and the whole weights after (as float32: bfloat16 values exactly);
+    then kd's checkpoint of it restored into a fresh sharded model."""
+    _setup()
+    import keras
+
+    import keras_distribute as kd
+
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    strategy = kd.MirroredStrategy(
+        layout_map=kd.layouts.fully_sharded(mesh, min_size=64))
+    with strategy.scope():
+        model = _bfloat16_model(seed=9)
+    model.load_weights(weights_path)
+    # kd's own checkpoint of the sharded bfloat16 model, restored into a
+    # fresh one: the same assignment of each process's piece.
+    written = kd.checkpoint.ShardedCheckpoint(model=model).write(
+        os.path.join(os.path.dirname(weights_path), "bf16-ckpt"))
+    with strategy.scope():
+        fresh = _bfloat16_model(seed=11)
+    kd.checkpoint.ShardedCheckpoint(model=fresh).read(
+        written).assert_consumed()
+    return {"local_shapes": [tuple(v.value.to_local().shape)
+                             if hasattr(v.value, "to_local") else None
+                             for v in model.weights],
+            "dtypes": [str(w.dtype) for w in model.get_weights()],
+            "weights": [w.astype("float32") for w in model.get_weights()],
+            "restored": [w.astype("float32") for w in fresh.get_weights()]}

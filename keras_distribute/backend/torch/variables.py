@@ -306,5 +306,14 @@ def assign_piece(variable: Any, piece: Any) -> None:
     """Copies `piece` (this process's region) into a sharded variable."""
     local = variable._value.to_local()
     with torch.no_grad():
-        local.copy_(torch.as_tensor(np.asarray(piece)) if not isinstance(
+        local.copy_(host_tensor(np.asarray(piece)) if not isinstance(
             piece, torch.Tensor) else piece.to(local.dtype))
+
+
+def host_tensor(array: np.ndarray) -> Any:
+    """A numpy array as a CPU tensor sharing its memory; bfloat16 (numpy's
+    `ml_dtypes.bfloat16`, which torch does not take) through its bits."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(
+            np.int16)).view(torch.bfloat16)
+    return torch.as_tensor(array)
