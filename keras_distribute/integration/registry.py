@@ -7,7 +7,8 @@ Keras' public API (`keras.*`, `keras.distribution.*`) is the contract;
 says what is used, why, on which Keras versions, what upstream change would
 make it unnecessary, and the parameters a patched callable must take; its
 `candidates` are the places it is found, tried in order (the table:
-`keras_private_rows`). `check()` verifies
+`keras_private_rows`, and `keras_private_attribute_rows` for private
+attributes of Keras objects). `check()` verifies
 every row that applies to the running backend before anything is patched
 and fails with one `KerasVersionError` naming the Keras version, the rows
 that do not fit and the supported range — never half-installed, never an
@@ -28,7 +29,8 @@ from typing import Tuple
 
 import numpy as np
 
-from keras_distribute.integration.keras_private_rows import ROWS
+from keras_distribute.integration import keras_private_attribute_rows
+from keras_distribute.integration import keras_private_rows
 from keras_distribute.integration.keras_private_rows import Row
 
 # What CI tests (pyproject.toml declares the same range): the release stack
@@ -41,6 +43,8 @@ class KerasVersionError(RuntimeError):
     """The running Keras does not have what keras_distribute hooks into."""
 
 
+# Every Keras-private name: callables and modules, then private attributes.
+ROWS = keras_private_rows.ROWS + keras_private_attribute_rows.ROWS
 _BY_KEY: Dict[str, Row] = {row.key: row for row in ROWS}
 _probes: Dict[str, Any] = {}
 

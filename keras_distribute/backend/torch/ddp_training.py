@@ -11,6 +11,7 @@ attributes it declares.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import TYPE_CHECKING
 from typing import Any
@@ -206,3 +207,14 @@ def _is_scalar_log(value: Any) -> bool:
         return True
     return isinstance(value, torch.Tensor) and value.numel() == 1 and (
         not value.dtype.is_complex)
+
+
+def raised_in_ddp(error: BaseException) -> bool:
+    """Whether `error` was raised inside torch's DistributedDataParallel."""
+    ddp_file = os.path.join("torch", "nn", "parallel", "distributed.py")
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename.endswith(ddp_file):
+            return True
+        traceback = traceback.tb_next
+    return False

@@ -122,3 +122,25 @@ def _devices_hint(prefix: str, world_size: int) -> str:
     except AttributeError:
         return spelled
     return f"keras.distribution.list_devices() or {spelled}"
+
+
+def seed_alike_in_each_replica(replica: int) -> None:
+    """Seeds torch's global generator alike in the processes that compute
+    one replica between them (a collective over the job).
+
+    Keras draws from that generator where nothing seeds it (an unseeded
+    `Dropout`: `torch.nn.functional.dropout`): each process of one replica
+    otherwise dropped other units of one activation, and the replicated
+    variables after it diverged. The seed is process 0's draw (so a program
+    that seeded before is reproducible) plus the replica's position, so
+    that the data-parallel replicas draw apart, as one device's rows do.
+
+    Args:
+        replica: This process's position on the mesh's batch axis.
+    """
+    import torch
+    import torch.distributed as dist
+
+    drawn = [int(torch.randint(0, 2**31 - 1, (1,)).item())]
+    dist.broadcast_object_list(drawn, src=0)
+    torch.manual_seed(drawn[0] + replica)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import weakref
 from typing import TYPE_CHECKING
 from typing import Any
@@ -46,11 +45,13 @@ from torch.distributed.tensor import distribute_tensor
 
 from keras_distribute.backend import interface
 from keras_distribute.backend.torch import peers as torch_peers
+from keras_distribute.backend.torch.ddp_training import raised_in_ddp
 from keras_distribute.backend.torch.engine import TorchEngine
 from keras_distribute.backend.torch.fully_sharded import FullyShardedVariables
 from keras_distribute.backend.torch.layer_calls import call_sharded
 from keras_distribute.backend.torch.mesh import check_mesh
 from keras_distribute.backend.torch.mesh import mesh_ranks
+from keras_distribute.backend.torch.mesh import seed_alike_in_each_replica
 from keras_distribute.backend.torch.variables import replicating_plain_tensors
 from keras_distribute.common.keras_services import KerasServices
 from keras_distribute.common.layouts import axis_names
@@ -132,20 +133,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         self.replica_group = self.torch_mesh[names[0]].get_group()
         self._keys_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         if math.prod(shape[1:]) > 1:
-            self._draw_alike_in_each_replica(replica)
-
-    def _draw_alike_in_each_replica(self, replica: int) -> None:
-        """The processes that compute one replica between them draw the
-        same random numbers where Keras draws from torch's global generator
-        (an unseeded `Dropout`, `torch.nn.functional.dropout`): it is seeded
-        alike in them, from process 0's generator (so a program that seeded
-        before is reproducible) plus the replica's position, so that the
-        data-parallel replicas draw apart, as one device's rows do. Without
-        it each process of a replica dropped other units of one activation,
-        and the replicated variables after it diverged. (A collective.)"""
-        drawn = [int(torch.randint(0, 2**31 - 1, (1,)).item())]
-        dist.broadcast_object_list(drawn, src=0)
-        torch.manual_seed(drawn[0] + replica)
+            seed_alike_in_each_replica(replica)
 
     # ------------------------------------------------------------ variables
     def placements(self, layout: Optional[Any]) -> list:
@@ -361,7 +349,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         try:
             return super().call_trainer(method, model, args, kwargs)
         except RuntimeError as error:
-            if not _raised_in_ddp(error) or not any(
+            if not raised_in_ddp(error) or not any(
                     isinstance(getattr(v, "_value", None), DTensor)
                     for v in model.variables):
                 raise
@@ -382,17 +370,6 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         (`layer_calls.call_sharded`)."""
         return call_sharded(forward, layer, args, kwargs, self.model_mesh,
                             self.gathered_variables)
-
-
-def _raised_in_ddp(error: BaseException) -> bool:
-    """Whether `error` was raised inside torch's DistributedDataParallel."""
-    ddp_file = os.path.join("torch", "nn", "parallel", "distributed.py")
-    traceback = error.__traceback__
-    while traceback is not None:
-        if traceback.tb_frame.f_code.co_filename.endswith(ddp_file):
-            return True
-        traceback = traceback.tb_next
-    return False
 
 
 def _contiguous_strides(shape: tuple) -> tuple:

@@ -28,6 +28,7 @@ from typing import Dict
 from typing import List
 from typing import Tuple
 
+from keras_distribute.checkpoint.storage import store_answers
 from keras_distribute.checkpoint.storage.format import CheckpointStorageError
 
 # scheme -> (the fsspec package serving it, the extra that installs it)
@@ -116,50 +117,6 @@ def split(path: str) -> Tuple[str, str]:
     return parent, name
 
 
-def _retryable(error: BaseException) -> bool:
-    """A failure of the network or the server, worth another try; never a
-    missing object, a refused request or kd's own error."""
-    if isinstance(error, (FileNotFoundError, PermissionError,
-                          FileExistsError, IsADirectoryError,
-                          NotADirectoryError, ValueError, TypeError)):
-        return False
-    name = type(error).__name__
-    return isinstance(error, (OSError, TimeoutError, ConnectionError)) or (
-        name in ("ClientError", "ClientOSError", "ServerDisconnectedError",
-                 "EndpointConnectionError", "ReadTimeoutError",
-                 "ConnectTimeoutError", "HttpError"))
-
-
-def _epoch_seconds(info: Dict[str, Any], key: str) -> float:
-    """An object's last write, as the store stamped it: S3's
-    `LastModified` (a datetime), GCS' `updated` (an RFC 3339 string)."""
-    import datetime
-
-    stamp = info.get("LastModified") or info.get("mtime") or info.get(
-        "updated")
-    if isinstance(stamp, str):
-        stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    if not isinstance(stamp, datetime.datetime):
-        raise OSError(f"The store gives no time of last write for {key}: "
-                      f"{sorted(info)}.")
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=datetime.timezone.utc)
-    return stamp.timestamp()
-
-
-# Refusals of a store, raised as their own type with what to check.
-_NAMED_REFUSALS: Dict[type, str] = {
-    FileNotFoundError: (
-        "No such object or bucket: check the bucket's name, that it exists, "
-        "and the endpoint (AWS_ENDPOINT_URL for an S3-API server that is not "
-        "AWS)."),
-    PermissionError: (
-        "The store refused it: check the credentials (the AWS_* variables "
-        "or ~/.aws for S3; Google's application default credentials for "
-        "GCS) and that the bucket's policy allows this operation."),
-}
-
-
 class Store:
     """One object store (one scheme), through its fsspec file system.
 
@@ -217,14 +174,14 @@ class Store:
             try:
                 return fn(*args, **kwargs)
             except Exception as error:  # noqa: BLE001 - sorted below
-                if type(error) in _NAMED_REFUSALS:
+                fix = store_answers.NAMED_REFUSALS.get(type(error))
+                if fix is not None:
                     # (the same type, which callers tell apart; its message
                     # naming the URL, the operation and what to check)
-                    raise type(error)(
-                        f"{what}: {error}. "
-                        f"{_NAMED_REFUSALS[type(error)]}") from error
-                if not _retryable(error) or attempt == _TRIES - 1:
-                    if _retryable(error):
+                    raise type(error)(f"{what}: {error}. {fix}") from error
+                retry = store_answers.retryable(error)
+                if not retry or attempt == _TRIES - 1:
+                    if retry:
                         raise CheckpointStorageError(
                             f"{what} failed {_TRIES} times; the last error: "
                             f"{type(error).__name__}: {error}. The "
@@ -307,7 +264,7 @@ class Store:
             FileNotFoundError: if there is no such object.
         """
         info = self.call(f"Looking up {key}", self.fs.info, key)
-        return _epoch_seconds(info, key)
+        return store_answers.epoch_seconds(info, key)
 
     def clock(self, prefix: str) -> float:
         """The store's clock now: the time it gives a probe object of a
