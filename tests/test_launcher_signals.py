@@ -431,18 +431,26 @@ def test_a_forked_process_finds_temporary_files_where_the_launcher_says(
     # A preloaded import fixed tempfile's directory in the fork server
     # (from the server's TMPDIR): a forked process must find it from the
     # launcher's environment of the moment, as a spawned one does.
+    import shutil
+    import tempfile
+
     (tmp_path / "program.py").write_text(PRELOAD_PROGRAM)
     (tmp_path / "kd_tempdir.py").write_text(PRELOADED["kd_tempdir"])
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
+    # (short paths: the fork server's socket is made in TMPDIR, and a
+    # socket's path may not exceed 107 bytes)
+    first, second = (tempfile.mkdtemp(prefix="kd-t") for _ in range(2))
     env = dict(os.environ, KERAS_DISTRIBUTE_PRELOAD="kd_tempdir",
                PYTHONPATH=os.pathsep.join(
                    [str(tmp_path), str(ROOT),
                     os.environ.get("PYTHONPATH", "")]))
     env.pop("KERAS_DISTRIBUTE_START_METHOD", None)
-    run = subprocess.run(
-        [sys.executable, "program.py", "tmpdir", str(first), str(second)],
-        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=180)
+    try:
+        run = subprocess.run(
+            [sys.executable, "program.py", "tmpdir", first, second],
+            cwd=tmp_path, env=env, text=True, capture_output=True,
+            timeout=180)
+    finally:
+        for made in (first, second):
+            shutil.rmtree(made)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert f"TEMPORARY {first} {second}" in run.stdout, run.stdout
