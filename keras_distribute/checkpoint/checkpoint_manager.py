@@ -2,6 +2,7 @@
 best N kept (`retention`)."""
 
 import os
+import types
 from typing import Any
 from typing import Callable
 from typing import Dict
@@ -570,8 +571,8 @@ class CheckpointManager:
 # The kinds of refusal process 0 broadcasts (`_take_lease`): the lease of
 # another job, or the error the directory gave, raised as its own type.
 _IN_USE = "in_use"
-_REFUSALS = {kind.__name__: kind for kind in (
-    PermissionError, FileNotFoundError, OSError)}
+_REFUSALS = types.MappingProxyType({kind.__name__: kind for kind in (
+    PermissionError, FileNotFoundError, OSError)})
 
 
 def _refused_as(error: OSError) -> type:

@@ -9,6 +9,7 @@ and the failure is raised with that rank's traceback.
     python -m keras_distribute.launch --nproc 2 train.py --epochs 3
 """
 
+import contextlib
 import faulthandler
 import os
 import pickle
@@ -219,7 +220,8 @@ def launch(fn: Callable, num_processes: int, args: Sequence[Any] = (), *,
                 except OSError:
                     pass
 
-    with starting.server_start_environment(timeout):
+    with starting.server_start_environment(timeout) if forks else (
+            contextlib.nullcontext()):
         for process in processes:
             process.start()
     with SignalForwarder(send) as forwarder:
