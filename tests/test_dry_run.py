@@ -302,28 +302,39 @@ def test_the_pages_command_line_recipe_runs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["train.py"]  # nothing written
 
 
-def test_the_command_line_compiles_for_a_mesh_larger_than_this_machine(
-        tmp_path):
-    # 4 hosts x 8 devices: 32 devices, 4 times the 8 this suite's JAX has.
-    # The command gives JAX's CPU platform 32 devices before JAX starts,
-    # so the estimate is XLA's analysis of the step compiled for the mesh,
-    # not a shape trace; the layout check sees the same mesh.
+def _plan_on_jax(tmp_path, arguments, xla_flags=None):
+    """`python -m keras_distribute.planning train.py <arguments>` on JAX
+    in a fresh process (`xla_flags`: its XLA_FLAGS; None: unset), the
+    page's script with its keys right; skips on other backends."""
     if BACKEND != "jax":
         pytest.skip("XLA's analysis: JAX (torch and TensorFlow estimate "
                     "on shapes or fake tensors, needing no devices)")
     (tmp_path / "train.py").write_text(PLAN_SCRIPT.replace(
         "kernal", "kernel"))
     env = dict(os.environ, KERAS_BACKEND="jax",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join(
                    [os.path.dirname(TESTS), os.environ.get("PYTHONPATH",
                                                            "")]))
-    run = subprocess.run(
-        [sys.executable, "-m", "keras_distribute.planning", "train.py",
-         "--hosts", "4", "--devices-per-host", "8", "--mesh", "4,8",
-         "--layout-map", "make_layout_map", "--batch-size", "256",
-         "--device-memory", "1GB"], cwd=tmp_path, capture_output=True,
-        text=True, env=env, timeout=240)
+    env.pop("XLA_FLAGS", None)
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run(
+        [sys.executable, "-m", "keras_distribute.planning", "train.py"]
+        + arguments, cwd=tmp_path, capture_output=True, text=True, env=env,
+        timeout=240)
+
+
+def test_the_command_line_compiles_for_a_mesh_larger_than_this_machine(
+        tmp_path):
+    # 4 hosts x 8 devices: 32 devices, 4 times the 8 this suite's JAX has.
+    # The command gives JAX's CPU platform 32 devices before JAX starts,
+    # so the estimate is XLA's analysis of the step compiled for the mesh,
+    # not a shape trace; the layout check sees the same mesh.
+    run = _plan_on_jax(tmp_path, [
+        "--hosts", "4", "--devices-per-host", "8", "--mesh", "4,8",
+        "--layout-map", "make_layout_map", "--batch-size", "256",
+        "--device-memory", "1GB"],
+        xla_flags="--xla_force_host_platform_device_count=8")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert ("from: XLA's memory analysis of the compiled step"
             in run.stdout), run.stdout
@@ -434,21 +445,9 @@ def test_the_command_line_gives_a_verdict_for_thousands_of_devices(
     # computations aren't implemented on the CPU backend" traceback. Past
     # what XLA's CPU compiles for, the memory comes from a shape trace, and
     # the command says which parts were checked how.
-    if BACKEND != "jax":
-        pytest.skip("XLA's analysis: JAX (torch and TensorFlow estimate "
-                    "on shapes or fake tensors, needing no devices)")
-    (tmp_path / "train.py").write_text(PLAN_SCRIPT.replace(
-        "kernal", "kernel"))
-    env = dict(os.environ, KERAS_BACKEND="jax",
-               PYTHONPATH=os.pathsep.join(
-                   [os.path.dirname(TESTS), os.environ.get("PYTHONPATH",
-                                                           "")]))
-    env.pop("XLA_FLAGS", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "keras_distribute.planning", "train.py",
-         "--hosts", "1024", "--devices-per-host", "4", "--batch-size",
-         "4096", "--device-memory", "1GB"], cwd=tmp_path,
-        capture_output=True, text=True, env=env, timeout=240)
+    run = _plan_on_jax(tmp_path, [
+        "--hosts", "1024", "--devices-per-host", "4", "--batch-size", "4096",
+        "--device-memory", "1GB"])
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "the mesh's 4096 devices are more than XLA's CPU compiles" in (
         run.stdout)
