@@ -99,7 +99,11 @@ def make_bucket(endpoint: str, bucket: str) -> None:
 class FlakyProxy:
     """Forwards HTTP to `endpoint`; answers every `fail_every`-th request
     with 503 SlowDown (what S3 says when it throttles) and delays each by
-    `delay_s`. Counts what it failed."""
+    `delay_s`. While `stall` is set, holds every request unanswered (for
+    at most `STALL_LIMIT_S`: a store that stopped answering). Counts what
+    it failed."""
+
+    STALL_LIMIT_S = 30.0
 
     def __init__(self, endpoint: str, fail_every: int = 0,
                  delay_s: float = 0.0):
@@ -107,6 +111,7 @@ class FlakyProxy:
         self.target = (host, int(port))
         self.fail_every, self.delay_s = fail_every, delay_s
         self.requests = self.failed = 0
+        self.stall = threading.Event()
         self._lock = threading.Lock()
         proxy = self
 
@@ -140,6 +145,9 @@ class FlakyProxy:
                     proxy.failed += bool(fail)
                 if proxy.delay_s:
                     time.sleep(proxy.delay_s)
+                held = time.monotonic() + proxy.STALL_LIMIT_S
+                while proxy.stall.is_set() and time.monotonic() < held:
+                    time.sleep(0.05)
                 if fail:
                     payload = (b"<?xml version=\"1.0\"?><Error><Code>SlowDown"
                                b"</Code><Message>Reduce your request rate."

@@ -8,11 +8,14 @@ S3-API server that is not AWS; Google's application default credentials
 for GCS, and `STORAGE_EMULATOR_HOST` for an emulator, which is reached
 without credentials); kd never logs or writes them.
 
-Every call is bounded: connection and read timeouts, the store client's
-retries of throttling and 5xx answers (botocore's "standard" mode for S3,
-gcsfs' own for GCS), and around each of kd's calls a few more tries with
-backoff for errors of the network, never for a missing object or a denied
-request. Listings are never cached: a checkpoint written by another process
+Every call is bounded in total time: connection and read timeouts, the
+store client's retries of throttling and 5xx answers (botocore's
+"standard" mode for S3, gcsfs' own for GCS), around each of kd's calls a
+few more tries with backoff for errors of the network (never for a
+missing object or a denied request), and over all of them one deadline
+per operation (`KERAS_DISTRIBUTE_STORE_TIMEOUT_S`, default 120 s; a
+transfer adds a second per MiB), after which the request in flight is
+cancelled and `CheckpointStorageError` names the store and the operation. Listings are never cached: a checkpoint written by another process
 is seen at once. Framework-free.
 """
 
@@ -46,6 +49,44 @@ _BACKOFF_S = 0.5
 # `random` would move the user's (Keras draws an unseeded initializer's seed
 # from it), at moments no one can predict when a heartbeat thread retries.
 _JITTER = random.Random()
+# One operation's time bound (every try and retry together), in seconds.
+TIMEOUT_VARIABLE = "KERAS_DISTRIBUTE_STORE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+# A transfer's bound grows by a second per MiB (a floor of 1 MiB/s).
+_TRANSFER_FLOOR_BYTES_PER_S = 1 << 20
+
+
+def operation_timeout_s() -> float:
+    """The bound on one store operation's total time, from
+    `KERAS_DISTRIBUTE_STORE_TIMEOUT_S` (seconds; default 120).
+
+    Returns:
+        The bound in seconds.
+
+    Raises:
+        ValueError: if the variable is set to anything but a positive
+            number of seconds.
+
+    Example:
+
+    >>> os.environ["KERAS_DISTRIBUTE_STORE_TIMEOUT_S"] = "30"
+    >>> operation_timeout_s()
+    30.0
+    """
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(
+            f"{TIMEOUT_VARIABLE} must be a positive number of seconds (the "
+            "bound on one object-store operation, retries included), but it "
+            f"is {text[:100]!r}. Set it to e.g. 120, or unset it for the "
+            f"default ({DEFAULT_TIMEOUT_S:.0f} s).")
+    return value
 
 
 def is_remote(path: Any) -> bool:
@@ -136,6 +177,10 @@ class Store:
     def __init__(self, scheme: str):
         package, extra = REMOTE_SCHEMES[scheme]
         self.scheme = scheme
+        self.timeout_s = operation_timeout_s()
+        # (one request's own bound: a stalled read is cut well before the
+        # operation's deadline, leaving time for a retry)
+        read_timeout = max(1.0, min(60.0, self.timeout_s / 2))
         try:
             module = __import__(package)
         except ImportError:
@@ -148,7 +193,8 @@ class Store:
                 use_listings_cache=False, skip_instance_cache=True,
                 config_kwargs={"retries": {"max_attempts": 8,
                                            "mode": "standard"},
-                               "connect_timeout": 20, "read_timeout": 120})
+                               "connect_timeout": min(20.0, read_timeout),
+                               "read_timeout": read_timeout})
         else:
             # (gcsfs.core's class: the package's default one first asks a
             # gRPC service whether the bucket is hierarchical, which an
@@ -158,19 +204,34 @@ class Store:
             emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
             self.fs = gcsfs.core.GCSFileSystem(
                 use_listings_cache=False, skip_instance_cache=True,
-                requests_timeout=120,
+                requests_timeout=read_timeout,
                 **({"token": "anon"} if emulated else {}))
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any,
-             **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)`, tried again with backoff (up to `_TRIES`
-        times) when the network or the server fails.
+             transfer_bytes: int = 0, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` (an fsspec file system's method), tried
+        again with backoff (up to `_TRIES` times) when the network or the
+        server fails, all within one deadline: `timeout_s`, plus a second
+        per MiB of `transfer_bytes`. The request in flight at the deadline
+        is cancelled (where `fn` is a method of `self.fs`; another function
+        is tried again only while the deadline allows).
 
         Raises:
             CheckpointStorageError: the network or the server failed every
-                try (naming `what`; an `OSError`).
+                try, or the deadline passed (naming `what`; an `OSError`).
         """
+        budget = self.timeout_s + transfer_bytes / _TRANSFER_FLOOR_BYTES_PER_S
+        deadline = time.monotonic() + budget
+        # (fsspec's own methods: bound, or mirrored onto the instance as a
+        # wrapper of its bound coroutine method)
+        cancellable = self.fs in (
+            getattr(fn, "__self__", None),
+            getattr(getattr(fn, "__wrapped__", None), "__self__", None))
         for attempt in range(_TRIES):
+            remaining = deadline - time.monotonic()
+            if cancellable:
+                # (fsspec's synchronous wrapper cancels the call at this)
+                kwargs["timeout"] = max(remaining, 0.001)
             try:
                 return fn(*args, **kwargs)
             except Exception as error:  # noqa: BLE001 - sorted below
@@ -180,18 +241,27 @@ class Store:
                     # naming the URL, the operation and what to check)
                     raise type(error)(f"{what}: {error}. {fix}") from error
                 retry = store_answers.retryable(error)
-                if not retry or attempt == _TRIES - 1:
+                pause = _BACKOFF_S * (2 ** attempt) * (0.5 + _JITTER.random())
+                late = time.monotonic() + pause >= deadline
+                if not retry or attempt == _TRIES - 1 or late:
                     if retry:
-                        raise CheckpointStorageError(
-                            f"{what} failed {_TRIES} times; the last error: "
-                            f"{type(error).__name__}: {error}. The "
-                            f"{self.scheme}:// store did not answer: check "
-                            "the network and the endpoint, then try again "
-                            "(what it holds was not changed).") from error
+                        raise self._unanswered(what, attempt + 1, budget,
+                                               error) from error
                     raise
-                time.sleep(_BACKOFF_S * (2 ** attempt)
-                           * (0.5 + _JITTER.random()))
+                time.sleep(pause)
         raise AssertionError("unreachable")
+
+    def _unanswered(self, what: str, tries: int, budget: float,
+                    error: BaseException) -> CheckpointStorageError:
+        last = f"{type(error).__name__}: {error}".rstrip(": ")
+        if isinstance(error, TimeoutError) and not str(error):
+            last = "no answer before the deadline"
+        return CheckpointStorageError(
+            f"{what} failed ({tries} tries within {budget:.0f} s, the bound "
+            f"{TIMEOUT_VARIABLE} sets; the last error: {last}). The "
+            f"{self.scheme}:// store did not answer: check the network and "
+            "the endpoint, then try again (what it holds was not changed: a "
+            "checkpoint saved before is intact).")
 
     def exists(self, key: str) -> bool:
         """Whether an object `key` exists."""
@@ -218,12 +288,14 @@ class Store:
             FileNotFoundError: if there is no such object.
         """
         return bytes(self.call(f"Reading {key}", self.fs.cat_file, key,
-                               start=start, end=stop))
+                               start=start, end=stop,
+                               transfer_bytes=max(stop - start, 0)))
 
     def write_bytes(self, key: str, data: bytes) -> None:
         """Writes object `key` (replacing one there, atomically for a
         reader: it sees the old object or the new one)."""
-        self.call(f"Writing {key}", self.fs.pipe_file, key, data)
+        self.call(f"Writing {key}", self.fs.pipe_file, key, data,
+                  transfer_bytes=len(data))
 
     def put(self, local: str, key: str) -> None:
         """Uploads the file `local` to `key` (multipart when large, parts
@@ -233,7 +305,7 @@ class Store:
             OSError: if the stored object is not the file's size.
         """
         self.call(f"Uploading {local} to {key}", self.fs.put_file, local,
-                  key)
+                  key, transfer_bytes=os.path.getsize(local))
         stored, size = self.size(key), os.path.getsize(local)
         if stored != size:
             raise OSError(f"Uploading {local} to {key}: the store holds "
@@ -252,7 +324,8 @@ class Store:
             raise ValueError(
                 f"{key} is {found} bytes, but the checkpoint's index "
                 f"records {size}: it was changed or replaced after the save.")
-        self.call(f"Downloading {key}", self.fs.get_file, key, local)
+        self.call(f"Downloading {key}", self.fs.get_file, key, local,
+                  transfer_bytes=size)
         if os.path.getsize(local) != size:
             raise ValueError(f"{key} changed while it was downloaded.")
 

@@ -235,6 +235,17 @@ def remove_generation(path: str, generation: str) -> None:
     store.remove([object_store.join(prefix, MARKER)])
 
 
+def discard_generation(path: str, generation: str) -> None:
+    """`remove_generation` after a failed save, at best: a store that does
+    not answer (`CheckpointStorageError`) leaves the generation, which no
+    index names (never seen by a reader; removed by the next save of
+    `path`), and the save's own error is the one raised."""
+    try:
+        remove_generation(path, generation)
+    except ckpt_format.CheckpointStorageError:
+        pass
+
+
 def move_aside(path: str, suffix: str) -> str:
     """Moves the checkpoint at `path` to the first free
     `<path><suffix>[-N]` (an object store cannot rename: each object kd

@@ -32,6 +32,7 @@ from keras_distribute.checkpoint.storage.remote_checkpoints import (
     refuse_foreign,
 )
 from keras_distribute.checkpoint.storage.remote_checkpoints import (
+    discard_generation,
     remove_generation,
 )
 
@@ -180,7 +181,7 @@ def commit(path: str, generation: str, process_count: int,
         store.write_bytes(object_store.join(path, INDEX),
                           json.dumps(index, indent=1, sort_keys=True).encode())
     except BaseException:
-        remove_generation(path, generation)
+        discard_generation(path, generation)
         raise
     store.remove([object_store.join(prefix, f"part-{i:05d}.json")
                   for i in range(process_count)])
@@ -263,7 +264,7 @@ def copy_committed(source: str, target: str, owner: Optional[str]) -> None:
             store.write_bytes(object_store.join(target, INDEX), json.dumps(
                 index, indent=1, sort_keys=True).encode())
         except BaseException:
-            remove_generation(target, generation)
+            discard_generation(target, generation)
             raise
     finally:
         heartbeat.stop()

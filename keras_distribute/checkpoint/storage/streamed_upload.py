@@ -73,7 +73,7 @@ def upload(store: Store, layout_file: str, placed: List[writing.Placed],
             _multipart(store, sources, key, size, part_bytes)
         else:
             store.call(f"Uploading {key}", _streamed, store, sources, key,
-                       size, part_bytes)
+                       size, part_bytes, transfer_bytes=size)
     finally:
         sources.close()
     stored = store.size(key)
@@ -163,7 +163,7 @@ def _multipart(store: Store, sources: _Sources, key: str, size: int,
         answer = store.call(
             f"Uploading part {number} of {key}", fs.call_s3, "upload_part",
             Bucket=bucket, Key=object_key, UploadId=upload_id,
-            PartNumber=number, Body=body)
+            PartNumber=number, Body=body, transfer_bytes=len(body))
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     count = -(-size // part_bytes)
