@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Dict
 from typing import Iterator
+from typing import Tuple
 
 from keras_distribute.launch.processes import free_port
 
@@ -106,10 +107,13 @@ class FlakyProxy:
     STALL_LIMIT_S = 30.0
 
     def __init__(self, endpoint: str, fail_every: int = 0,
-                 delay_s: float = 0.0):
+                 delay_s: float = 0.0, drop_headers: Tuple[str, ...] = ()):
         host, port = endpoint.rsplit("/", 1)[1].split(":")
         self.target = (host, int(port))
         self.fail_every, self.delay_s = fail_every, delay_s
+        # (headers not passed on: a server that ignores them)
+        dropped = {"connection", "transfer-encoding", "content-length"} | {
+            name.lower() for name in drop_headers}
         self.requests = self.failed = 0
         self.stall = threading.Event()
         self._lock = threading.Lock()
@@ -161,9 +165,7 @@ class FlakyProxy:
                 connection = http.client.HTTPConnection(*proxy.target,
                                                         timeout=60)
                 headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("connection",
-                                                "transfer-encoding",
-                                                "content-length")}
+                           if k.lower() not in dropped}
                 headers["Content-Length"] = str(len(body))
                 connection.request(self.command, self.path, body=body,
                                    headers=headers)

@@ -27,6 +27,7 @@ import keras_distribute as kd
 from keras_distribute.checkpoint.storage import object_store
 from keras_distribute.checkpoint.storage import remote_checkpoints
 from keras_distribute.checkpoint.storage import remote_lease
+from keras_distribute.checkpoint.storage import store_limits
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 pytest.importorskip("moto", reason="moto[server] is not installed")
@@ -366,7 +367,7 @@ def test_a_store_that_stops_answering_fails_the_save_within_its_bound(
     # store, and the checkpoint saved before is intact.
     if keras.backend.backend() != "jax":
         pytest.skip("the storage layer imports no framework: tested on JAX")
-    monkeypatch.setenv(object_store.TIMEOUT_VARIABLE, "2")
+    monkeypatch.setenv(store_limits.TIMEOUT_VARIABLE, "2")
     model = _model()
     checkpoint = kd.checkpoint.ShardedCheckpoint(model=model,
                                                  optimizer=model.optimizer)
@@ -404,11 +405,178 @@ def test_a_store_that_stops_answering_fails_the_save_within_its_bound(
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_a_bad_store_timeout_is_refused_naming_the_variable(value,
                                                             monkeypatch):
-    monkeypatch.setenv(object_store.TIMEOUT_VARIABLE, value)
+    monkeypatch.setenv(store_limits.TIMEOUT_VARIABLE, value)
     with pytest.raises(ValueError, match="KERAS_DISTRIBUTE_STORE_TIMEOUT_S "
                        "must be a positive number of seconds.*"
                        f"{value!r}"):
-        object_store.operation_timeout_s()
+        store_limits.operation_timeout_s()
+
+
+def _lease_of(job, host="node-7"):
+    return json.dumps({"job": job, "host": host, "pid": 12,
+                       "beat": time.time()}).encode()
+
+
+def test_jobs_racing_for_one_prefix_never_both_take_it(prefix, endpoint,
+                                                       monkeypatch):
+    # #72.1: with a slow link to the store, two jobs both held the lease
+    # (write, wait, read back) and both wrote ckpt-31. The store's
+    # conditional writes decide: of jobs racing for a free lease, or for a
+    # stale one, exactly one takes it, in every interleaving tried.
+    import random
+
+    from keras_distribute.checkpoint.storage import conditional_writes
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    monkeypatch.setattr(remote_lease, "STALE_AFTER_S", 2.0)
+    jitter = random.Random(7)
+    with s3_server.FlakyProxy(endpoint, delay_s=0.03) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        object_store.forget_stores()
+        try:
+            store = object_store.store_for(prefix)
+            assert conditional_writes.honoured(store, prefix)
+            stale = prefix + "/stale"
+            store.write_bytes(stale + "/.keras_distribute-lease",
+                              _lease_of("dead-job"))
+            time.sleep(2.5)
+            for round_number in range(6):
+                directory = (stale if round_number == 5
+                             else f"{prefix}/r{round_number}")
+                key = directory + "/.keras_distribute-lease"
+                won, refused = [], []
+
+                def contend(job, directory=directory, key=key,
+                            won=won, refused=refused):
+                    time.sleep(jitter.random() * 0.05)
+                    record = {"job": job, "host": job, "pid": 1,
+                              "beat": time.time(), "write": job + "-w"}
+                    try:
+                        remote_lease.take_conditionally(store, directory,
+                                                        key, record)
+                        won.append(job)
+                    except kd.checkpoint.DirectoryInUseError:
+                        refused.append(job)
+
+                threads = [threading.Thread(target=contend, args=(f"j{i}",))
+                           for i in range(3)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(60)
+                assert len(won) == 1 and len(refused) == 2, (won, refused)
+                holder = json.loads(store.read_bytes(key, 1 << 16))
+                assert holder["job"] == won[0]
+        finally:
+            object_store.forget_stores()
+
+
+def test_a_job_that_lost_its_lease_commits_nothing(prefix, monkeypatch):
+    # #72.1: a holder that froze past its lease's expiry and resumed wrote
+    # its heartbeat over the new holder's lease, and both jobs then wrote
+    # the same checkpoint names into one prefix. The renewal is
+    # conditional: the resumed job finds the lease changed, stops beating
+    # and, at its next save, commits nothing (fencing) and says so.
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    monkeypatch.setattr(remote_checkpoints, "HEARTBEAT_S", 0.2)
+    store = object_store.store_for(prefix)
+    key = prefix + "/.keras_distribute-lease"
+    model = _model()
+    checkpoint = kd.checkpoint.ShardedCheckpoint(model=model)
+    manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
+    first = manager.save()
+    # Another job took the directory over (as its take does once this
+    # job's heartbeat is stale): a new version of the lease.
+    theirs = _lease_of("the-other-job", host="node-9")
+    store.write_bytes(key, theirs)
+    time.sleep(1.0)  # several of this job's heartbeats
+    assert store.read_bytes(key, 1 << 16) == theirs  # not written over
+    with pytest.raises(kd.checkpoint.DirectoryInUseError,
+                       match="no longer holds the lease.*node-9.*Nothing "
+                       "more is committed"):
+        manager.save()
+    assert kd.checkpoint.checkpoints_in(prefix) == [first]
+    assert not [n for n in store.children(first) if n.startswith("g-")][1:]
+    manager.close()
+    assert store.read_bytes(key, 1 << 16) == theirs  # not deleted either
+
+
+@pytest.mark.parametrize("conditions", ["honoured", "ignored"])
+@pytest.mark.parametrize("content", [b"my notes", b'{"job": 1}',
+                                     b'{"job": "x", "host": "h"}'],
+                         ids=["text", "json", "partial"])
+def test_an_object_at_the_lease_key_that_kd_did_not_write_is_kept(
+        prefix, endpoint, monkeypatch, conditions, content):
+    # #72.3: a user's object at the lease's key was overwritten (and then
+    # deleted at close). kd writes and deletes only what it created: the
+    # directory is refused, the object left as it was.
+    from keras_distribute.checkpoint.storage import conditional_writes
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    monkeypatch.setattr(remote_lease, "STALE_AFTER_S", 0.0)
+    dropped = ("If-None-Match", "If-Match") if conditions == "ignored" else ()
+    with s3_server.FlakyProxy(endpoint, drop_headers=dropped) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        object_store.forget_stores()
+        try:
+            store = object_store.store_for(prefix)
+            assert conditional_writes.honoured(store, prefix) == (
+                conditions == "honoured")
+            key = prefix + "/.keras_distribute-lease"
+            store.write_bytes(key, content)
+            checkpoint = kd.checkpoint.ShardedCheckpoint(model=_model())
+            with pytest.raises(kd.checkpoint.DirectoryInUseError,
+                               match="holds an object keras_distribute did "
+                               "not write.*never overwrites or deletes"):
+                kd.checkpoint.CheckpointManager(checkpoint, prefix)
+            assert store.read_bytes(key, 1 << 16) == content
+            assert _objects(prefix) == [".keras_distribute-lease"]
+        finally:
+            object_store.forget_stores()
+
+
+def test_a_store_that_ignores_conditions_still_keeps_one_job(
+        prefix, endpoint, monkeypatch):
+    # Where the store ignores If-None-Match / If-Match (some S3-API
+    # servers; GCS through gcsfs), the lease is written and read back, and
+    # a renewal that finds another job's lease stops instead of writing
+    # over it.
+    from keras_distribute.checkpoint.storage import conditional_writes
+
+    if keras.backend.backend() != "jax":
+        pytest.skip("the storage layer imports no framework: tested on JAX")
+    monkeypatch.setattr(remote_checkpoints, "HEARTBEAT_S", 0.2)
+    with s3_server.FlakyProxy(endpoint, drop_headers=(
+            "If-None-Match", "If-Match")) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        object_store.forget_stores()
+        try:
+            store = object_store.store_for(prefix)
+            assert not conditional_writes.honoured(store, prefix)
+            key = prefix + "/.keras_distribute-lease"
+            store.write_bytes(key, _lease_of("another-job"))
+            checkpoint = kd.checkpoint.ShardedCheckpoint(model=_model())
+            with pytest.raises(kd.checkpoint.DirectoryInUseError,
+                               match="node-7.*own directory"):
+                kd.checkpoint.CheckpointManager(checkpoint, prefix + "")
+            store.remove([key])
+            manager = kd.checkpoint.CheckpointManager(checkpoint, prefix)
+            first = manager.save()
+            theirs = _lease_of("the-other-job", host="node-9")
+            store.write_bytes(key, theirs)
+            time.sleep(1.0)
+            assert store.read_bytes(key, 1 << 16) == theirs
+            with pytest.raises(kd.checkpoint.DirectoryInUseError,
+                               match="node-9"):
+                manager.save()
+            assert kd.checkpoint.checkpoints_in(prefix) == [first]
+            manager.close()
+            assert store.read_bytes(key, 1 << 16) == theirs
+        finally:
+            object_store.forget_stores()
 
 
 def _tamper(path, change):

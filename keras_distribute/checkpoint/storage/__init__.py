@@ -11,8 +11,12 @@ In layers, lowest first (each module uses only the ones before it):
   explicit recovery of an interrupted commit, removal of what kd wrote only;
   `lease`: one job per checkpoint directory; `ownership`: who wrote which
   checkpoint.
-- `object_store`: `s3://` / `gs://` through fsspec (bounded, retried calls);
-  `remote_checkpoints`, `remote_writing`, `remote_reading`, `remote_lease`:
+- `urls`: which paths are `s3://` / `gs://`; `store_answers`, `store_limits`:
+  what a store answers, sorted, and how long it is waited for;
+  `object_store`: `s3://` / `gs://` through fsspec (calls retried within one
+  deadline each); `conditional_writes`: create / replace / delete decided
+  by the store (S3's `If-None-Match` / `If-Match`);
+  `remote_checkpoints`, `remote_lease`, `remote_writing`, `remote_reading`:
   the same checkpoint in object storage, committed by its index written last
   (no rename), read through a checked local copy; `paths`: which paths a
   checkpoint argument takes.

@@ -15,13 +15,13 @@ few more tries with backoff for errors of the network (never for a
 missing object or a denied request), and over all of them one deadline
 per operation (`KERAS_DISTRIBUTE_STORE_TIMEOUT_S`, default 120 s; a
 transfer adds a second per MiB), after which the request in flight is
-cancelled and `CheckpointStorageError` names the store and the operation. Listings are never cached: a checkpoint written by another process
-is seen at once. Framework-free.
+cancelled and `CheckpointStorageError` names the store and the operation.
+Listings are never cached: a checkpoint written by another process is seen
+at once. Framework-free.
 """
 
 import os
 import random
-import re
 import secrets
 import threading
 import time
@@ -29,19 +29,17 @@ from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import List
-from typing import Tuple
 
 from keras_distribute.checkpoint.storage import store_answers
-from keras_distribute.checkpoint.storage.format import CheckpointStorageError
+from keras_distribute.checkpoint.storage import store_limits
+from keras_distribute.checkpoint.storage.urls import (
+    REMOTE_SCHEMES as REMOTE_SCHEMES,
+)
+from keras_distribute.checkpoint.storage.urls import is_remote as is_remote
+from keras_distribute.checkpoint.storage.urls import join as join
+from keras_distribute.checkpoint.storage.urls import normalize as normalize
+from keras_distribute.checkpoint.storage.urls import split as split
 
-# scheme -> (the fsspec package serving it, the extra that installs it)
-REMOTE_SCHEMES: Dict[str, Tuple[str, str]] = {
-    "s3": ("s3fs", "s3"),
-    "gs": ("gcsfs", "gcs"),
-}
-_REMOTE = re.compile(r"(s3|gs)://(.*)", re.DOTALL)
-# A bucket name, as S3 and GCS allow them (3-222 characters).
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]")
 # Tries of one call when the network fails (the client retried already).
 _TRIES = 4
 _BACKOFF_S = 0.5
@@ -49,113 +47,6 @@ _BACKOFF_S = 0.5
 # `random` would move the user's (Keras draws an unseeded initializer's seed
 # from it), at moments no one can predict when a heartbeat thread retries.
 _JITTER = random.Random()
-# One operation's time bound (every try and retry together), in seconds.
-TIMEOUT_VARIABLE = "KERAS_DISTRIBUTE_STORE_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 120.0
-# A transfer's bound grows by a second per MiB (a floor of 1 MiB/s).
-_TRANSFER_FLOOR_BYTES_PER_S = 1 << 20
-
-
-def operation_timeout_s() -> float:
-    """The bound on one store operation's total time, from
-    `KERAS_DISTRIBUTE_STORE_TIMEOUT_S` (seconds; default 120).
-
-    Returns:
-        The bound in seconds.
-
-    Raises:
-        ValueError: if the variable is set to anything but a positive
-            number of seconds.
-
-    Example:
-
-    >>> os.environ["KERAS_DISTRIBUTE_STORE_TIMEOUT_S"] = "30"
-    >>> operation_timeout_s()
-    30.0
-    """
-    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and value != float("inf")):
-        raise ValueError(
-            f"{TIMEOUT_VARIABLE} must be a positive number of seconds (the "
-            "bound on one object-store operation, retries included), but it "
-            f"is {text[:100]!r}. Set it to e.g. 120, or unset it for the "
-            f"default ({DEFAULT_TIMEOUT_S:.0f} s).")
-    return value
-
-
-def is_remote(path: Any) -> bool:
-    """Whether `path` names object storage kd writes to (`s3://`, `gs://`).
-
-    Args:
-        path: Anything; only a `str` can be remote.
-
-    Returns:
-        `True` for `s3://...` and `gs://...`.
-
-    Example:
-
-    >>> is_remote("s3://bucket/run")
-    True
-    >>> is_remote("/tmp/run")
-    False
-    """
-    return isinstance(path, str) and _REMOTE.match(path) is not None
-
-
-def normalize(path: str, argument: str = "path") -> str:
-    """`path` as `<scheme>://<bucket>/<key>`, checked.
-
-    Args:
-        path: An `s3://` or `gs://` path.
-        argument: The argument's name, for the error message.
-
-    Returns:
-        The path without a trailing `/`.
-
-    Raises:
-        ValueError: for a path with no bucket, a bucket name the stores
-            refuse, or an empty, `.` or `..` segment in its key (a key
-            that would name another object than it seems to).
-
-    Example:
-
-    >>> normalize("s3://bucket/run/")
-    's3://bucket/run'
-    """
-    match = _REMOTE.match(path)
-    if match is None:
-        raise ValueError(f"{argument}={path!r} is not an s3:// or gs:// "
-                         "path.")
-    scheme, rest = match.group(1), match.group(2).rstrip("/")
-    bucket, _, key = rest.partition("/")
-    segments = key.split("/") if key else []
-    if not _BUCKET.fullmatch(bucket) or any(
-            s in ("", ".", "..") for s in segments) or "\\" in rest or any(
-            ord(c) < 32 for c in rest):
-        raise ValueError(
-            f"{argument}={path!r} is not a usable {scheme}:// path: expected "
-            f"{scheme}://<bucket>/<prefix>, with a bucket name of 3 to 222 "
-            "lowercase letters, digits, '.', '-' or '_', and no empty, '.' "
-            "or '..' segment. Received: "
-            f"bucket={bucket!r}, prefix={key!r}.")
-    return f"{scheme}://{rest}"
-
-
-def join(base: str, *names: str) -> str:
-    """`base/name/...` for object keys (always `/`)."""
-    return "/".join([base.rstrip("/"), *names])
-
-
-def split(path: str) -> Tuple[str, str]:
-    """`(parent, name)` of a remote path (`("s3://b/run", "ckpt-1")`)."""
-    parent, _, name = path.rstrip("/").rpartition("/")
-    return parent, name
 
 
 class Store:
@@ -177,7 +68,9 @@ class Store:
     def __init__(self, scheme: str):
         package, extra = REMOTE_SCHEMES[scheme]
         self.scheme = scheme
-        self.timeout_s = operation_timeout_s()
+        self.timeout_s = store_limits.operation_timeout_s()
+        # bucket -> whether it honours conditional writes (conditional_writes)
+        self.honours_conditions: Dict[str, bool] = {}
         # (one request's own bound: a stalled read is cut well before the
         # operation's deadline, leaving time for a retry)
         read_timeout = max(1.0, min(60.0, self.timeout_s / 2))
@@ -220,7 +113,7 @@ class Store:
             CheckpointStorageError: the network or the server failed every
                 try, or the deadline passed (naming `what`; an `OSError`).
         """
-        budget = self.timeout_s + transfer_bytes / _TRANSFER_FLOOR_BYTES_PER_S
+        budget = store_limits.budget_s(self.timeout_s, transfer_bytes)
         deadline = time.monotonic() + budget
         # (fsspec's own methods: bound, or mirrored onto the instance as a
         # wrapper of its bound coroutine method)
@@ -245,23 +138,12 @@ class Store:
                 late = time.monotonic() + pause >= deadline
                 if not retry or attempt == _TRIES - 1 or late:
                     if retry:
-                        raise self._unanswered(what, attempt + 1, budget,
-                                               error) from error
+                        raise store_limits.unanswered(
+                            self.scheme, what, attempt + 1, budget,
+                            error) from error
                     raise
                 time.sleep(pause)
         raise AssertionError("unreachable")
-
-    def _unanswered(self, what: str, tries: int, budget: float,
-                    error: BaseException) -> CheckpointStorageError:
-        last = f"{type(error).__name__}: {error}".rstrip(": ")
-        if isinstance(error, TimeoutError) and not str(error):
-            last = "no answer before the deadline"
-        return CheckpointStorageError(
-            f"{what} failed ({tries} tries within {budget:.0f} s, the bound "
-            f"{TIMEOUT_VARIABLE} sets; the last error: {last}). The "
-            f"{self.scheme}:// store did not answer: check the network and "
-            "the endpoint, then try again (what it holds was not changed: a "
-            "checkpoint saved before is intact).")
 
     def exists(self, key: str) -> bool:
         """Whether an object `key` exists."""

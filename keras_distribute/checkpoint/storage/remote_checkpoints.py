@@ -159,14 +159,19 @@ class Heartbeat:
     then every `HEARTBEAT_S` until stopped: a generation's marker while its
     save runs, a lease while its job holds it. `before_beat`, if given, is
     called in the heartbeat's thread before each later beat (it may stop
-    this heartbeat)."""
+    this heartbeat). `write`, if given, writes each beat's record instead
+    of a plain write (a lease's conditional renewal); the beats end when it
+    raises `lease.DirectoryInUseError` (the lease was lost)."""
 
     def __init__(self, key: str, record: dict,
-                 before_beat: Optional[Callable[[], None]] = None):
+                 before_beat: Optional[Callable[[], None]] = None,
+                 write: Optional[Callable[[dict], None]] = None):
         self._key, self._record = key, dict(record)
         self._before_beat = before_beat
-        self._stop = threading.Event()
         self._store = object_store.store_for(key)
+        self._write = write or (lambda beat: self._store.write_bytes(
+            self._key, json.dumps(beat).encode()))
+        self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="kd-checkpoint-heartbeat")
@@ -174,7 +179,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self._record["beat"] = time.time()
-        self._store.write_bytes(self._key, json.dumps(self._record).encode())
+        self._write(dict(self._record))
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -183,6 +188,8 @@ class Heartbeat:
                     self._before_beat()
                 if not self._stop.is_set():
                     self._beat()
+            except lease.DirectoryInUseError:
+                return  # lost: nothing more is written
             except Exception:  # noqa: BLE001 - the next beat tries again
                 pass
 

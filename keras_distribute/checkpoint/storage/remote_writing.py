@@ -16,6 +16,7 @@ from typing import Tuple
 from keras_distribute.checkpoint.storage import format as ckpt_format
 from keras_distribute.checkpoint.storage import lease
 from keras_distribute.checkpoint.storage import object_store
+from keras_distribute.checkpoint.storage import remote_lease
 from keras_distribute.checkpoint.storage import streamed_upload
 from keras_distribute.checkpoint.storage import validation
 from keras_distribute.checkpoint.storage import writing
@@ -24,6 +25,9 @@ from keras_distribute.checkpoint.storage.format import CheckpointError
 from keras_distribute.checkpoint.storage.remote_checkpoints import GENERATION
 from keras_distribute.checkpoint.storage.remote_checkpoints import MARKER
 from keras_distribute.checkpoint.storage.remote_checkpoints import Heartbeat
+from keras_distribute.checkpoint.storage.remote_checkpoints import (
+    discard_generation,
+)
 from keras_distribute.checkpoint.storage.remote_checkpoints import generation_of
 from keras_distribute.checkpoint.storage.remote_checkpoints import index_of
 from keras_distribute.checkpoint.storage.remote_checkpoints import is_live
@@ -32,7 +36,6 @@ from keras_distribute.checkpoint.storage.remote_checkpoints import (
     refuse_foreign,
 )
 from keras_distribute.checkpoint.storage.remote_checkpoints import (
-    discard_generation,
     remove_generation,
 )
 
@@ -178,6 +181,8 @@ def commit(path: str, generation: str, process_count: int,
                      format_version=ckpt_format.FORMAT_VERSION,
                      num_processes=process_count,
                      object_store={"generation": generation, "files": files})
+        # Fencing: a job that lost its directory's lease commits nothing.
+        remote_lease.confirm(path)
         store.write_bytes(object_store.join(path, INDEX),
                           json.dumps(index, indent=1, sort_keys=True).encode())
     except BaseException:
@@ -261,6 +266,7 @@ def copy_committed(source: str, target: str, owner: Optional[str]) -> None:
                 index["owner"] = owner
             index["object_store"] = dict(index["object_store"],
                                          generation=generation)
+            remote_lease.confirm(target)
             store.write_bytes(object_store.join(target, INDEX), json.dumps(
                 index, indent=1, sort_keys=True).encode())
         except BaseException:

@@ -8,9 +8,24 @@ from typing import Dict
 from typing import Mapping
 
 
+def precondition_failed(error: BaseException) -> bool:
+    """Whether the store refused a conditional request because its
+    condition did not hold (HTTP 412, S3's `PreconditionFailed`), as the
+    client raised it (s3fs: an `OSError` caused by botocore's error)."""
+    for cause in (error, error.__cause__, error.__context__):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict) and (response.get("Error") or {}).get(
+                "Code") in ("PreconditionFailed", "412"):
+            return True
+    return False
+
+
 def retryable(error: BaseException) -> bool:
     """A failure of the network or the server, worth another try; never a
-    missing object, a refused request or kd's own error."""
+    missing object, a refused request, a condition that did not hold or
+    kd's own error."""
+    if precondition_failed(error):
+        return False
     if isinstance(error, (FileNotFoundError, PermissionError,
                           FileExistsError, IsADirectoryError,
                           NotADirectoryError, ValueError, TypeError)):
