@@ -1,0 +1,223 @@
+"""Every keras-hub backbone with a `get_layout_map` (#71), as tiny random
+configs: Gemma, Llama, Qwen, Qwen-MoE and Qwen3-MoE, each under its own map
+and under `kd.layouts.fully_sharded`, in float32, bfloat16 and
+mixed_bfloat16, with and without `enable_lora` (the ten cases below cover
+every family with both maps, every dtype and LoRA on and off).
+
+Each case, on JAX's 8 simulated devices (mesh batch 4 x model 2):
+
+- trains two steps to the weights of the same program on one device: within
+  1e-5 in float32 (Adam, learning rate 1e-3); in bfloat16 and
+  mixed_bfloat16, within the error one device's own bfloat16 rounding
+  makes: `max |one device bf16 - one device float32|` over the same steps
+  from the same weights (a sharded step sums in another order, so it
+  rounds differently in the low bits; it must not stray further from the
+  one-device result than bfloat16 itself strays from float32);
+- lays every variable out as the map says (the MoE expert banks sharded by
+  `fully_sharded`; a map that names no expert leaves them replicated);
+- `save_weights` / `load_weights` round-trip bit-exactly into a sharded and
+  an unsharded model; `save_to_preset` / `from_preset(local directory)`
+  into a sharded backbone; with LoRA, keras-hub's adapter-only files
+  (`save_lora_weights` / `load_lora_weights`) and kd's own adapter
+  checkpoint (`ShardedCheckpoint` of the trainable variables) restore the
+  adapters bit-exactly into a fresh sharded model.
+
+TensorFlow refuses sharded layouts (documented; tested in
+test_strategy_layouts); torch's sharded families run across processes in
+test_torch_multiprocess.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_distribute as kd
+
+if keras.backend.backend() != "jax":
+    pytest.skip("the families run sharded on JAX's simulated devices here",
+                allow_module_level=True)
+try:
+    import keras_hub
+
+    keras_hub.models.GemmaBackbone  # (its modules load lazily)
+except ImportError as error:  # keras-hub 0.32 predates Keras 3.16
+    pytest.skip(f"keras-hub does not import with Keras {keras.__version__}: "
+                f"{error}", allow_module_level=True)
+
+_VOCABULARY = 128
+_COMMON = dict(vocabulary_size=_VOCABULARY, num_layers=2, num_query_heads=8,
+               num_key_value_heads=4, hidden_dim=32, intermediate_dim=64)
+
+
+def _backbone(family, dtype):
+    models = keras_hub.models
+    if family == "gemma":
+        return models.GemmaBackbone(head_dim=8, dtype=dtype, **_COMMON)
+    if family == "llama":
+        return models.LlamaBackbone(dtype=dtype, **_COMMON)
+    if family == "qwen":
+        return models.QwenBackbone(dtype=dtype, **_COMMON)
+    if family == "qwen_moe":
+        return models.QwenMoeBackbone(
+            moe_intermediate_dim=16, shared_expert_intermediate_dim=32,
+            num_experts=4, top_k=2, dtype=dtype, **_COMMON)
+    return models.Qwen3MoeBackbone(moe_intermediate_dim=16, num_experts=4,
+                                   top_k=2, head_dim=8, dtype=dtype,
+                                   **_COMMON)
+
+
+_TASKS = {"gemma": "GemmaCausalLM", "llama": "LlamaCausalLM",
+          "qwen": "QwenCausalLM", "qwen_moe": "QwenMoeCausalLM",
+          "qwen3_moe": "Qwen3MoeCausalLM"}
+
+CASES = [
+    ("gemma", "own", "float32", False),
+    ("gemma", "fully_sharded", "bfloat16", True),
+    ("llama", "own", "mixed_bfloat16", True),
+    ("llama", "fully_sharded", "float32", False),
+    ("qwen", "own", "bfloat16", False),
+    ("qwen", "fully_sharded", "mixed_bfloat16", True),
+    ("qwen_moe", "own", "float32", True),
+    ("qwen_moe", "fully_sharded", "bfloat16", False),
+    ("qwen3_moe", "own", "mixed_bfloat16", False),
+    ("qwen3_moe", "fully_sharded", "float32", True),
+]
+
+
+def _make(family, dtype, lora):
+    backbone = _backbone(family, dtype)
+    model = getattr(keras_hub.models, _TASKS[family])(backbone=backbone,
+                                                      preprocessor=None)
+    if lora:
+        backbone.enable_lora(rank=2)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), weighted_metrics=[])
+    return model
+
+
+def _data():
+    tokens = np.random.default_rng(0).integers(1, _VOCABULARY, (16, 17))
+    return ({"token_ids": tokens[:, :-1],
+             "padding_mask": np.ones((16, 16), bool)}, tokens[:, 1:])
+
+
+def _values(model):
+    return [np.asarray(v.value).astype("float32") for v in model.weights]
+
+
+def _trained(family, dtype, lora, start):
+    model = _make(family, dtype, lora)
+    model.set_weights(start)
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def _worst(a, b):
+    return max((float(np.max(np.abs(p - q))) if p.size else 0.0)
+               for p, q in zip(a, b))
+
+
+def _layout_map(family, mapname, mesh):
+    if mapname == "own":
+        task = getattr(keras_hub.models, _TASKS[family])
+        return task.backbone_cls.get_layout_map(mesh)
+    return kd.layouts.fully_sharded(mesh, min_size=256)
+
+
+def _spec(variable):
+    spec = tuple(variable.value.sharding.spec)
+    return spec + (None,) * (len(variable.shape) - len(spec))
+
+
+@pytest.mark.parametrize("family,mapname,dtype,lora", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_a_keras_hub_family_trains_saves_and_loads_sharded(
+        family, mapname, dtype, lora, tmp_path):
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    reference = _make(family, dtype, lora)
+    start = reference.get_weights()
+    x, y = _data()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    expected = _values(reference)
+    if dtype == "float32":
+        bound = 1e-5
+    else:  # what bfloat16 itself changes on one device
+        as_float32 = _trained(family, "float32", lora,
+                              [np.asarray(w, "float32") for w in start])
+        bound = _worst(expected, _values(as_float32))
+        assert bound > 0
+    keras.backend.clear_session()
+    mesh = keras.distribution.DeviceMesh((4, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+    layout_map = _layout_map(family, mapname, mesh)
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+
+    def sharded():
+        with strategy.scope():
+            return _make(family, dtype, lora)
+
+    model = sharded()
+    model.set_weights(start)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    got = _values(model)
+    assert _worst(got, expected) <= bound, (_worst(got, expected), bound)
+
+    # Laid out as the map says.
+    for variable in model.weights:
+        if mapname == "own":
+            layout = layout_map[variable.path]
+            want = (tuple(layout.axes) if layout is not None
+                    else (None,) * len(variable.shape))
+            assert _spec(variable) == want, variable.path
+        elif "experts/" in variable.path:  # an expert bank: (experts, ...)
+            assert any(_spec(variable)), variable.path
+
+    # save_weights / load_weights, sharded and unsharded, bit-exactly.
+    weights_file = str(tmp_path / "model.weights.h5")
+    model.save_weights(weights_file)
+    plain = _make(family, dtype, lora)
+    plain.load_weights(weights_file)
+    again = sharded()
+    again.load_weights(weights_file)
+    saved_merged = _values(plain)  # (LoRA: Keras merges the adapters)
+    for merged, loaded in zip(saved_merged, _values(again)):
+        np.testing.assert_array_equal(merged, loaded)
+    if not lora:
+        for mine, loaded in zip(got, saved_merged):
+            np.testing.assert_array_equal(mine, loaded)
+        # A preset: save_to_preset, then from_preset(local dir) sharded.
+        preset = str(tmp_path / "preset")
+        model.backbone.save_to_preset(preset)
+        with strategy.scope():
+            restored = model.backbone.__class__.from_preset(preset)
+        for mine, loaded in zip(_values(model.backbone),
+                                _values(restored)):
+            np.testing.assert_array_equal(mine, loaded)
+        return
+    # Adapters only: keras-hub's file (the LoRA kernels; not the biases
+    # Qwen's attention leaves trainable) and kd's checkpoint (every
+    # trainable variable), into fresh sharded models.
+    adapters = [np.asarray(v.value).astype("float32")
+                for v in model.trainable_variables]
+    lora_file = str(tmp_path / "adapters.lora.h5")
+    model.backbone.save_lora_weights(lora_file)
+    fresh = sharded()
+    fresh.backbone.load_lora_weights(lora_file)
+    for want, variable in zip(adapters, fresh.trainable_variables):
+        if "lora_kernel" in variable.path:
+            np.testing.assert_array_equal(
+                want, np.asarray(variable.value).astype("float32"))
+    path = kd.checkpoint.ShardedCheckpoint(
+        lora=list(model.trainable_variables)).write(
+            os.path.join(tmp_path, "adapters"))
+    fresh = sharded()
+    kd.checkpoint.ShardedCheckpoint(
+        lora=list(fresh.trainable_variables)).read(path).assert_consumed()
+    for want, variable in zip(adapters, fresh.trainable_variables):
+        np.testing.assert_array_equal(
+            want, np.asarray(variable.value).astype("float32"))
