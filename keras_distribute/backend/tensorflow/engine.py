@@ -275,6 +275,10 @@ class TfEngine(ReplicaRun):
             with peer_board.busy(), \
                     tf_cluster.naming_a_lost_worker(self._resolver):
                 return method(model, *args, **kwargs)
+        except tf.errors.OpError as error:
+            if method.__name__ == "fit":
+                tf_fit.note_empty_batches(error, model, self.num_replicas)
+            raise
         finally:
             self.trainer_calls -= 1
             self.even_fit = False

@@ -115,10 +115,12 @@ def warn_if_replicas_get_empty_batches(model, args, kwargs,
     if sizes is None:
         return
     last = sizes[0] % sizes[1]
+    if not 0 < last < num_replicas:
+        return
     unsynced = [layer.name for layer in model._flatten_layers()
                 if isinstance(layer, keras.layers.BatchNormalization)
                 and not layer.synchronized]
-    if 0 < last < num_replicas and unsynced:
+    if unsynced:
         warnings.warn(
             f"The last batch of each epoch has {last} example(s) for "
             f"{num_replicas} replicas, so some replicas get an empty batch, "
@@ -127,6 +129,50 @@ def warn_if_replicas_get_empty_batches(model, args, kwargs,
             "BatchNormalization(synchronized=True), which also matches the "
             "single-device statistics, or a batch size that leaves at least "
             f"{num_replicas} examples in the last batch.", stacklevel=4)
+    if has_own_train_step(model):
+        warnings.warn(
+            f"The last batch of each epoch has {last} example(s) for "
+            f"{num_replicas} replicas, so some replicas run "
+            f"{type(model).__name__}'s own train_step on an empty batch. "
+            + _EMPTY_BATCH_ADVICE.format(replicas=num_replicas),
+            stacklevel=4)
+
+
+# What a step of the user's own may do on an empty batch, and the ways out.
+_EMPTY_BATCH_ADVICE = (
+    "Keras' own step handles an empty batch; a step of your own may not: "
+    "TensorFlow's oneDNN convolutions return a wrong shape for one (a GAN's "
+    "step then fails with e.g. 'ConcatOp : Dimension 3 in both shapes must "
+    "be equal: shape[0] = [0,8,8,8] vs. shape[1] = [0,8,8,1]'), and plain "
+    "tf.distribute fails on such a step too. Use a batch size that leaves "
+    "at least {replicas} examples in the last batch, drop it (tf.data: "
+    "`.batch(size, drop_remainder=True)`), or set TF_ENABLE_ONEDNN_OPTS=0 "
+    "before TensorFlow is imported.")
+
+
+def has_own_train_step(model) -> bool:
+    """Whether `model`'s class (or one between it and Keras') defines its
+    own `train_step`."""
+    step = getattr(type(model), "train_step", None)
+    return step is not None and not str(
+        getattr(step, "__module__", "")).startswith("keras.")
+
+
+def note_empty_batches(error: BaseException, model, num_replicas: int
+                       ) -> None:
+    """Adds to a TensorFlow error raised by `fit` of a model with its own
+    `train_step` on several replicas a note: an empty batch on some
+    replicas may be why (the error keeps its type and message)."""
+    if (num_replicas < 2 or not has_own_train_step(model)
+            or not isinstance(error, tf.errors.OpError)
+            or not hasattr(error, "add_note")):
+        return
+    error.add_note(
+        f"keras_distribute: if the global batch of this step had fewer "
+        f"examples than the {num_replicas} replicas (the short last batch "
+        "of an epoch), some replicas ran "
+        f"{type(model).__name__}'s own train_step on an empty batch. "
+        + _EMPTY_BATCH_ADVICE.format(replicas=num_replicas))
 
 
 def batches_split_evenly(args: tuple, kwargs: dict, num_replicas: int) -> bool:
