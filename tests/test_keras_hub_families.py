@@ -20,7 +20,9 @@ Each case, on JAX's 8 simulated devices (mesh batch 4 x model 2):
   into a sharded backbone; with LoRA, keras-hub's adapter-only files
   (`save_lora_weights` / `load_lora_weights`) and kd's own adapter
   checkpoint (`ShardedCheckpoint` of the trainable variables) restore the
-  adapters bit-exactly into a fresh sharded model.
+  adapters bit-exactly into a fresh sharded model;
+- in float32, `generate()` (greedy) gives the tokens one device gives with
+  the same weights.
 
 TensorFlow refuses sharded layouts (documented; tested in
 test_strategy_layouts); torch's sharded families run across processes in
@@ -187,6 +189,17 @@ def test_a_keras_hub_family_trains_saves_and_loads_sharded(
     saved_merged = _values(plain)  # (LoRA: Keras merges the adapters)
     for merged, loaded in zip(saved_merged, _values(again)):
         np.testing.assert_array_equal(merged, loaded)
+    if dtype == "float32":
+        # generate(): the sharded model's tokens are one device's (greedy;
+        # bfloat16 logits summed in another order may break a near-tie).
+        prompt = {"token_ids": np.array([[5, 9, 17, 3] + [0] * 8] * 2),
+                  "padding_mask": np.array([[True] * 4 + [False] * 8] * 2)}
+        tokens = []
+        for each in (plain, again):
+            each.compile(sampler="greedy")
+            tokens.append(each.generate(prompt, max_length=12,
+                                        stop_token_ids=None)["token_ids"])
+        np.testing.assert_array_equal(tokens[0], tokens[1])
     if not lora:
         for mine, loaded in zip(got, saved_merged):
             np.testing.assert_array_equal(mine, loaded)
