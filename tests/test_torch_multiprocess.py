@@ -1258,3 +1258,42 @@ def test_a_store_client_facing_a_foreign_listener_ends_in_time():
     finally:
         holder.close()
     assert time.monotonic() - start < 30
+
+
+def test_a_layer_computing_with_its_sublayers_kernels_matches_one_process(
+        tmp_path):
+    # keras-hub's Gemma 4 block reads `self.ffw_linear.kernel` itself,
+    # outside the sublayer's call: that kernel, sharded over the batch axis
+    # (FSDP-style) or a model axis, crashed the backward pass ("local_tensor
+    # argument only accepts torch.Tensor but got DTensor") or, sharded over
+    # the batch axis alone, trained to silently wrong weights. And a LoRA
+    # head whose adapters the map leaves replicated could not be saved
+    # (its kernel and adapters on two meshes).
+    from worker_common import kernel_reading_data
+    from worker_common import kernel_reading_model
+
+    results = kd.launch(workers.kernel_reading_block, num_processes=2,
+                        args=(str(tmp_path),), timeout=TIMEOUT)
+    reference = kernel_reading_model(lora=True)
+    x, y = kernel_reading_data()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for shape, local in (((2, 1), {"block/gate/kernel": (8, 32),
+                                   "block/out/kernel": (32, 8)}),
+                         ((1, 2), {"block/gate/kernel": (16, 16),
+                                   "block/out/kernel": (16, 16)})):
+        for result in results:
+            mine = result[shape]
+            for path, want in local.items():
+                assert mine["local"][path] == want, (shape, path)
+            for a, b in zip(mine["weights"], reference.get_weights()):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+            for a, b in zip(mine["weights"], results[0][shape]["weights"]):
+                np.testing.assert_array_equal(a, b)
+        plain = kernel_reading_model(lora=True)
+        plain.load_weights(results[0][shape]["path"])
+        merged = kernel_reading_model()  # (no adapters: merged in)
+        merged.load_weights(results[0][shape]["path"])
+        want = reference.predict(x, verbose=0)
+        for loaded in (plain, merged):
+            np.testing.assert_allclose(loaded.predict(x, verbose=0), want,
+                                       atol=1e-5)

@@ -912,3 +912,44 @@ def recorded_regional_reads():
         yield found
     finally:
         sharded_loading.LazyH5Array.read_regions = original
+
+
+def kernel_reading_model(seed=3, lora=False):
+    """A model whose middle layer computes with its sublayers' kernels
+    itself, never calling them (as keras-hub's Gemma 4 block does): `gate`
+    and `out` kernels read by `ops.matmul` in the block's `call`; with
+    `lora`, a Dense head with LoRA adapters (merged into its kernel by
+    `save_weights`)."""
+    import keras
+
+    class KernelReadingBlock(keras.layers.Layer):
+        def build(self, input_shape):
+            width = input_shape[-1]
+            self.gate = keras.layers.Dense(32, use_bias=False, name="gate")
+            self.gate.build((None, width))
+            self.out = keras.layers.Dense(width, use_bias=False, name="out")
+            self.out.build((None, 32))
+
+        def call(self, x):
+            hidden = keras.ops.tanh(keras.ops.matmul(x, self.gate.kernel))
+            return x + keras.ops.matmul(hidden, self.out.kernel)
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(16, name="embed")(inputs)
+    x = KernelReadingBlock(name="block")(x)
+    head = keras.layers.Dense(3, name="head")
+    outputs = head(x)
+    if lora:
+        head.enable_lora(2)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    return model
+
+
+def kernel_reading_data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(32, 16)).astype("float32"),
+            rng.integers(0, 3, size=(32,)))

@@ -1721,3 +1721,42 @@ def fully_sharded_load_bfloat16(weights_path):
             "dtypes": [str(w.dtype) for w in model.get_weights()],
             "weights": [w.astype("float32") for w in model.get_weights()],
             "restored": [w.astype("float32") for w in fresh.get_weights()]}
+
+
+def kernel_reading_block(directory):
+    """`worker_common.kernel_reading_model` (a block computing with its
+    sublayers' kernels itself) under a map sharding those kernels, on a
+    (2, 1) mesh (over the batch axis: FSDP-style) and a (1, 2) one (over
+    the model axis), with a LoRA head whose adapters the map leaves on
+    the model sub-mesh: trained weights, which kernels are sharded, and
+    `save_weights` (LoRA merged into the kernel) read back as a file."""
+    _setup()
+    import os
+
+    import keras
+    from worker_common import kernel_reading_data
+    from worker_common import kernel_reading_model
+
+    import keras_distribute as kd
+
+    results = {}
+    for shape in ((2, 1), (1, 2)):
+        mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"],
+                                             ["cpu:0", "cpu:1"])
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["block/gate/kernel"] = ("batch", "model")
+        layout_map["block/out/kernel"] = ("model", "batch")
+        layout_map["head/kernel"] = ("batch", None)
+        strategy = kd.MirroredStrategy(layout_map=layout_map)
+        with strategy.scope():
+            model = kernel_reading_model(lora=True)
+        x, y = kernel_reading_data()
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        path = os.path.join(directory, f"{shape[0]}x{shape[1]}.weights.h5")
+        model.save_weights(path)
+        results[shape] = {
+            "weights": model.get_weights(), "path": path,
+            "local": {v.path: tuple(v.value.to_local().shape)
+                      for v in model.weights
+                      if hasattr(v.value, "to_local")}}
+    return results

@@ -86,6 +86,11 @@ ROWS: Tuple[Row, ...] = (
         "saving that builds no variables to list attribute names"),
     Row("saving_lib.get_attr_skipset", (), "see saving_lib", "3.10-3.16",
         parameters=("obj_type",)),
+    Row("saving_lib._save_state", (), "torch sharding: a layer's variables "
+        "read whole while Keras saves them (LoRA merges its adapters, laid "
+        "out on another mesh, into the kernel)", "3.10-3.16",
+        parameters=("saveable", "weights_store"),
+        backends=("torch_sharding",)),
     Row("saving_lib.safe_get_h5_dataset", (), "see H5IOStore", "3.15-3.16",
         parameters=("group", "name")),
     Row("serialization_lib", ((_S + "saving.serialization_lib", ""),),
@@ -328,6 +333,9 @@ ROWS: Tuple[Row, ...] = (
     Row("torch_Variable._initialize_with_initializer", (),
         "see torch_random", "3.10-3.16", parameters=("self", "initializer"),
         backends=("torch_sharding",)),
+    Row("torch_Variable.value", (), "torch sharding: a fully sharded "
+        "variable another layer's call reads itself is gathered for it",
+        "3.10-3.16", backends=("torch_sharding",)),
     Row("TorchLayer", ((_S + "backend.torch.layer", "TorchLayer"),),
         "torch sharding: a sharded layer's forward runs on its shards",
         "3.10-3.16", backends=("torch_sharding",)),

@@ -226,11 +226,37 @@ def _install_sharding() -> None:
 
     original_forward = registry.resolve("TorchLayer").forward
 
+    from keras_distribute.backend.torch import layer_calls
+
     def forward(self, *args, **kwargs):
         engine = self.__dict__.get("_kd_sharded_engine")
-        if engine is None:
-            return original_forward(self, *args, **kwargs)
-        return engine.sharded_forward(original_forward, self, args, kwargs)
+        if engine is not None:
+            return engine.sharded_forward(original_forward, self, args,
+                                          kwargs)
+        engine = self.__dict__.get("_kd_reads_sharded")
+        if engine is not None:
+            return engine.calling_forward(original_forward, self, args,
+                                          kwargs)
+        return layer_calls.call_plain(original_forward, self, args, kwargs)
+
+    saving_lib = registry.resolve("saving_lib")
+    original_save_state = registry.resolve("saving_lib._save_state")
+
+    @functools.wraps(original_save_state)
+    def _save_state(saveable, *args, **kwargs):
+        if not isinstance(saveable, layer_class):
+            return original_save_state(saveable, *args, **kwargs)
+        with layer_calls.reading_whole(saveable):
+            return original_save_state(saveable, *args, **kwargs)
+
+    original_value = registry.resolve("torch_Variable.value")
+
+    def value(self):
+        value = original_value.fget(self)
+        if self.__dict__.get("_kd_engine") is not None and (
+                torch_variables.on_read(self, value.device.type == "meta")):
+            value = original_value.fget(self)  # gathered for this call
+        return value
 
     original_slot = optimizer_class.add_variable_from_reference
 
@@ -294,6 +320,9 @@ def _install_sharding() -> None:
     for module in (torch_core, torch_package, keras_backend):
         _patch(module, "convert_to_numpy", convert_to_numpy)
     _patch(torch_variable, "_direct_assign", _direct_assign)
+    _patch(saving_lib, "_save_state", _save_state)
+    _patch(torch_variable, "value",
+           property(value, doc=original_value.__doc__))
 
     torch_random = registry.resolve("torch_random")
     original_with_initializer = torch_variable._initialize_with_initializer

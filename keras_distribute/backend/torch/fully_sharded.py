@@ -27,6 +27,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Callable
 from typing import List
 from typing import Optional
 
@@ -37,6 +38,8 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_distribute.backend.torch.layer_calls import LayerCall
+from keras_distribute.backend.torch.layer_calls import running_calls
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import layout_axes
 
@@ -85,7 +88,11 @@ class FullyShardedVariables:
     @contextlib.contextmanager
     def gathered_variables(self, layer: Layer):
         """While a layer runs: each of its fully sharded variables reads as
-        its model sub-mesh view, gathered over the batch axis by DTensor.
+        its model sub-mesh view, gathered over the batch axis by DTensor;
+        so does another layer's fully sharded variable its call reads
+        itself (keras-hub's Gemma 4 block computes with
+        `self.ffw_linear.kernel`), from its first read to the end of the
+        call (`gather_read`).
 
         The view's gradient is declared a partial sum over the replicas
         (`to_local(grad_placements=...)`), so DTensor's backward
@@ -93,40 +100,122 @@ class FullyShardedVariables:
         variable the layer assigned (a moving statistic) is written back
         to its shard afterwards.
         """
-        own = layer.__dict__.get("_kd_fully_sharded", ())
-        if not own:  # model-axis sharding only: nothing to gather
-            yield
-            return
-        swapped = []
+        call = LayerCall(layer, self)
+        calls = running_calls()
+        calls.append(call)
         regathered = _gathered_now()
-        keys = []
         try:
-            for variable in own:
-                parameter = variable._value
-                placements = list(parameter.placements)
-                gathered = parameter.redistribute(
-                    self.torch_mesh, [Replicate()] + placements[1:])
-                local = gathered.to_local(
-                    grad_placements=[Partial()] + placements[1:])
-                if local.requires_grad:
-                    local.register_hook(self._weigh_replica_gradient)
-                if local.requires_grad and local.numel():
-                    key = _storage_key(local)
-                    regathered[key] = (self, parameter, local)
-                    keys.append(key)
-                view = DTensor.from_local(local, self.model_mesh,
-                                          placements[1:], run_check=False)
-                variable._value = view
-                swapped.append((variable, parameter, view))
-            with _saving_gathered_as_notes(bool(keys)):
+            for variable in layer.__dict__.get("_kd_fully_sharded", ()):
+                self._gather_into(call, variable, regathered)
+            # (a layer that read another's variables: their gathered
+            # values are saved as notes too)
+            with _saving_gathered_as_notes(bool(call.keys) or (
+                    layer.__dict__.get("_kd_reads_sharded") is self)):
                 yield
         finally:
-            for key in keys:
-                regathered.pop(key, None)
-            for variable, parameter, view in swapped:
-                if variable._value is not view or not variable.trainable:
-                    self._write_back(variable._value, parameter)
-                variable._value = parameter
+            calls.pop()
+            self.end_call(call)
+
+    def end_call(self, call: LayerCall) -> None:
+        """Puts back what was gathered for a layer call that ends: a
+        non-trainable variable the call assigned (a moving statistic) is
+        written back to its shard."""
+        regathered = _gathered_now()
+        for key in call.keys:
+            regathered.pop(key, None)
+        for variable, parameter, read in call.swapped:
+            if variable._value is not read or not variable.trainable:
+                self._write_back(variable._value, parameter)
+            variable._value = parameter
+
+    def gather_read(self, variable: Any, symbolic: bool) -> None:
+        """Called as a fully sharded `variable` is read: inside a layer's
+        call that did not gather it (a layer computing with a sublayer's
+        kernel itself, as keras-hub's Gemma 4 block does), it reads whole,
+        as a plain tensor, for the rest of that call; its gradient is
+        reduce-scattered onto its shards as a layer's own. That layer's
+        later calls save it for backward as a note (`calling_forward`).
+        In a `symbolic` call (on no real tensor), only the latter; outside
+        every layer call (an optimizer's update, `get_weights`), nothing.
+        """
+        calls = running_calls()
+        value = variable._value
+        if not calls or not isinstance(value, DTensor):
+            return
+        call = calls[-1]
+        if call.whole:  # a layer Keras saves
+            if not symbolic:
+                with torch.no_grad():
+                    whole = value.full_tensor()
+                variable._value = whole
+                call.swapped.append((variable, value, whole))
+            return
+        if variable in call.layer.__dict__.get("_kd_sharded_variables", ()):
+            return  # its own layer's call: as its layer computes with it
+        if call.layer.__dict__.get("_kd_reads_sharded") is not self:
+            object.__setattr__(call.layer, "_kd_reads_sharded", self)
+        if symbolic or call.engine not in (None, self):
+            return
+        call.engine = self
+        if self._on_whole_mesh(value):
+            self._gather_into(call, variable, _gathered_now(), whole=True)
+            return
+        # sharded over a model axis only: read whole, its gradient the
+        # same on each process of the model sub-mesh (one batch)
+        replicated = [Replicate()] * value.device_mesh.ndim
+        read = value.redistribute(value.device_mesh, replicated).to_local(
+            grad_placements=replicated)
+        variable._value = read
+        call.swapped.append((variable, value, read))
+
+    def calling_forward(self, forward: Callable, layer: Layer, args: tuple,
+                        kwargs: dict) -> Any:
+        """Calls a layer that holds no sharded variable but computes with
+        another layer's (`gather_read`): what it reads is gathered for the
+        call and saved for backward as a note."""
+        with self.gathered_variables(layer):
+            return forward(layer, *args, **kwargs)
+
+    def _gather_into(self, call: LayerCall, variable: Any,
+                     regathered: dict, whole: bool = False) -> None:
+        """`variable` reads gathered over the batch axis until `call` ends:
+        as its model sub-mesh view (a DTensor, in its layer's call), or
+        `whole` (a plain tensor, in another layer's call). Nothing to do
+        where a layer calling this one gathered it."""
+        parameter = variable._value
+        if not self._on_whole_mesh(parameter):
+            return
+        placements = list(parameter.placements)
+        if whole:
+            placements = [Replicate()] * len(placements)
+        gathered = parameter.redistribute(
+            self.torch_mesh, [Replicate()] + placements[1:])
+        local = gathered.to_local(
+            grad_placements=[Partial()] + placements[1:])
+        if local.requires_grad:
+            local.register_hook(self._weigh_replica_gradient)
+        if local.requires_grad and local.numel() and tuple(
+                local.shape) == tuple(self.gather_again_shape(parameter)):
+            key = _storage_key(local)
+            regathered[key] = (self, parameter, local)
+            call.keys.append(key)
+        read = local if whole else DTensor.from_local(
+            local, self.model_mesh, placements[1:], run_check=False)
+        variable._value = read
+        call.swapped.append((variable, parameter, read))
+
+    @staticmethod
+    def gather_again_shape(parameter: Any) -> tuple:
+        """The shape `gather_again` gives of `parameter`: whole over the
+        batch axis, its shard over each model axis."""
+        shape = list(parameter.shape)
+        mesh = parameter.device_mesh
+        for axis, placement in enumerate(parameter.placements):
+            if axis and isinstance(placement, Shard):
+                size = mesh.size(axis)
+                dim = placement.dim
+                shape[dim] = -(-shape[dim] // size)  # (even shards only)
+        return tuple(shape)
 
     def gather_again(self, parameter: Any) -> torch.Tensor:
         """The model sub-mesh local value of a fully sharded `parameter`,
@@ -153,16 +242,18 @@ class FullyShardedVariables:
 
     def _write_back(self, value: Any, parameter: Any) -> None:
         """Copies this process's shard of a (gathered) `value` into the
-        whole-mesh `parameter`: an assignment made while it was gathered."""
+        sharded `parameter`: an assignment made while it was gathered (as
+        its model sub-mesh view, or whole)."""
         with torch.no_grad():
+            mesh = parameter.device_mesh
+            placements = [Replicate()] + list(parameter.placements)[1:]
             if isinstance(value, DTensor):
                 value = value.to_local()
-            whole = DTensor.from_local(
-                value.detach(), self.torch_mesh,
-                [Replicate()] + list(parameter.placements)[1:],
-                run_check=False)
-            shard = whole.redistribute(self.torch_mesh,
-                                       list(parameter.placements))
+            elif tuple(value.shape) == tuple(parameter.shape):
+                placements = [Replicate()] * len(placements)
+            whole = DTensor.from_local(value.detach(), mesh, placements,
+                                       run_check=False)
+            shard = whole.redistribute(mesh, list(parameter.placements))
             parameter.to_local().copy_(shard.to_local())
 
 

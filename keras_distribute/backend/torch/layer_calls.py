@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Callable
@@ -32,12 +33,81 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 
+class LayerCall:
+    """One layer's call running now on this thread: the engine that
+    gathered variables for it (None for a layer that holds no sharded
+    variable and read none yet), `(variable, shards, value read)` to put
+    back when it ends, and the storages of the gathered values
+    (`FullyShardedVariables.gathered_variables`, `gather_read`)."""
+
+    __slots__ = ("layer", "engine", "swapped", "keys", "whole")
+
+    def __init__(self, layer: Any, engine: Any = None,
+                 whole: bool = False) -> None:
+        self.layer = layer
+        self.engine = engine
+        self.swapped: list = []
+        self.keys: list = []
+        self.whole = whole  # every sharded variable read whole
+
+
+# The layer calls running now on each thread, innermost last: a fully
+# sharded variable read by a call that is not its layer's is gathered for
+# the innermost one.
+_running = threading.local()
+
+
+def running_calls() -> list:
+    """The `LayerCall`s running now on this thread, innermost last."""
+    calls = getattr(_running, "calls", None)
+    if calls is None:
+        calls = _running.calls = []
+    return calls
+
+
+def call_plain(forward: Callable, layer: Layer, args: tuple,
+               kwargs: dict) -> Any:
+    """Calls a layer that holds no sharded variable. Where its call reads a
+    fully sharded variable itself (`FullyShardedVariables.gather_read`),
+    the engine puts the variable back when the call ends."""
+    calls = running_calls()
+    call = LayerCall(layer)
+    calls.append(call)
+    try:
+        return forward(layer, *args, **kwargs)
+    finally:
+        calls.pop()
+        if call.engine is not None:
+            call.engine.end_call(call)
+
+
+@contextlib.contextmanager
+def reading_whole(layer: Any):
+    """While Keras saves `layer`'s variables: a sharded variable it reads
+    reads whole, as a plain tensor (a collective), until its own are
+    saved — LoRA's kernel merged with its adapters, which the map may lay
+    out on another mesh (`FullyShardedVariables.gather_read`)."""
+    calls = running_calls()
+    call = LayerCall(layer, whole=True)
+    calls.append(call)
+    try:
+        yield
+    finally:
+        calls.pop()
+        for variable, stored, _ in call.swapped:
+            variable._value = stored
+
+
 def call_sharded(forward: Callable, layer: Layer, args: tuple, kwargs: dict,
                  model_mesh: TorchDeviceMesh,
-                 gathered_variables: Callable) -> Any:
+                 gathered_variables: Callable, *,
+                 enter_inputs: bool = True) -> Any:
     """Calls `forward(layer, *args, **kwargs)` on DTensors over
     `model_mesh` (a symbolic call, on no real tensor, as it is), inside
-    `gathered_variables(layer)`; returns its outputs whole."""
+    `gathered_variables(layer)`; returns its outputs whole. With
+    `enter_inputs=False` (a layer that only calls sharded ones) its
+    tensor inputs stay plain tensors: a DTensor appears only where it
+    computes with a sharded variable itself."""
     def enter(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and not isinstance(
                 leaf, DTensor) and leaf.device.type != "meta":
@@ -49,11 +119,23 @@ def call_sharded(forward: Callable, layer: Layer, args: tuple, kwargs: dict,
     if not any(isinstance(leaf, torch.Tensor) and leaf.device.type !=
                "meta" for leaf in flat_leaves((args, kwargs))):
         return forward(layer, *args, **kwargs)  # symbolic call
-    args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
+    if enter_inputs:
+        args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
     with replicating_plain_tensors(), gathered_variables(
             layer), _replicated_while_convolving(layer):
         outputs = forward(layer, *args, **kwargs)
-    return keras.tree.map_structure(whole_value, outputs)
+    return keras.tree.map_structure(_whole_output, outputs)
+
+
+def _whole_output(value: Any) -> Any:
+    """A sharded layer's output as a whole tensor the caller may modify in
+    place (keras-hub's MoE block multiplies its shared expert's output
+    with `*=`): a DTensor's whole tensor is a view autograd forbids that
+    of, so in a step that records gradients it is copied."""
+    whole = whole_value(value)
+    if whole is not value and whole.requires_grad:
+        whole = whole.clone()
+    return whole
 
 
 @contextlib.contextmanager

@@ -143,6 +143,25 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
     assign_whole(variable, read_regions)
 
 
+def on_read(variable: Any, symbolic: bool) -> bool:
+    """Called as a variable's value is read (`symbolic`: in a call on no
+    real tensor): a fully sharded one read by a layer's call other than
+    its own is gathered for that call
+    (`FullyShardedVariables.gather_read`); any other, nothing. Returns
+    whether its value changed (to the gathered view)."""
+    stored = variable._value
+    if not isinstance(stored, DTensor):
+        return False
+    from keras_distribute.backend.torch.fully_sharded import (
+        FullyShardedVariables,
+    )
+
+    engine = variable.__dict__.get("_kd_engine")
+    if isinstance(engine, FullyShardedVariables):
+        engine.gather_read(variable, symbolic)
+    return variable._value is not stored
+
+
 def whole_value(value: Any) -> Any:
     """A sharded value as the whole tensor (a collective: every process of
     the mesh must read it); anything else as is."""
