@@ -1,8 +1,10 @@
 """Every keras-hub backbone with a `get_layout_map` (#71), as tiny random
 configs: Gemma, Llama, Qwen, Qwen-MoE and Qwen3-MoE, each under its own map
 and under `kd.layouts.fully_sharded`, in float32, bfloat16 and
-mixed_bfloat16, with and without `enable_lora` (the ten cases below cover
-every family with both maps, every dtype and LoRA on and off).
+mixed_bfloat16, with and without `enable_lora` (the first ten cases below
+cover every family with both maps, every dtype and LoRA on and off), and
+Gemma 4 under a map as keras-hub's recipes write one (its block computes
+with its sublayers' kernels itself).
 
 Each case, on JAX's 8 simulated devices (mesh batch 4 x model 2):
 
@@ -26,12 +28,13 @@ Each case, on JAX's 8 simulated devices (mesh batch 4 x model 2):
 
 TensorFlow refuses sharded layouts (documented; tested in
 test_strategy_layouts); torch's sharded families run across processes in
-test_torch_multiprocess.
+test_keras_hub_families_torch.
 """
 
 import os
 
 import keras
+import keras_hub_families as families
 import numpy as np
 import pytest
 
@@ -48,32 +51,6 @@ except ImportError as error:  # keras-hub 0.32 predates Keras 3.16
     pytest.skip(f"keras-hub does not import with Keras {keras.__version__}: "
                 f"{error}", allow_module_level=True)
 
-_VOCABULARY = 128
-_COMMON = dict(vocabulary_size=_VOCABULARY, num_layers=2, num_query_heads=8,
-               num_key_value_heads=4, hidden_dim=32, intermediate_dim=64)
-
-
-def _backbone(family, dtype):
-    models = keras_hub.models
-    if family == "gemma":
-        return models.GemmaBackbone(head_dim=8, dtype=dtype, **_COMMON)
-    if family == "llama":
-        return models.LlamaBackbone(dtype=dtype, **_COMMON)
-    if family == "qwen":
-        return models.QwenBackbone(dtype=dtype, **_COMMON)
-    if family == "qwen_moe":
-        return models.QwenMoeBackbone(
-            moe_intermediate_dim=16, shared_expert_intermediate_dim=32,
-            num_experts=4, top_k=2, dtype=dtype, **_COMMON)
-    return models.Qwen3MoeBackbone(moe_intermediate_dim=16, num_experts=4,
-                                   top_k=2, head_dim=8, dtype=dtype,
-                                   **_COMMON)
-
-
-_TASKS = {"gemma": "GemmaCausalLM", "llama": "LlamaCausalLM",
-          "qwen": "QwenCausalLM", "qwen_moe": "QwenMoeCausalLM",
-          "qwen3_moe": "Qwen3MoeCausalLM"}
-
 CASES = [
     ("gemma", "own", "float32", False),
     ("gemma", "fully_sharded", "bfloat16", True),
@@ -85,35 +62,21 @@ CASES = [
     ("qwen_moe", "fully_sharded", "bfloat16", False),
     ("qwen3_moe", "own", "mixed_bfloat16", False),
     ("qwen3_moe", "fully_sharded", "float32", True),
+    # Gemma 4 has no get_layout_map: a map as keras-hub's recipes write one
+    ("gemma4", "own", "float32", False),
 ]
 
 
-def _make(family, dtype, lora):
-    backbone = _backbone(family, dtype)
-    model = getattr(keras_hub.models, _TASKS[family])(backbone=backbone,
-                                                      preprocessor=None)
-    if lora:
-        backbone.enable_lora(rank=2)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), weighted_metrics=[])
-    return model
-
-
-def _data():
-    tokens = np.random.default_rng(0).integers(1, _VOCABULARY, (16, 17))
-    return ({"token_ids": tokens[:, :-1],
-             "padding_mask": np.ones((16, 16), bool)}, tokens[:, 1:])
-
-
-def _values(model):
-    return [np.asarray(v.value).astype("float32") for v in model.weights]
+_make = families.make
+_values = families.values
+_worst = families.worst
+_data = families.data
 
 
 def _trained(family, dtype, lora, start):
     model = _make(family, dtype, lora)
     model.set_weights(start)
-    x, y = _data()
+    x, y = _data(family)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     return model
 
@@ -124,10 +87,7 @@ def _worst(a, b):
 
 
 def _layout_map(family, mapname, mesh):
-    if mapname == "own":
-        task = getattr(keras_hub.models, _TASKS[family])
-        return task.backbone_cls.get_layout_map(mesh)
-    return kd.layouts.fully_sharded(mesh, min_size=256)
+    return families.layout_map(family, mapname, mesh)
 
 
 def _spec(variable):
@@ -143,7 +103,7 @@ def test_a_keras_hub_family_trains_saves_and_loads_sharded(
     keras.utils.set_random_seed(0)
     reference = _make(family, dtype, lora)
     start = reference.get_weights()
-    x, y = _data()
+    x, y = _data(family)
     reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     expected = _values(reference)
     if dtype == "float32":
