@@ -101,3 +101,27 @@ def worst(a, b):
     """The largest absolute difference between two lists of arrays."""
     return max((float(np.max(np.abs(p - q))) if p.size else 0.0)
                for p, q in zip(a, b))
+
+
+def assert_first_within_rounding(model, family, tokens, prompt_length):
+    """Each token of `tokens` (greedy `generate()` of a sharded model in
+    bfloat16) after the prompt is one that `model`'s own logits (the
+    sequence fed whole) rank first within 8 bfloat16 units of the largest
+    logit's magnitude: logits summed in another order may break a
+    near-tie, by that much at most. (A tiny random model has 1.2-1.3 of
+    its 128 tokens within that slack on average, so a token chosen
+    otherwise fails.)"""
+    import keras
+
+    inputs = {"token_ids": tokens,
+              "padding_mask": np.ones(tokens.shape, bool)}
+    if family == "gemma4":
+        inputs["position_ids"] = np.tile(np.arange(tokens.shape[1]),
+                                         (len(tokens), 1))
+    logits = keras.ops.convert_to_numpy(model(inputs)).astype("float32")
+    for row in range(len(tokens)):
+        for position in range(prompt_length, tokens.shape[1]):
+            scores = logits[row, position - 1]
+            slack = 8 * 2.0 ** -8 * float(np.max(np.abs(scores)))
+            chosen = scores[tokens[row, position]]
+            assert chosen >= np.max(scores) - slack, (row, position)

@@ -149,17 +149,21 @@ def test_a_keras_hub_family_trains_saves_and_loads_sharded(
     saved_merged = _values(plain)  # (LoRA: Keras merges the adapters)
     for merged, loaded in zip(saved_merged, _values(again)):
         np.testing.assert_array_equal(merged, loaded)
+    # generate() (greedy): the sharded model's tokens are one device's
+    # with the same weights; in bfloat16, each token it chose is one that
+    # one device's logits rank first within bfloat16's rounding (logits
+    # summed in another order may break a near-tie).
+    prompt = {"token_ids": np.array([[5, 9, 17, 3] + [0] * 8] * 2),
+              "padding_mask": np.array([[True] * 4 + [False] * 8] * 2)}
+    tokens = []
+    for each in (plain, again):
+        each.compile(sampler="greedy")
+        tokens.append(each.generate(dict(prompt), max_length=12,
+                                    stop_token_ids=None)["token_ids"])
     if dtype == "float32":
-        # generate(): the sharded model's tokens are one device's (greedy;
-        # bfloat16 logits summed in another order may break a near-tie).
-        prompt = {"token_ids": np.array([[5, 9, 17, 3] + [0] * 8] * 2),
-                  "padding_mask": np.array([[True] * 4 + [False] * 8] * 2)}
-        tokens = []
-        for each in (plain, again):
-            each.compile(sampler="greedy")
-            tokens.append(each.generate(prompt, max_length=12,
-                                        stop_token_ids=None)["token_ids"])
         np.testing.assert_array_equal(tokens[0], tokens[1])
+    else:
+        families.assert_first_within_rounding(plain, family, tokens[1], 4)
     if not lora:
         for mine, loaded in zip(got, saved_merged):
             np.testing.assert_array_equal(mine, loaded)
@@ -194,3 +198,31 @@ def test_a_keras_hub_family_trains_saves_and_loads_sharded(
     for want, variable in zip(adapters, fresh.trainable_variables):
         np.testing.assert_array_equal(
             want, np.asarray(variable.value).astype("float32"))
+
+
+def test_the_planner_and_the_estimate_count_the_moe_expert_banks():
+    # A Qwen3-MoE's expert banks ((experts, in, out) per layer): the plan
+    # shards each over the batch axis (FSDP) and counts its bytes per
+    # device; the estimate of a step under the plan's map (the model built
+    # again after clear_session: keras-hub names the MoE blocks by a
+    # counter) holds exactly the plan's parameter bytes.
+    keras.backend.clear_session()
+    mesh = keras.distribution.DeviceMesh((4, 2), ["batch", "model"],
+                                         keras.distribution.list_devices())
+
+    def make():
+        return families.make("qwen3_moe", "float32", False)
+
+    plan = kd.layouts.plan_layout(make, mesh, fsdp_min_size=256,
+                                  min_shard_size=256)
+    banks = [row for row in plan.variables if "/experts/" in row.path]
+    assert len(banks) == 4, [row.path for row in plan.variables]
+    for row in banks:
+        assert "batch" in row.axes, row
+        assert row.bytes_per_device == 4 * int(np.prod(row.shape)) // 4
+    keras.backend.clear_session()
+    estimate = kd.layouts.estimate_memory(
+        make, plan.layout_map, batch_size=8,
+        input_shape={"token_ids": (16,), "padding_mask": (16,)})
+    assert estimate.parameters == sum(
+        row.bytes_per_device for row in plan.variables)

@@ -8,8 +8,9 @@ Each case trains one epoch (2 steps) to the weights of one process on the
 same batches (float32 within 1e-5; bfloat16 within what one process's own
 bfloat16 rounding makes, as in test_keras_hub_families), every process
 identical; its `save_weights` file loads bit-exactly into a fresh sharded
-model and into a plain one; in float32, greedy `generate()` of the sharded
-model gives one process's tokens. The JAX side, with presets and adapter
+model and into a plain one; greedy `generate()` of the sharded model gives
+one process's tokens (in bfloat16: tokens one process's logits rank first
+within bfloat16's rounding). The JAX side, with presets and adapter
 files: test_keras_hub_families.
 
 Qwen3-MoE runs without its router's load-balancing loss here: that loss
@@ -113,5 +114,9 @@ def test_keras_hub_families_train_save_and_load_sharded_on_torch(tmp_path):
             want = plain.generate(dict(PROMPT), max_length=12,
                                   stop_token_ids=None)["token_ids"]
             for result in mine:
-                np.testing.assert_array_equal(result["tokens"], want,
-                                              err_msg=case)
+                if dtype == "float32":
+                    np.testing.assert_array_equal(result["tokens"], want,
+                                                  err_msg=case)
+                else:  # (a near-tie may break the other way)
+                    families.assert_first_within_rounding(
+                        plain, family, result["tokens"], 4)

@@ -1297,3 +1297,6 @@ def test_a_layer_computing_with_its_sublayers_kernels_matches_one_process(
         for loaded in (plain, merged):
             np.testing.assert_allclose(loaded.predict(x, verbose=0), want,
                                        atol=1e-5)
+    for result in results:  # (every process raises alike)
+        assert result["diverged"] is not None
+        assert "lora_kernel_a" in result["diverged"], result["diverged"]

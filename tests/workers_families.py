@@ -8,8 +8,8 @@ def train_families(cases, starts, directory, prompt, options=None):
     """Each case `(family, map, dtype, lora)` on a (2, 1) mesh (batch axis
     2; `options` go to Qwen3-MoE's backbone): one epoch from `starts[i]`,
     its weights, the file it saved loaded into a fresh sharded model,
-    which variables it holds sharded, and (in float32) greedy `generate()`
-    of `prompt`."""
+    which variables it holds sharded, and greedy `generate()` of
+    `prompt`."""
     import torch
 
     torch.set_num_threads(1)
@@ -45,7 +45,7 @@ def train_families(cases, starts, directory, prompt, options=None):
                 and tuple(v.value.to_local().shape) != tuple(v.shape)),
             "path": path,
         }
-        if dtype == "float32" and prompt is not None:
+        if prompt is not None:
             again.compile(sampler="greedy")
             result["tokens"] = again.generate(
                 dict(prompt), max_length=12,

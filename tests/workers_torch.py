@@ -1729,11 +1729,13 @@ def kernel_reading_block(directory):
     (2, 1) mesh (over the batch axis: FSDP-style) and a (1, 2) one (over
     the model axis), with a LoRA head whose adapters the map leaves on
     the model sub-mesh: trained weights, which kernels are sharded, and
-    `save_weights` (LoRA merged into the kernel) read back as a file."""
+    `save_weights` (LoRA merged into the kernel) read back as a file; then
+    the divergence check, one process's adapter changed."""
     _setup()
     import os
 
     import keras
+    import torch
     from worker_common import kernel_reading_data
     from worker_common import kernel_reading_model
 
@@ -1759,4 +1761,13 @@ def kernel_reading_block(directory):
             "local": {v.path: tuple(v.value.to_local().shape)
                       for v in model.weights
                       if hasattr(v.value, "to_local")}}
+    # The divergence check covers the adapters: one process's changed.
+    adapter = model.get_layer("head").lora_kernel_a
+    if torch.distributed.get_rank() == 1:
+        adapter.assign(adapter.value + 1e-3)
+    try:
+        strategy.check_replicas_agree(model)
+        results["diverged"] = None
+    except kd.ReplicasDivergedError as error:
+        results["diverged"] = str(error)
     return results

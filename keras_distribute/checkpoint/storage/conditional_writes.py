@@ -84,10 +84,15 @@ def _put(store: Store, what: str, key: str, data: bytes,
     except FileExistsError:
         raise  # (s3fs' name for a refused If-None-Match)
     except OSError as error:
-        if store_answers.precondition_failed(error):
-            raise VersionChanged(f"{key} changed since it was read.") from error
+        _raise_if_changed(error, key)
         raise
     return str(answer.get("ETag", ""))
+
+
+def _raise_if_changed(error: OSError, key: str) -> None:
+    """Raises `VersionChanged` where the store refused a condition (412)."""
+    if store_answers.precondition_failed(error):
+        raise VersionChanged(f"{key} changed since it was read.") from error
 
 
 def create(store: Store, key: str, data: bytes) -> str:
@@ -130,8 +135,7 @@ def remove(store: Store, key: str, version: str) -> None:
         store.call(f"Deleting {key}", store.fs.call_s3, "delete_object",
                    Bucket=bucket, Key=name, IfMatch=version)
     except OSError as error:
-        if store_answers.precondition_failed(error):
-            raise VersionChanged(f"{key} changed since it was read.") from error
+        _raise_if_changed(error, key)
         raise
 
 

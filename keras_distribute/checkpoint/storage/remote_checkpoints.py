@@ -50,7 +50,7 @@ from keras_distribute.checkpoint.storage.format import CheckpointError
 
 GENERATION = re.compile(r"g-[0-9a-f]{32}")
 MARKER = "generation.json"
-_MARKER_BYTES = 1 << 16
+MARKER_BYTES = 1 << 16
 # The chief rewrites its generation's marker this often while a save runs;
 # one whose beat is older than STALE_AFTER_S (by this host's clock: hosts'
 # clocks may differ by seconds, not by this much) belongs to a dead writer.
@@ -60,10 +60,10 @@ STALE_AFTER_S = 60.0
 
 def read_record(key: str) -> Optional[dict]:
     """The small JSON object at `key` (a marker, a lease), or `None` when
-    it is absent, larger than `_MARKER_BYTES` or not a JSON object."""
+    it is absent, larger than `MARKER_BYTES` or not a JSON object."""
     try:
-        raw = object_store.store_for(key).read_bytes(key, _MARKER_BYTES)
-        record = json.loads(raw) if len(raw) <= _MARKER_BYTES else None
+        raw = object_store.store_for(key).read_bytes(key, MARKER_BYTES)
+        record = json.loads(raw) if len(raw) <= MARKER_BYTES else None
     except (FileNotFoundError, ValueError):
         return None
     return record if isinstance(record, dict) else None

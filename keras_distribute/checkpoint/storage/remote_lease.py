@@ -50,7 +50,8 @@ STALE_AFTER_S = 60.0
 # How long a writer waits before reading its lease back (without
 # conditional writes).
 SETTLE_S = 1.0
-_RECORD_BYTES = 1 << 16
+# (a record as small as a generation's marker)
+_RECORD_BYTES = remote_checkpoints.MARKER_BYTES
 # Rounds of create / read / replace before a take gives up (each lost
 # round means another job wrote the lease meanwhile).
 _TAKE_ROUNDS = 4

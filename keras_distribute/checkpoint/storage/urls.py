@@ -3,15 +3,16 @@ are remote, their checked form, and joining and splitting them (re-exported
 by `object_store`). Framework-free; imports nothing of kd."""
 
 import re
+from types import MappingProxyType
 from typing import Any
-from typing import Dict
+from typing import Mapping
 from typing import Tuple
 
 # scheme -> (the fsspec package serving it, the extra that installs it)
-REMOTE_SCHEMES: Dict[str, Tuple[str, str]] = {
+REMOTE_SCHEMES: Mapping[str, Tuple[str, str]] = MappingProxyType({
     "s3": ("s3fs", "s3"),
     "gs": ("gcsfs", "gcs"),
-}
+})
 _REMOTE = re.compile(r"(s3|gs)://(.*)", re.DOTALL)
 # A bucket name, as S3 and GCS allow them (3-222 characters).
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._\-]{1,220}[a-z0-9]")
