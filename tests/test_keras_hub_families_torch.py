@@ -120,3 +120,28 @@ def test_keras_hub_families_train_save_and_load_sharded_on_torch(tmp_path):
                 else:  # (a near-tie may break the other way)
                     families.assert_first_within_rounding(
                         plain, family, result["tokens"], 4)
+
+
+def test_the_estimate_runs_a_block_that_computes_with_its_sublayers_kernels():
+    # Gemma 4's block reads its feed-forward kernels itself: the estimate's
+    # step (one process, fake tensors) gathers them whole for that call, as
+    # the engine does; it had computed with the shards (a shape error).
+    mesh = keras.distribution.DeviceMesh((2, 1), ["batch", "model"],
+                                         ["cpu:0", "cpu:1"])
+    layout_map = families.gemma4_layout_map(mesh)
+
+    def make():
+        return families.make("gemma4", "float32", False)
+
+    estimate = kd.layouts.estimate_memory(
+        make, layout_map, batch_size=8,
+        input_shape={"token_ids": (16,), "padding_mask": (16,),
+                     "position_ids": (16,)})
+    keras.backend.clear_session()
+    model = make()
+    sharded = ("token_embedding/embeddings", "ffw_gating", "ffw_linear")
+    want = sum(4 * int(np.prod(v.shape)) // (
+        2 if any(key in v.path for key in sharded) else 1)
+        for v in model.weights)
+    assert estimate.parameters == want, (estimate.parameters, want)
+    assert estimate.peak > estimate.parameters

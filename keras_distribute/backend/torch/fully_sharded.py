@@ -150,7 +150,8 @@ class FullyShardedVariables:
                 variable._value = whole
                 call.swapped.append((variable, value, whole))
             return
-        if variable in call.layer.__dict__.get("_kd_sharded_variables", ()):
+        if id(variable) in call.layer.__dict__.get("_kd_sharded_variables",
+                                                   ()):
             return  # its own layer's call: as its layer computes with it
         if call.layer.__dict__.get("_kd_reads_sharded") is not self:
             object.__setattr__(call.layer, "_kd_reads_sharded", self)

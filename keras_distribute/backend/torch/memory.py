@@ -34,11 +34,8 @@ from torch.utils._pytree import tree_flatten
 
 from keras_distribute.backend.interface import StepMemory
 from keras_distribute.backend.torch import user_steps
-from keras_distribute.backend.torch.layer_calls import convolutions
+from keras_distribute.backend.torch.memory_gathering import GatheringLayers
 from keras_distribute.backend.torch.storage_counting import LiveStorageBytes
-from keras_distribute.backend.torch.storage_counting import (
-    gloo_stages_collectives,
-)
 from keras_distribute.common.layouts import axis_names
 from keras_distribute.common.layouts import axis_size
 from keras_distribute.common.layouts import layout_axes
@@ -152,7 +149,7 @@ def step_memory(model: Model, optimizer: Optimizer, loss: Callable,
                         + [v._value for v in step_optimizer.variables]
                         + batch)
             with (LiveStorageBytes(resident, kernel_copies=True) as live,
-                  _GatheringLayers(sharded, variables),
+                  GatheringLayers(sharded, variables),
                   _ScalarsReadAsOne(), _ScalarArraysReadAsOne()):
                 # The last step's gradients: Keras' torch step (and kd's)
                 # clears them (`zero_grad`) once the forward pass is done,
@@ -249,175 +246,6 @@ def _optimizer_on_shards(optimizer: Optimizer, trainable: list,
             trainable=True, name=v.name) for v in trainable]
         fresh.build(stand_ins)
     return fresh, stand_ins
-
-
-def _staging(like: torch.Tensor, shape: tuple, staged: bool) -> None:
-    """A collective's staging buffer of `shape`, made and freed at once
-    (it counts towards the peak while the collective runs)."""
-    if staged:
-        like.new_empty(shape)
-
-
-class _Gathered(torch.autograd.Function):
-    """A shard gathered whole (new storage, as DTensor's all-gather makes);
-    in backward the whole gradient reduce-scattered onto the shard (new
-    storage of the shard's size). `staged`: each collective also holds a
-    staging buffer of the whole while it runs (gloo)."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, shape: tuple,
-                staged: bool) -> torch.Tensor:
-        ctx.shard_shape, ctx.staged = tuple(shard.shape), staged
-        whole = shard.new_empty(shape)
-        _staging(shard, shape, staged)
-        return whole
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        shard = grad.new_empty(ctx.shard_shape)
-        _staging(grad, tuple(grad.shape), ctx.staged)
-        return shard, None, None
-
-
-class _ReadOnShards(torch.autograd.Function):
-    """A variable cut over a model axis, as the layer kd's engine runs on
-    its shards (DTensor) reads it: a whole-shaped view without memory of
-    its own — of the batch-axis gathering of the shard (new storage, of
-    the shape the layer computes on) where the variable is also sharded
-    over the batch axis, else of nothing. In backward the whole gradient
-    goes back onto the shard (new storage of the shard's size)."""
-
-    @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, computed: tuple,
-                shape: tuple, staged: bool) -> torch.Tensor:
-        ctx.shard_shape, ctx.computed, ctx.staged = (
-            tuple(shard.shape), computed, staged)
-        if computed != tuple(shard.shape):  # gathered over the batch axis
-            held = shard.new_empty(computed)
-            _staging(shard, computed, staged)
-        else:
-            held = shard.new_empty((1,) * len(shape))
-        return held.as_strided(shape, (0,) * len(shape))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        shard = grad.new_empty(ctx.shard_shape)
-        if ctx.computed != ctx.shard_shape:
-            _staging(grad, ctx.computed, ctx.staged)
-        return shard, None, None, None
-
-
-class _GatheringLayers:
-    """While entered, every Keras layer with variables in `sharded` reads
-    them as kd's torch engine gives them to it (global torch module
-    hooks): gathered over the batch axis, a model axis's shards read
-    whole without memory of their own (`_ReadOnShards`) — a convolution's
-    gathered whole —, and what its operations save of a gathered value
-    for backward is a note that the backward pass gathers again (new
-    storage), as kd's engine does
-    (`fully_sharded.FullyShardedVariables.gathered_variables`); each
-    gathering over the batch axis on gloo holds a collective's staging
-    buffer while it runs (`gloo_stages_collectives`)."""
-
-    def __init__(self, sharded: dict, variables: list) -> None:
-        self._sharded = {id(v): (v, sharded[id(v)]) for v in variables
-                         if id(v) in sharded}
-        self._staging = gloo_stages_collectives()
-        self._swapped: list = []
-        self._gathered: dict = {}
-        self._handles: list = []
-
-    def __enter__(self) -> "_GatheringLayers":
-        if self._sharded:
-            hooks = torch.nn.modules.module
-            self._handles = [
-                hooks.register_module_forward_pre_hook(self._before),
-                hooks.register_module_forward_hook(self._after)]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        while self._swapped:  # a layer that raised: its hooks too
-            swapped, notes = self._swapped.pop()
-            notes.__exit__(None, None, None)
-            for variable, shard, _ in swapped:
-                variable._value = shard
-        self._gathered.clear()
-
-    def _own(self, layer: Any) -> list:
-        own = list(layer.__dict__.get("_trainable_variables", ())) + list(
-            layer.__dict__.get("_non_trainable_variables", ()))
-        return [v for v in own if id(v) in self._sharded]
-
-    def _before(self, layer: Any, args: Any) -> None:
-        own = self._own(layer)
-        if not own:
-            return
-        convolving = isinstance(layer, convolutions())
-        swapped = []
-        for variable in own:
-            shard = variable._value
-            sharding = self._sharded[id(variable)][1]
-            shape = tuple(int(s) for s in variable.shape)
-            staged = sharding.over_batch and self._staging
-            if convolving or sharding.computed == shape:
-                read = _Gathered.apply(shard, shape, staged)
-                held = read
-            else:
-                read = _ReadOnShards.apply(shard, sharding.computed, shape,
-                                           staged)
-                held = read if sharding.over_batch else None
-            variable._value = read
-            if held is not None and variable.trainable:
-                self._gathered[id(held.untyped_storage())] = staged
-            swapped.append((variable, shard, held))
-        notes = torch.autograd.graph.saved_tensors_hooks(self._pack,
-                                                         self._unpack)
-        notes.__enter__()
-        self._swapped.append((swapped, notes))
-
-    def _after(self, layer: Any, args: Any, output: Any) -> None:
-        if not self._own(layer) or not self._swapped:
-            return
-        swapped, notes = self._swapped.pop()
-        notes.__exit__(None, None, None)
-        for variable, shard, held in swapped:
-            variable._value = shard
-            if held is not None:
-                self._gathered.pop(id(held.untyped_storage()), None)
-
-    def _pack(self, saved: torch.Tensor) -> Any:
-        try:
-            storage = saved.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a subclass without
-            return saved
-        if id(storage) in self._gathered:
-            return _Note(tuple(saved.size()), tuple(saved.stride()),
-                         saved.storage_offset(), saved.dtype,
-                         storage.nbytes(), self._gathered[id(storage)])
-        return saved
-
-    @staticmethod
-    def _unpack(packed: Any) -> Any:
-        if isinstance(packed, _Note):  # gathered again: new storage
-            count = packed.nbytes // packed.dtype.itemsize
-            whole = torch.empty(count, dtype=packed.dtype)
-            _staging(whole, (count,), packed.staged)
-            return whole.as_strided(packed.size, packed.stride,
-                                    packed.offset)
-        return packed
-
-
-class _Note(NamedTuple):
-    """A saved gathered value's geometry (`_GatheringLayers._pack`)."""
-
-    size: tuple
-    stride: tuple
-    offset: int
-    dtype: Any
-    nbytes: int
-    staged: bool  # its gathering holds a collective's staging buffer
 
 
 def _unflatten(structure: Any, leaves: list) -> Any:

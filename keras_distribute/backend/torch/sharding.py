@@ -188,7 +188,7 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         # (what its own call computes with as DTensors; another layer's
         # call reads them whole: `gather_read`)
         object.__setattr__(layer, "_kd_sharded_variables",
-                           _IdentitySet(mine))
+                           frozenset(id(v) for v in mine))
         # The variables its forward gathers, found once here rather than
         # at every call (`gathered_variables`).
         object.__setattr__(layer, "_kd_fully_sharded", [
@@ -374,19 +374,6 @@ class ShardedTorchEngine(FullyShardedVariables, TorchEngine):
         (`layer_calls.call_sharded`)."""
         return call_sharded(forward, layer, args, kwargs, self.model_mesh,
                             self.gathered_variables)
-
-
-class _IdentitySet:
-    """Objects compared by identity (Keras variables define `==` as an
-    operation on their values)."""
-
-    __slots__ = ("_ids",)
-
-    def __init__(self, items: Any) -> None:
-        self._ids = {id(item) for item in items}
-
-    def __contains__(self, item: Any) -> bool:
-        return id(item) in self._ids
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
