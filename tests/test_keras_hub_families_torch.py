@@ -41,6 +41,7 @@ import keras_hub_families as families  # noqa: E402
 import workers_families as workers  # noqa: E402
 
 CASES = [
+    ("gemma", "own", "float32", False),
     ("gemma4", "own", "float32", False),
     ("gemma4", "own", "bfloat16", True),
     ("llama", "own", "mixed_bfloat16", True),

@@ -1234,33 +1234,6 @@ def _local_shapes(variables):
         v.value, "to_local") else None for v in variables]
 
 
-def gemma_with_its_layout_map(shape):
-    """keras-hub's GemmaBackbone.get_layout_map, as written, on a `shape`
-    mesh of processes (its batch axis shards variables: FSDP-style)."""
-    _setup()
-    import keras
-    import keras_hub
-    from worker_common import gemma_causal_lm
-    from worker_common import gemma_data
-
-    import keras_distribute as kd
-
-    size = int(np.prod(shape))
-    mesh = keras.distribution.DeviceMesh(
-        tuple(shape), ["batch", "model"], [f"cpu:{r}" for r in range(size)])
-    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    strategy = kd.MirroredStrategy(layout_map=layout_map)
-    with strategy.scope():
-        model = gemma_causal_lm()
-    x, y = gemma_data()
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    embeddings = model.backbone.get_layer("token_embedding").embeddings
-    return {"weights": model.get_weights(),
-            "embeddings_local": tuple(embeddings.value.to_local().shape),
-            "layout": strategy.describe_layout(model.backbone,
-                                               print_fn=lambda _: None)}
-
-
 def fully_sharded_load_weights(weights_path):
     """A model made under one-line FSDP over 2 processes loads a Keras
     `.weights.h5` / `.weights.json`: the regions each process read (HDF5
