@@ -253,10 +253,16 @@ def _install_sharding() -> None:
 
     def value(self):
         value = original_value.fget(self)
-        if self.__dict__.get("_kd_engine") is not None and (
-                torch_variables.on_read(self, value.device.type == "meta")):
-            value = original_value.fget(self)  # gathered for this call
-        return value
+        if self.__dict__.get("_kd_engine") is None:
+            return value
+        read = torch_variables.on_read(self, value.device.type == "meta")
+        if read is None:
+            return value
+        stored, self._value = self._value, read  # (Keras' autocast of it)
+        try:
+            return original_value.fget(self)
+        finally:
+            self._value = stored
 
     original_slot = optimizer_class.add_variable_from_reference
 

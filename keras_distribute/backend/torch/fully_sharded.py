@@ -128,7 +128,7 @@ class FullyShardedVariables:
                 self._write_back(variable._value, parameter)
             variable._value = parameter
 
-    def gather_read(self, variable: Any, symbolic: bool) -> None:
+    def gather_read(self, variable: Any, symbolic: bool) -> Optional[Any]:
         """Called as a fully sharded `variable` is read: inside a layer's
         call that did not gather it (a layer computing with a sublayer's
         kernel itself, as keras-hub's Gemma 4 block does), it reads whole,
@@ -137,30 +137,31 @@ class FullyShardedVariables:
         later calls save it for backward as a note (`calling_forward`).
         In a `symbolic` call (on no real tensor), only the latter; outside
         every layer call (an optimizer's update, `get_weights`), nothing.
+        While Keras saves a layer (`layer_calls.reading_whole`), each read
+        gives the whole value, as a plain tensor, for that read only:
+        returned (nothing is kept gathered). Returns: that value, or None.
         """
         calls = running_calls()
         value = variable._value
         if not calls or not isinstance(value, DTensor):
-            return
+            return None
         call = calls[-1]
         if call.whole:  # a layer Keras saves
-            if not symbolic:
-                with torch.no_grad():
-                    whole = value.full_tensor()
-                variable._value = whole
-                call.swapped.append((variable, value, whole))
-            return
+            if symbolic:
+                return None
+            with torch.no_grad():
+                return value.full_tensor()
         if id(variable) in call.layer.__dict__.get("_kd_sharded_variables",
                                                    ()):
-            return  # its own layer's call: as its layer computes with it
+            return None  # its own layer's call: as it computes with it
         if call.layer.__dict__.get("_kd_reads_sharded") is not self:
             object.__setattr__(call.layer, "_kd_reads_sharded", self)
         if symbolic or call.engine not in (None, self):
-            return
+            return None
         call.engine = self
         if self._on_whole_mesh(value):
             self._gather_into(call, variable, _gathered_now(), whole=True)
-            return
+            return None
         # sharded over a model axis only: read whole, its gradient the
         # same on each process of the model sub-mesh (one batch)
         replicated = [Replicate()] * value.device_mesh.ndim
@@ -168,6 +169,7 @@ class FullyShardedVariables:
             grad_placements=replicated)
         variable._value = read
         call.swapped.append((variable, value, read))
+        return None
 
     def calling_forward(self, forward: Callable, layer: Layer, args: tuple,
                         kwargs: dict) -> Any:

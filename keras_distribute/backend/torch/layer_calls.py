@@ -37,8 +37,10 @@ class LayerCall:
     """One layer's call running now on this thread: the engine that
     gathered variables for it (None for a layer that holds no sharded
     variable and read none yet), `(variable, shards, value read)` to put
-    back when it ends, and the storages of the gathered values
-    (`FullyShardedVariables.gathered_variables`, `gather_read`)."""
+    back when it ends, the storages of the gathered values
+    (`FullyShardedVariables.gathered_variables`, `gather_read`), and
+    whether it is Keras saving the layer (each read whole, kept by none).
+    """
 
     __slots__ = ("layer", "engine", "swapped", "keys", "whole")
 
@@ -83,31 +85,24 @@ def call_plain(forward: Callable, layer: Layer, args: tuple,
 
 @contextlib.contextmanager
 def reading_whole(layer: Any):
-    """While Keras saves `layer`'s variables: a sharded variable it reads
-    reads whole, as a plain tensor (a collective), until its own are
-    saved — LoRA's kernel merged with its adapters, which the map may lay
-    out on another mesh (`FullyShardedVariables.gather_read`)."""
+    """While Keras saves `layer`'s variables: each read of a sharded
+    variable gives its whole value, as a plain tensor (a collective), for
+    that read — LoRA's kernel merged with its adapters, which the map may
+    lay out on another mesh (`FullyShardedVariables.gather_read`)."""
     calls = running_calls()
-    call = LayerCall(layer, whole=True)
-    calls.append(call)
+    calls.append(LayerCall(layer, whole=True))
     try:
         yield
     finally:
         calls.pop()
-        for variable, stored, _ in call.swapped:
-            variable._value = stored
 
 
 def call_sharded(forward: Callable, layer: Layer, args: tuple, kwargs: dict,
                  model_mesh: TorchDeviceMesh,
-                 gathered_variables: Callable, *,
-                 enter_inputs: bool = True) -> Any:
+                 gathered_variables: Callable) -> Any:
     """Calls `forward(layer, *args, **kwargs)` on DTensors over
     `model_mesh` (a symbolic call, on no real tensor, as it is), inside
-    `gathered_variables(layer)`; returns its outputs whole. With
-    `enter_inputs=False` (a layer that only calls sharded ones) its
-    tensor inputs stay plain tensors: a DTensor appears only where it
-    computes with a sharded variable itself."""
+    `gathered_variables(layer)`; returns its outputs whole."""
     def enter(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and not isinstance(
                 leaf, DTensor) and leaf.device.type != "meta":
@@ -119,8 +114,7 @@ def call_sharded(forward: Callable, layer: Layer, args: tuple, kwargs: dict,
     if not any(isinstance(leaf, torch.Tensor) and leaf.device.type !=
                "meta" for leaf in flat_leaves((args, kwargs))):
         return forward(layer, *args, **kwargs)  # symbolic call
-    if enter_inputs:
-        args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
+    args, kwargs = keras.tree.map_structure(enter, (args, kwargs))
     with replicating_plain_tensors(), gathered_variables(
             layer), _replicated_while_convolving(layer):
         outputs = forward(layer, *args, **kwargs)
