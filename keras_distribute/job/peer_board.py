@@ -60,6 +60,11 @@ class PeerBoard:
             the store answers, so that a partition still names them.
         store_address: `host:port` of the job's store, for the message
             of a process that cannot reach it.
+        watch_peers: while this process is `busy()`, read the peers'
+            heartbeats at each beat, so that `explain` names a peer that
+            went silent at once, from what it saw while this process
+            waited, instead of watching it for 2.5 beats more (torch:
+            named within the collective's timeout).
         note_silent_peers: also watch the peers' heartbeats all along and
             leave a process note (`process_notes`) naming a peer that went
             silent, or the store when it stops answering: on JAX, whose
@@ -72,9 +77,13 @@ class PeerBoard:
                  on_stall: Optional[Callable[[int, str], None]] = None,
                  host: Optional[str] = None,
                  store_address: Optional[str] = None,
-                 note_silent_peers: bool = False):
+                 note_silent_peers: bool = False,
+                 watch_peers: bool = False):
         self._store = store
         self._note_silent_peers = note_silent_peers
+        self._watch_peers = watch_peers or note_silent_peers
+        self._watched_at = 0.0  # when the peers' heartbeats were last read
+        self._read_at: dict = {}  # rank -> when its heartbeat was last read
         self._last_write = time.monotonic()  # the last beat the store took
         self._seen: dict = {}  # rank -> (its beat text, when it changed)
         self._noted: Optional[str] = None
@@ -122,6 +131,8 @@ class PeerBoard:
                     self._learn_hosts()
                 if self._note_silent_peers:
                     self._note_a_silent_peer()
+                elif self._watch_peers and self.busy_depth:
+                    self._read_peers()
             except Exception:  # the store's host is gone: nothing to tell
                 self._note_store_lost()
                 return
@@ -131,9 +142,9 @@ class PeerBoard:
     # moves on), so a large job does not load its store.
     _WATCHED_PER_BEAT = 64
 
-    def _note_a_silent_peer(self) -> None:
-        """Reads some peers' heartbeats; notes one that stood still for
-        2.5 beats (the process note names it if the runtime aborts us)."""
+    def _read_peers(self) -> list:
+        """Reads some peers' heartbeats (a window that moves on), keeping
+        when each last changed (`_seen`); returns the ranks read."""
         now = time.monotonic()
         peers = [r for r in range(self.world_size) if r != self.rank]
         start = (self._beats * self._WATCHED_PER_BEAT) % len(peers)
@@ -145,9 +156,23 @@ class PeerBoard:
             seen = self._seen.get(rank)
             if seen is None or seen[0] != text:
                 self._seen[rank] = (text, now)
+            self._read_at[rank] = now
+        self._watched_at = now
+        return window
+
+    def _note_a_silent_peer(self) -> None:
+        """Reads some peers' heartbeats; notes one that stood still for
+        2.5 beats (the process note names it if the runtime aborts us)."""
+        now = time.monotonic()
+        before = dict(self._seen)
+        for rank in self._read_peers():
+            seen = self._seen.get(rank)
+            if seen is None:
+                continue  # not started yet
+            if before.get(rank) != seen:
                 if self._noted == f"process {rank} of {self.world_size}":
                     self._unnote()  # it answers again
-            elif text != _ENDED and now - seen[1] > 2.5 * self.interval_s:
+            elif seen[0] != _ENDED and now - seen[1] > 2.5 * self.interval_s:
                 self._note(rank, f"process {rank} of {self.world_size}", (
                     f"process {rank} of {self.world_size}{self._on(rank)} "
                     f"stopped answering: its heartbeat did not change for "
@@ -272,13 +297,45 @@ class PeerBoard:
         reader.join(wait_s)
         return box[0] if box else None
 
+    def _silent_as_recorded(self, watch_s: float) -> Optional[tuple]:
+        """`explain`'s verdict from the heartbeats the beat thread read
+        while this process waited (`watch_peers`), without watching them
+        again: a peer that ended, or whose heartbeat stood still for more
+        than `watch_s` up to a read less than two beats old; else None."""
+        now = time.monotonic()
+        if not self._watch_peers or now - self._watched_at > \
+                2 * self.interval_s + 1.0:
+            return None
+        count = self.world_size
+        for rank, (text, since) in sorted(self._seen.items()):
+            if self._watched_at - self._read_at.get(rank, 0.0) > 1e-9:
+                continue  # not in the last read's window
+            if text == _ENDED:
+                self.verdict = "ended"
+                return rank, (f"process {rank} of {count}{self._on(rank)} has "
+                              "left the job (it ended) while this process "
+                              "still needed it")
+            if self._watched_at - since > watch_s:
+                self.verdict = "silent"
+                return rank, (
+                    f"process {rank} of {count}{self._on(rank)} stopped "
+                    "answering: its heartbeat did not change for "
+                    f"{self._watched_at - since:.1f} s while this process "
+                    "waited (it is frozen — stopped by SIGSTOP or a "
+                    "debugger —, was killed, or its machine is "
+                    "unreachable: down, or the network between them cut)")
+        return None
+
     def explain(self) -> tuple:
         """Why this process waits in vain: `(rank, text)` naming the peer
         that froze, left or lags, or `(None, text)` when the board cannot
         tell (then `text` says what it saw)."""
         watch_s = 2.5 * self.interval_s
-        first = self._read_bounded(watch_s + 1.0)
         self.verdict = "unknown"
+        recorded = self._silent_as_recorded(watch_s)
+        if recorded is not None:
+            return recorded
+        first = self._read_bounded(watch_s + 1.0)
         if first is None:
             self.verdict = "store"
             at = f" at {self.store_address}" if self.store_address else ""
@@ -341,14 +398,16 @@ def start(store: Any, rank: int, world_size: int, timeout_s: float,
           on_stall: Optional[Callable[[int, str], None]] = None,
           host: Optional[str] = None,
           store_address: Optional[str] = None,
-          note_silent_peers: bool = False) -> None:
+          note_silent_peers: bool = False,
+          watch_peers: bool = False) -> None:
     """Starts this process's heartbeat (once, for a job of several); see
     `PeerBoard` for the arguments."""
     global _board
     if _board is None and world_size > 1:
         _board = PeerBoard(store, rank, world_size, timeout_s, on_stall,
                            host=host, store_address=store_address,
-                           note_silent_peers=note_silent_peers)
+                           note_silent_peers=note_silent_peers,
+                           watch_peers=watch_peers)
 
 
 def board() -> Optional[PeerBoard]:

@@ -40,7 +40,8 @@ def start(store: Any, rank: int, world_size: int, timeout_s: float,
     """Starts this process's heartbeat on the group's store (`host`,
     `store_address`: see `peer_board.PeerBoard`)."""
     peer_board.start(_StoreText(store), rank, world_size, timeout_s,
-                     host=host, store_address=store_address)
+                     host=host, store_address=store_address,
+                     watch_peers=True)
 
 
 def looks_like_lost_peer(error: BaseException) -> bool:
