@@ -228,6 +228,12 @@ class ShardedForwardEngine(TorchDdpEngine, Protocol):
                         kwargs: dict) -> Any:
         """`forward(layer, *args, **kwargs)` on the layer's sharded values."""
 
+    def calling_forward(self, forward: Callable, layer: Layer, args: tuple,
+                        kwargs: dict) -> Any:
+        """`forward(layer, *args, **kwargs)` of a layer that holds no
+        sharded variable but computes with another layer's: what it reads
+        gathered for the call."""
+
 
 @runtime_checkable
 class LayoutEngine(ReplicaEngine, Protocol):
