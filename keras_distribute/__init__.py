@@ -86,7 +86,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'keras_distribute' has no attribute {name!r}")
 
 
-__all__ = [
+__all__ = (
     "AutoShardPolicy",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -140,4 +140,4 @@ __all__ = [
     "set_divergence_check",
     "simulate_cpu_devices",
     "train_step",
-]
+)

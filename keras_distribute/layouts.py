@@ -36,10 +36,10 @@ if TYPE_CHECKING:
     from keras_distribute.planning.memory_estimate import MemoryEstimate
     from keras_distribute.planning.memory_estimate import estimate_memory
 
-__all__ = ["DEFAULT_MIN_SIZE", "DryRun", "Finding", "FullyShardedLayoutMap",
+__all__ = ("DEFAULT_MIN_SIZE", "DryRun", "Finding", "FullyShardedLayoutMap",
            "LayoutCheck", "LayoutPlan", "MemoryEstimate", "PlannedVariable",
            "check_layout", "dry_run", "estimate_memory", "fully_sharded",
-           "plan_layout"]
+           "plan_layout")
 
 
 def __getattr__(name: str) -> Any:

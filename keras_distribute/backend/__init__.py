@@ -13,13 +13,14 @@ them: what an engine needs from above is handed to it (see
 """
 
 import importlib
+from types import MappingProxyType
 from typing import Any
 
-_SUPPORTED = {
+_SUPPORTED = MappingProxyType({
     "jax": "keras_distribute.backend.jax",
     "tensorflow": "keras_distribute.backend.tensorflow",
     "torch": "keras_distribute.backend.torch",
-}
+})
 _loaded = {}
 
 

@@ -42,10 +42,10 @@ from keras_distribute.checkpoint.storage.format import CheckpointMismatchError
 from keras_distribute.checkpoint.storage.format import CheckpointStorageError
 from keras_distribute.checkpoint.storage.lease import DirectoryInUseError
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatchError",
+__all__ = ("CheckpointError", "CheckpointManager", "CheckpointMismatchError",
            "CheckpointStorageError",
            "CheckpointOptions", "CheckpointReader", "DirectoryInUseError",
            "InitializationOnlyStatus", "LoadStatus",
            "ShardedCheckpoint", "checkpoints_in", "export_weights",
            "latest_checkpoint", "list_variables", "load_checkpoint",
-           "load_variable", "read_metadata"]
+           "load_variable", "read_metadata")

@@ -31,10 +31,10 @@ from keras_distribute.cluster_resolver.schedulers import expand_slurm_nodelist  
 from keras_distribute.cluster_resolver.schedulers import iter_slurm_nodelist  # noqa: F401
 from keras_distribute.cluster_resolver.tpu import TPUClusterResolver  # noqa: F401
 
-__all__ = ["ClusterResolver", "ClusterSpec", "JaxEnvClusterResolver",
+__all__ = ("ClusterResolver", "ClusterSpec", "JaxEnvClusterResolver",
            "KerasDistributionClusterResolver", "RayTrainClusterResolver",
            "SimpleClusterResolver", "SlurmClusterResolver",
            "SubmititLocalClusterResolver", "TFConfigClusterResolver",
            "TPUClusterResolver",
            "TorchElasticClusterResolver", "expand_slurm_nodelist",
-           "iter_slurm_nodelist", "resolve"]
+           "iter_slurm_nodelist", "resolve")

@@ -46,12 +46,12 @@ from keras_distribute.cluster_resolver.schedulers import (
 from keras_distribute.cluster_resolver.schedulers import expand_slurm_nodelist
 from keras_distribute.cluster_resolver.schedulers import iter_slurm_nodelist
 
-__all__ = ["ClusterResolver", "JaxEnvClusterResolver",
+__all__ = ("ClusterResolver", "JaxEnvClusterResolver",
            "KerasDistributionClusterResolver", "RayTrainClusterResolver",
            "SimpleClusterResolver", "SlurmClusterResolver",
            "SubmititLocalClusterResolver",
            "TFConfigClusterResolver", "TorchElasticClusterResolver",
-           "expand_slurm_nodelist", "iter_slurm_nodelist", "resolve"]
+           "expand_slurm_nodelist", "iter_slurm_nodelist", "resolve")
 
 
 class SimpleClusterResolver(ClusterResolver):

@@ -13,6 +13,7 @@ timeout and the gradient compression.
 import dataclasses
 import enum
 import os
+from types import MappingProxyType
 from typing import Any
 from typing import Optional
 
@@ -22,8 +23,8 @@ from typing import Optional
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_VARIABLE = "KERAS_DISTRIBUTE_TIMEOUT"
 # Accepted names of each gradient compression, by the name kept.
-_COMPRESSIONS = {"fp16": ("fp16", "float16", "half"),
-                 "bf16": ("bf16", "bfloat16")}
+_COMPRESSIONS = MappingProxyType({"fp16": ("fp16", "float16", "half"),
+                 "bf16": ("bf16", "bfloat16")})
 
 
 class CommunicationImplementation(enum.Enum):

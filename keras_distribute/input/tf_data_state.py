@@ -6,12 +6,13 @@ pipeline under it and by the checkpoint for a plain `tf.data` iterator.
 Imports TensorFlow only when a `tf.data` iterator is there to save.
 """
 
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 # tf.data's ExternalStatePolicy values (WARN, IGNORE, FAIL).
-_POLICY_VALUES = {"WARN": 0, "IGNORE": 1, "FAIL": 2}
+_POLICY_VALUES = MappingProxyType({"WARN": 0, "IGNORE": 1, "FAIL": 2})
 
 
 def is_tf_data_iterator(obj: Any) -> bool:

@@ -139,5 +139,5 @@ def services() -> keras_services.KerasServices:
     return _SERVICES
 
 
-__all__ = ["KerasVersionError", "SUPPORTED_KERAS", "install", "services",
-           "uninstall"]
+__all__ = ("KerasVersionError", "SUPPORTED_KERAS", "install", "services",
+           "uninstall")

@@ -32,6 +32,7 @@ them, on first use (the first strategy created, never at import), and
 
 import functools
 import threading
+from types import MappingProxyType
 
 import keras
 
@@ -104,7 +105,7 @@ def _adopt_strays(model, strategy) -> None:
 
 
 # Where `batch_size` comes positionally: fit(x, y, batch_size), ...
-_BATCH_SIZE_POSITION = {"fit": 2, "evaluate": 2, "predict": 1}
+_BATCH_SIZE_POSITION = MappingProxyType({"fit": 2, "evaluate": 2, "predict": 1})
 
 
 def _check_batch_size(name: str, args: tuple, kwargs: dict) -> None:

@@ -31,14 +31,25 @@ import re
 import runpy
 import sys
 import traceback
+from types import MappingProxyType
 from typing import Any
 from typing import Dict
 from typing import List
 from typing import Optional
 
 _MODEL_FUNCTIONS = ("make_model", "build_model", "create_model", "get_model")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = MappingProxyType({
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+})
 
 
 class UsageError(Exception):

@@ -10,14 +10,20 @@ order. Inside `strategy.run`, use the replica context's `all_reduce` /
 `all_gather` instead.
 """
 
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from keras_distribute.common import context
 
-_OPS = {"average": np.mean, "mean": np.mean, "sum": np.sum, "min": np.min,
-        "max": np.max}
+_OPS = MappingProxyType({
+    "average": np.mean,
+    "mean": np.mean,
+    "sum": np.sum,
+    "min": np.min,
+    "max": np.max,
+})
 
 
 def _engine():

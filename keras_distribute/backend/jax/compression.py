@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Optional
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from keras_distribute.backend.jax.engine import JaxEngine
 
 # `CommunicationOptions(compression=...)` names -> the dtype on the wire.
-DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
+DTYPES = MappingProxyType({"fp16": jnp.float16, "bf16": jnp.bfloat16})
 # Loss reductions whose per-replica means average to the global one (the
 # replicas hold equal slices of the batch).
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from types import MappingProxyType
 from typing import Dict
 from typing import List
 from typing import Optional
@@ -39,9 +40,23 @@ from typing import Tuple
 
 # Bytes per element of XLA's primitive types (the f8 and sub-byte kinds
 # round up to one byte).
-_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                  "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
-                  "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ELEMENT_BYTES = MappingProxyType({
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+})
 # YNNPACK's output tile width, and the tile size above which it packs the
 # im2col matrix and the kernel (measured between 333 and 342 KiB on an x86
 # CPU with 2 MiB of L2 cache a core: a CPU with other caches may choose

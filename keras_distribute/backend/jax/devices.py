@@ -1,5 +1,6 @@
 """This process's JAX devices, by kd's device names."""
 
+from types import MappingProxyType
 from typing import Any
 from typing import Optional
 
@@ -9,7 +10,12 @@ from keras_distribute.common.devices import DeviceSpec
 from keras_distribute.common.devices import choose_local
 from keras_distribute.common.devices import not_a_device
 
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+_PLATFORMS = MappingProxyType({
+    "cpu": "cpu",
+    "gpu": "gpu",
+    "cuda": "gpu",
+    "tpu": "tpu",
+})
 
 
 def default_devices() -> list:

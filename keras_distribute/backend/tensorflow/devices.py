@@ -1,5 +1,6 @@
 """This process's TensorFlow logical devices, by kd's device names."""
 
+from types import MappingProxyType
 from typing import Any
 
 import tensorflow as tf
@@ -9,7 +10,12 @@ from keras_distribute.common.devices import choose_local
 from keras_distribute.common.devices import not_a_device
 from keras_distribute.common.devices import parse_device_name
 
-_TF_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "tpu": "TPU"}
+_TF_TYPES = MappingProxyType({
+    "cpu": "CPU",
+    "gpu": "GPU",
+    "cuda": "GPU",
+    "tpu": "TPU",
+})
 
 
 def default_devices() -> list:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -42,7 +43,7 @@ def check_mesh(layout_map: LayoutMap, world_size: int) -> None:
             "torchrun), or build the mesh for the processes you have.")
 
 
-_DEVICE_TYPES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+_DEVICE_TYPES = MappingProxyType({"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"})
 
 
 def mesh_ranks(device_mesh: Any, device: Any, world_size: int) -> np.ndarray:

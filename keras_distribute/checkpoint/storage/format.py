@@ -23,6 +23,7 @@ temporary directory a save marked as its own. Loading never executes code.
 import hashlib
 import json
 import os
+from types import MappingProxyType
 from typing import Any
 from typing import Tuple
 
@@ -35,7 +36,7 @@ FORMAT_VERSION = 2
 # the first: XXH3-128 hashes at memory speed (sha256 at a few hundred MB/s
 # on one core); it detects corruption, not tampering (a checkpoint is
 # untrusted input either way: see `validation`).
-CHECKSUM_FIELDS = {"xxh3_128": 32, "sha256": 64}
+CHECKSUM_FIELDS = MappingProxyType({"xxh3_128": 32, "sha256": 64})
 WRITTEN_CHECKSUM = "xxh3_128"
 INDEX = "index.json"
 # Written into every save's temporary directory: only a directory holding it

@@ -19,6 +19,7 @@ code, or allocates more than the files justify. Every refusal is a
 import math
 import os
 import stat
+from types import MappingProxyType
 from typing import Any
 from typing import Dict
 from typing import Iterable
@@ -350,7 +351,7 @@ class _Stored(NamedTuple):
 
 
 # h5py.h5l.TYPE_SOFT and TYPE_EXTERNAL, named as h5py's link classes
-_LINK_KINDS = {1: "SoftLink", 64: "ExternalLink"}
+_LINK_KINDS = MappingProxyType({1: "SoftLink", 64: "ExternalLink"})
 
 
 def _checked_dataset(shards: OpenShards, piece: dict,

@@ -10,6 +10,7 @@ index file and the entry.
 """
 
 import re
+from types import MappingProxyType
 from typing import Any
 from typing import NoReturn
 from typing import Sequence
@@ -24,8 +25,8 @@ from keras_distribute.checkpoint.storage.format import numpy_dtype
 # is ever opened, so an index cannot point outside its directory.
 SHARD_FILE = re.compile(r"shards-\d{5}\.h5")
 DATASET = re.compile(r"v\d{1,9}/p\d{1,9}")
-CHECKSUMS = {field: re.compile(f"[0-9a-f]{{{length}}}")
-             for field, length in CHECKSUM_FIELDS.items()}
+CHECKSUMS = MappingProxyType({field: re.compile(f"[0-9a-f]{{{length}}}")
+             for field, length in CHECKSUM_FIELDS.items()})
 _MAX_RANK = 64
 _MAX_PIECES = 1 << 16
 # No array of more elements can be allocated (numpy refuses 2**63 bytes).
