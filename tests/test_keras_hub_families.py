@@ -90,6 +90,23 @@ def _layout_map(family, mapname, mesh):
     return families.layout_map(family, mapname, mesh)
 
 
+_GENERATE_IN_BF16 = (("gemma", "fully_sharded"), ("qwen3_moe", "own"))
+
+
+def _check_generate(plain, again, family, dtype):
+    prompt = {"token_ids": np.array([[5, 9, 17, 3] + [0] * 8] * 2),
+              "padding_mask": np.array([[True] * 4 + [False] * 8] * 2)}
+    tokens = []
+    for each in (plain, again):
+        each.compile(sampler="greedy")
+        tokens.append(each.generate(dict(prompt), max_length=12,
+                                    stop_token_ids=None)["token_ids"])
+    if dtype == "float32":
+        np.testing.assert_array_equal(tokens[0], tokens[1])
+    else:
+        families.assert_first_within_rounding(plain, family, tokens[1], 4)
+
+
 def _spec(variable):
     spec = tuple(variable.value.sharding.spec)
     return spec + (None,) * (len(variable.shape) - len(spec))
@@ -152,18 +169,10 @@ def test_a_keras_hub_family_trains_saves_and_loads_sharded(
     # generate() (greedy): the sharded model's tokens are one device's
     # with the same weights; in bfloat16, each token it chose is one that
     # one device's logits rank first within bfloat16's rounding (logits
-    # summed in another order may break a near-tie).
-    prompt = {"token_ids": np.array([[5, 9, 17, 3] + [0] * 8] * 2),
-              "padding_mask": np.array([[True] * 4 + [False] * 8] * 2)}
-    tokens = []
-    for each in (plain, again):
-        each.compile(sampler="greedy")
-        tokens.append(each.generate(dict(prompt), max_length=12,
-                                    stop_token_ids=None)["token_ids"])
-    if dtype == "float32":
-        np.testing.assert_array_equal(tokens[0], tokens[1])
-    else:
-        families.assert_first_within_rounding(plain, family, tokens[1], 4)
+    # summed in another order may break a near-tie). (Two of the bfloat16
+    # cases: each generate() compiles for ~10 s.)
+    if dtype == "float32" or (family, mapname) in _GENERATE_IN_BF16:
+        _check_generate(plain, again, family, dtype)
     if not lora:
         for mine, loaded in zip(got, saved_merged):
             np.testing.assert_array_equal(mine, loaded)

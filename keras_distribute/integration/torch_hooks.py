@@ -226,6 +226,7 @@ def _install_sharding() -> None:
 
     original_forward = registry.resolve("TorchLayer").forward
 
+    from keras_distribute.backend.torch import fully_sharded
     from keras_distribute.backend.torch import layer_calls
 
     def forward(self, *args, **kwargs):
@@ -255,7 +256,7 @@ def _install_sharding() -> None:
         value = original_value.fget(self)
         if self.__dict__.get("_kd_engine") is None:
             return value
-        read = torch_variables.on_read(self, value.device.type == "meta")
+        read = fully_sharded.on_read(self, value.device.type == "meta")
         if read is None:
             return value
         stored, self._value = self._value, read  # (Keras' autocast of it)

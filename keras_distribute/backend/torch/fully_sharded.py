@@ -260,6 +260,25 @@ class FullyShardedVariables:
             parameter.to_local().copy_(shard.to_local())
 
 
+def on_read(variable: Any, symbolic: bool) -> Optional[Any]:
+    """Called as a variable's value is read (`symbolic`: in a call on no
+    real tensor): a fully sharded one read by a layer's call other than
+    its own is gathered for that call, and one read while Keras saves its
+    layer reads whole (`FullyShardedVariables.gather_read`); any other,
+    nothing. Returns the value to read in place of the variable's own for
+    this read, `variable._value` where that changed, else None."""
+    stored = variable._value
+    if not isinstance(stored, DTensor):
+        return None
+    engine = variable.__dict__.get("_kd_engine")
+    if not isinstance(engine, FullyShardedVariables):
+        return None
+    read = engine.gather_read(variable, symbolic)
+    if read is None and variable._value is not stored:
+        return variable._value
+    return read
+
+
 # The gathered values of the layers computing now (nested layers each add
 # theirs), by their storage: what the saved-tensor hooks replace by notes.
 _GATHERED = threading.local()

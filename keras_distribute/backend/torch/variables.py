@@ -17,7 +17,6 @@ from typing import Any
 from typing import Callable
 from typing import Dict
 from typing import Iterator
-from typing import Optional
 from typing import Sequence
 
 import keras
@@ -142,29 +141,6 @@ def checkpoint_assign(variable: Any, read_regions: Callable) -> None:
         value.data = fresh
         return
     assign_whole(variable, read_regions)
-
-
-def on_read(variable: Any, symbolic: bool) -> Optional[Any]:
-    """Called as a variable's value is read (`symbolic`: in a call on no
-    real tensor): a fully sharded one read by a layer's call other than
-    its own is gathered for that call, and one read while Keras saves its
-    layer reads whole (`FullyShardedVariables.gather_read`); any other,
-    nothing. Returns the value to read in place of the variable's own for
-    this read, `variable._value` where that changed, else None."""
-    stored = variable._value
-    if not isinstance(stored, DTensor):
-        return None
-    from keras_distribute.backend.torch.fully_sharded import (
-        FullyShardedVariables,
-    )
-
-    engine = variable.__dict__.get("_kd_engine")
-    if not isinstance(engine, FullyShardedVariables):
-        return None
-    read = engine.gather_read(variable, symbolic)
-    if read is None and variable._value is not stored:
-        return variable._value
-    return read
 
 
 def whole_value(value: Any) -> Any:
