@@ -306,25 +306,31 @@ class PeerBoard:
         if not self._watch_peers or now - self._watched_at > \
                 2 * self.interval_s + 1.0:
             return None
-        count = self.world_size
         for rank, (text, since) in sorted(self._seen.items()):
             if self._watched_at - self._read_at.get(rank, 0.0) > 1e-9:
                 continue  # not in the last read's window
             if text == _ENDED:
-                self.verdict = "ended"
-                return rank, (f"process {rank} of {count}{self._on(rank)} has "
-                              "left the job (it ended) while this process "
-                              "still needed it")
+                return self._ended(rank)
             if self._watched_at - since > watch_s:
-                self.verdict = "silent"
-                return rank, (
-                    f"process {rank} of {count}{self._on(rank)} stopped "
-                    "answering: its heartbeat did not change for "
-                    f"{self._watched_at - since:.1f} s while this process "
-                    "waited (it is frozen — stopped by SIGSTOP or a "
-                    "debugger —, was killed, or its machine is "
-                    "unreachable: down, or the network between them cut)")
+                return self._silent(rank, (
+                    f"did not change for {self._watched_at - since:.1f} s "
+                    "while this process waited"))
         return None
+
+    def _ended(self, rank: int) -> tuple:
+        self.verdict = "ended"
+        return rank, (f"process {rank} of {self.world_size}{self._on(rank)} "
+                      "has left the job (it ended) while this process still "
+                      "needed it")
+
+    def _silent(self, rank: int, how: str) -> tuple:
+        """The verdict on a peer whose heartbeat `how` (stood still)."""
+        self.verdict = "silent"
+        return rank, (
+            f"process {rank} of {self.world_size}{self._on(rank)} stopped "
+            f"answering: its heartbeat {how} (it is frozen — stopped by "
+            "SIGSTOP or a debugger —, was killed, or its machine is "
+            "unreachable: down, or the network between them cut)")
 
     def explain(self) -> tuple:
         """Why this process waits in vain: `(rank, text)` naming the peer
@@ -351,19 +357,11 @@ class PeerBoard:
         for rank in sorted(first):
             before, after = first[rank], second.get(rank)
             if _ENDED in (before, after):
-                self.verdict = "ended"
-                return rank, (f"process {rank} of {count}{self._on(rank)} has "
-                              "left the job (it ended) while this process "
-                              "still needed it")
+                return self._ended(rank)
             if before is None or after is None or before == after:
-                self.verdict = "silent"
-                return rank, (
-                    f"process {rank} of {count}{self._on(rank)} stopped "
-                    "answering: its heartbeat did not change in the "
-                    f"{watch_s:.1f} s this "
-                    "process watched it (it is frozen — stopped by SIGSTOP "
-                    "or a debugger —, was killed, or its machine is "
-                    "unreachable: down, or the network between them cut)")
+                return self._silent(rank, (
+                    f"did not change in the {watch_s:.1f} s this process "
+                    "watched it"))
         laggards = sorted((int(second[r].split()[1]), r) for r in second
                           if int(second[r].split()[1]) < self.steps)
         if laggards:
